@@ -1,0 +1,16 @@
+"""Every test runs on 8 virtual CPU devices, with one persistent compilation cache shared by the
+test process and the training subprocesses it starts (the cache keeps results bit-identical)."""
+import os
+import pathlib
+
+CACHE_DIR = pathlib.Path(__file__).resolve().parents[1] / ".cache" / "jax-tests"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
