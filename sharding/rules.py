@@ -1,0 +1,77 @@
+"""Logical-axis rules: plain tables mapping each logical axis name to zero or more mesh axes.
+
+A strategy is a named table. Parameters and activations share names (`embed` is both a weight
+dimension and the residual stream's width); within one array a mesh axis is used at most once, by
+the first dimension that claims it, so `batch -> (data, fsdp)` and `embed -> fsdp` give FSDP weights
+sharded on `embed` while activations stay sharded on `batch` only.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+Rules = dict[str, tuple[str, ...]]
+
+# Megatron-LM tensor parallelism (Shoeybi et al. 2019): QKV and MLP-in are column-parallel (their
+# output dims `heads`/`mlp` are split), attention-out and MLP-out row-parallel (input dims split),
+# so each block needs one all-reduce after attention and one after the MLP; heads split over `tensor`.
+_TENSOR: Rules = {"heads": ("tensor",), "mlp": ("tensor",), "vocab": ("tensor",)}
+
+STRATEGIES: dict[str, Rules] = {
+    # Parameters replicated, batch split over `data`.
+    "data_parallel": {"batch": ("data",)},
+    # ZeRO-3 / FSDP (Rajbhandari et al. 2020): parameters, gradients and optimizer state sharded
+    # over `fsdp` along `embed`; the batch is split over data x fsdp.
+    "fsdp": {"batch": ("data", "fsdp"), "embed": ("fsdp",)},
+    "tensor_parallel": {"batch": ("data",), **_TENSOR},
+    # Everything at once on one mesh: data x fsdp x tensor. The default.
+    "fsdp_tensor": {"batch": ("data", "fsdp"), "embed": ("fsdp",), **_TENSOR},
+}
+DEFAULT_STRATEGY = "fsdp_tensor"
+
+
+class ShardingConfigError(ValueError):
+    """A sharding setting the user can fix; the message is one line naming the setting."""
+
+
+def register_strategy(name: str, rules: Mapping[str, tuple[str, ...] | str | None]) -> None:
+    """Add or replace a named strategy, e.g. from an experiment file."""
+    STRATEGIES[name] = normalize(rules)
+
+
+def normalize(rules: Mapping[str, tuple[str, ...] | str | None]) -> Rules:
+    """Accept `'data'`, `None` or a tuple for each logical axis; return tuples."""
+    out: Rules = {}
+    for name, axes in rules.items():
+        if axes is None:
+            axes = ()
+        elif isinstance(axes, str):
+            axes = (axes,)
+        out[str(name)] = tuple(str(a) for a in axes)
+    return out
+
+
+def resolve(strategy: str, overrides: Mapping | None = None, mesh_sizes: Mapping[str, int] | None = None) -> Rules:
+    """The rules of `strategy` with `overrides` applied on top, checked against the mesh.
+
+    Every mesh axis of size > 1 other than `pipeline` (which the pipeline executor owns) must be
+    used by some rule, or devices would silently hold copies of the same work.
+    """
+    if strategy not in STRATEGIES:
+        raise ShardingConfigError(
+            f"sharding.strategy={strategy!r}: unknown strategy; use one of {', '.join(sorted(STRATEGIES))} "
+            f"or register one with sharding.register_strategy")
+    rules = dict(STRATEGIES[strategy])
+    rules.update(normalize(overrides or {}))
+    if mesh_sizes is not None:
+        used = {axis for axes in rules.values() for axis in axes}
+        unknown = sorted(used - set(mesh_sizes))
+        if unknown:
+            raise ShardingConfigError(
+                f"sharding.rules maps to mesh axis {unknown[0]!r}, which the mesh does not have; "
+                f"use {', '.join(mesh_sizes)}")
+        idle = [a for a, size in mesh_sizes.items() if size > 1 and a != "pipeline" and a not in used]
+        if idle:
+            raise ShardingConfigError(
+                f"mesh.{idle[0]}={mesh_sizes[idle[0]]} but sharding.strategy={strategy!r} maps nothing onto "
+                f"{idle[0]!r}; set mesh.{idle[0]}=1 or choose a strategy that uses it")
+    return rules

@@ -1,0 +1,115 @@
+"""From logical axis names to PartitionSpecs and NamedShardings on a mesh.
+
+Parameters must divide evenly (an error names the parameter, its shape and the axis); activations
+are only hints to XLA, so an axis that does not divide an activation dimension is left out.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+import jax
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sharding.rules import Rules, ShardingConfigError
+
+
+def _path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def mesh_spec(logical: P, rules: Rules, shape: tuple[int, ...] | None = None,
+              mesh_sizes: Mapping[str, int] | None = None, *, strict: bool = False, name: str = "") -> P:
+    """Map one array's logical names to mesh axes.
+
+    A mesh axis serves at most one dimension (the first that claims it); axes of size 1 are dropped.
+    With `shape`, a dimension the axes do not divide raises (strict) or loses those axes (hint).
+    """
+    used: set[str] = set()
+    out = []
+    for dim, logical_name in enumerate(logical):
+        axes = [a for a in rules.get(logical_name, ()) if a not in used] if logical_name else []
+        if mesh_sizes is not None:
+            axes = [a for a in axes if mesh_sizes[a] > 1]
+        if shape is not None and mesh_sizes is not None and axes:
+            ways = math.prod(mesh_sizes[a] for a in axes)
+            if shape[dim] % ways:
+                if strict:
+                    split = "x".join(f"{a}={mesh_sizes[a]}" for a in axes)
+                    raise ShardingConfigError(
+                        f"parameter {name} of shape {tuple(shape)}: dimension {dim} ({logical_name!r}, size "
+                        f"{shape[dim]}) is not divisible by mesh axes {split}; change the mesh or the model size")
+                axes = []
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+def param_specs(abstract: Any, logical: Any, rules: Rules, mesh_sizes: Mapping[str, int]) -> Any:
+    """PartitionSpec of every parameter; `abstract` holds shapes, `logical` the logical names."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf, names: mesh_spec(names, rules, leaf.shape, mesh_sizes, strict=True,
+                                            name=_path_str(path)),
+        abstract, logical)
+
+
+def add_axis(spec: P, shape: tuple[int, ...], axis: str, mesh_sizes: Mapping[str, int]) -> P:
+    """Also split an array over `axis` (ZeRO-1/2 optimizer-state sharding over `data`).
+
+    The axis goes onto the largest dimension it still divides; arrays it divides nowhere stay as they are.
+    """
+    size = mesh_sizes.get(axis, 1)
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if size == 1 or any(axis in ((e,) if isinstance(e, str) else (e or ())) for e in entries):
+        return spec
+
+    def current(e) -> tuple[str, ...]:
+        return () if e is None else (e,) if isinstance(e, str) else tuple(e)
+
+    best = None
+    for dim, entry in enumerate(entries):
+        ways = math.prod(mesh_sizes[a] for a in current(entry)) * size
+        if shape[dim] % ways == 0 and (best is None or shape[dim] // ways > shape[best] // ways):
+            best = dim
+    if best is None:
+        return spec
+    axes = current(entries[best]) + (axis,)
+    entries[best] = axes[0] if len(axes) == 1 else axes
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def opt_state_specs(tx: optax.GradientTransformation, abstract_params: Any, specs: Any,
+                    mesh_sizes: Mapping[str, int], shard_over_data: bool) -> Any:
+    """Specs for the optimizer state: param-shaped leaves follow their parameter (plus `data` when
+    optimizer-state sharding is on); counters and other scalars are replicated."""
+    abstract_state = jax.eval_shape(tx.init, abstract_params)
+
+    def follow(leaf, spec):
+        if shard_over_data:
+            return add_axis(spec, leaf.shape, "data", mesh_sizes)
+        return spec
+
+    mapped = optax.tree_map_params(tx, follow, abstract_state, specs,
+                                   transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+    return mapped
+
+
+def named(mesh: jax.sharding.Mesh, specs: Any) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def constrainer(mesh: jax.sharding.Mesh, rules: Rules) -> Callable[[jax.Array, tuple], jax.Array]:
+    """The `constrain(x, logical_names)` hook the model calls on its key activations."""
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+
+    def constrain(x: jax.Array, names: tuple) -> jax.Array:
+        spec = mesh_spec(P(*names), rules, x.shape, sizes)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return constrain

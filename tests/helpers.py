@@ -1,0 +1,61 @@
+"""Shared test helpers: tiny configs and short runs, compiled once per layout."""
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+from experiments.tiny import get_config
+from train.trainer import Trainer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tiny_config(source: str = "synthetic", **mesh):
+    config = get_config()
+    config.data.source = source
+    config.mesh.update({"data": 1, **mesh} if mesh else {"data": 1})
+    return config
+
+
+def run_steps(trainer: Trainer, steps: int):
+    """Losses of `steps` updates from a fresh state, and the final state."""
+    state = trainer.init_state()
+    losses = []
+    for step in range(steps):
+        state, metrics = trainer.train_step(state, trainer.batch(step))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), state
+
+
+def first_grads(trainer: Trainer):
+    state = trainer.init_state()
+    _, grads = jax.jit(trainer.loss_and_grad)(state["params"], trainer.batch(0))
+    return jax.device_get(grads)
+
+
+def rel_norm(a, b) -> float:
+    """||a - b|| / ||b|| over whole pytrees."""
+    diff = sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    ref = sum(float(np.sum(np.asarray(y, np.float64) ** 2)) for y in jax.tree.leaves(b))
+    return (diff / ref) ** 0.5
+
+
+@functools.lru_cache(maxsize=None)
+def single_device_reference(steps: int = 5):
+    trainer = Trainer.build(tiny_config(), num_devices=1)
+    losses, _ = run_steps(trainer, steps)
+    return losses, first_grads(trainer)
+
+
+def run_cli(*args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m train ARGS` in a subprocess sharing the tests' compilation cache."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)

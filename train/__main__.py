@@ -1,0 +1,45 @@
+"""`python -m train --config=experiments/<file>.py[:variant] --workdir=DIR [--config.train.steps=N ...]`."""
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "experiments/default.py", "Experiment config file.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: metrics, reports, checkpoints.", required=True)
+_NUM_CPU_DEVICES = flags.DEFINE_integer("num_cpu_devices", 8, "Virtual devices when the platform is CPU.")
+_COMPILE_ONLY = flags.DEFINE_boolean("compile_only", False, "Compile the step, write compile_report.json, exit.")
+_PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "Peak TFLOP/s per device for MFU (0: datasheet or measured).")
+_CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/spmdtrain/xla",
+                             "JAX persistent compilation cache ('' to disable); restarts then skip compilation.")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    from absl import logging
+    logging.set_verbosity(logging.WARNING)  # keep the progress line readable
+    import jax  # configured before any backend starts
+
+    from mesh import use_cpu_devices
+    from train.config import USER_ERRORS
+
+    try:
+        use_cpu_devices(_NUM_CPU_DEVICES.value)
+    except USER_ERRORS as e:
+        sys.exit(f"error: {e}")
+    if _CACHE.value and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(_CACHE.value))
+    from train import loop
+
+    try:
+        loop.run(_CONFIG.value, _WORKDIR.value, compile_only=_COMPILE_ONLY.value, peak_tflops=_PEAK_TFLOPS.value)
+    except USER_ERRORS as e:
+        sys.exit(f"error: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,109 @@
+"""The experiment config (an ml_collections ConfigDict) and its validation into a resolved plan.
+
+Every check a user can fail runs here, before anything touches the workdir or compiles, and raises
+a one-line error that names the setting and what to do.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
+
+import models
+from mesh import MeshConfigError, resolve_axis_sizes
+from models import ModelConfigError
+from sharding import rules as sharding_rules
+from sharding.rules import ShardingConfigError
+
+
+class ConfigError(ValueError):
+    """A training setting the user can fix; the message is one line naming the setting."""
+
+
+USER_ERRORS = (ConfigError, MeshConfigError, ModelConfigError, ShardingConfigError)
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every key the system reads, with its default. Experiment files start from this."""
+    c = ml_collections.ConfigDict()
+    c.model = dict(preset="tiny", vocab_size=config_dict.placeholder(int), seq_len=config_dict.placeholder(int),
+                   d_model=config_dict.placeholder(int), n_layers=config_dict.placeholder(int),
+                   n_heads=config_dict.placeholder(int), mlp_ratio=config_dict.placeholder(int),
+                   param_dtype=config_dict.placeholder(str), compute_dtype=config_dict.placeholder(str),
+                   remat=config_dict.placeholder(str))
+    c.mesh = dict(data=-1, pipeline=1, fsdp=1, tensor=1)
+    c.sharding = dict(strategy=sharding_rules.DEFAULT_STRATEGY, rules={}, shard_opt_state=False)
+    c.pipeline = dict(schedule="1f1b", microbatches=4, virtual_stages=1)
+    c.train = dict(steps=100, global_batch_size=16, seed=0, log_every=10, eval_every=50, eval_batches=4,
+                   grad_accum_steps=1, profile_steps="", memory_check=True)
+    c.optimizer = dict(lr=3e-3, warmup_steps=10, decay_steps=0, min_lr_ratio=0.1, weight_decay=0.1,
+                       b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0)
+    c.data = dict(source="text", path="", token_dtype="uint16", eval_percent=5, cache_dir="")
+    c.checkpoint = dict(every_steps=0, keep=3)
+    return c
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything resolved from a config before any device work: the contract of the run."""
+    model: models.GPTConfig
+    mesh_sizes: dict[str, int]
+    rules: dict[str, tuple[str, ...]]
+    global_batch: int
+    grad_accum: int
+    steps: int
+    decay_steps: int
+    profile_steps: tuple[int, int] | None
+
+
+def _positive(section: Any, prefix: str, keys: tuple[str, ...], allow_zero: tuple[str, ...] = ()) -> None:
+    for key in keys:
+        value = section[key]
+        if not isinstance(value, (int, float)) or value < 0 or (value == 0 and key not in allow_zero):
+            raise ConfigError(f"{prefix}.{key}={value!r}: must be a positive number")
+
+
+def _profile_range(text: str) -> tuple[int, int] | None:
+    if not text:
+        return None
+    try:
+        first, last = (int(x) for x in str(text).split(":"))
+    except ValueError:
+        raise ConfigError(f"train.profile_steps={text!r}: use FIRST:LAST, e.g. '10:12'") from None
+    if not 1 <= first <= last:
+        raise ConfigError(f"train.profile_steps={text!r}: need 1 <= FIRST <= LAST")
+    return first, last
+
+
+def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
+    """Validate `config` for `num_devices` devices; raises one of USER_ERRORS."""
+    model = models.from_dict(config.model.to_dict())
+    mesh_sizes = resolve_axis_sizes(config.mesh.to_dict(), num_devices)
+    rules = sharding_rules.resolve(config.sharding.strategy, config.sharding.rules.to_dict()
+                                   if hasattr(config.sharding.rules, "to_dict") else config.sharding.rules,
+                                   mesh_sizes)
+    t = config.train
+    _positive(t, "train", ("steps", "global_batch_size", "log_every", "grad_accum_steps"))
+    _positive(t, "train", ("eval_every", "eval_batches"), allow_zero=("eval_every", "eval_batches"))
+    _positive(config.optimizer, "optimizer", ("lr", "warmup_steps", "decay_steps", "clip_norm"),
+              allow_zero=("warmup_steps", "decay_steps", "clip_norm"))
+    decay_steps = config.optimizer.decay_steps or t.steps
+    if config.optimizer.warmup_steps >= decay_steps:
+        raise ConfigError(f"optimizer.warmup_steps={config.optimizer.warmup_steps} must be below the schedule "
+                          f"length {decay_steps} (optimizer.decay_steps, or train.steps when it is 0)")
+    batch_ways = math.prod(mesh_sizes[a] for a in rules.get("batch", ()) if a in mesh_sizes)
+    per_update = t.global_batch_size // t.grad_accum_steps
+    if t.global_batch_size % t.grad_accum_steps or per_update % batch_ways:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} must be divisible by train.grad_accum_steps="
+            f"{t.grad_accum_steps} x the batch-sharding mesh axes ({batch_ways} ways); change the batch size")
+    if config.data.source not in ("text", "tokens", "synthetic"):
+        raise ConfigError(f"data.source={config.data.source!r}: use text, tokens or synthetic")
+    if config.data.source == "text" and model.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={model.vocab_size}: byte-level text needs at least 256")
+    return Plan(model=model, mesh_sizes=mesh_sizes, rules=rules, global_batch=t.global_batch_size,
+                grad_accum=t.grad_accum_steps, steps=t.steps, decay_steps=decay_steps,
+                profile_steps=_profile_range(t.profile_steps))

@@ -1,0 +1,73 @@
+"""The train state (a plain dict: params, opt_state, step), its optimizer, its shardings and its
+initialization straight into those shardings: abstract shapes first, then the specs from the rules,
+then a jitted init whose outputs are born sharded, so no host ever holds the whole model."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import models
+from sharding import specs as sharding_specs
+from train.config import Plan
+
+State = dict[str, Any]
+
+
+def make_optimizer(opt_cfg: Any, decay_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warmup and cosine decay, after global-norm clipping. Norm scales are not decayed."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=opt_cfg.lr, warmup_steps=opt_cfg.warmup_steps,
+        decay_steps=decay_steps, end_value=opt_cfg.lr * opt_cfg.min_lr_ratio)
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, _: not str(path[-1].key).endswith("norm"), params)
+    adamw = optax.adamw(schedule, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
+                        weight_decay=opt_cfg.weight_decay, mask=decay_mask)
+    chain = [optax.clip_by_global_norm(opt_cfg.clip_norm)] if opt_cfg.clip_norm else []
+    return optax.chain(*chain, adamw), schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where every piece of the state and the batch lives on the mesh."""
+    mesh: jax.sharding.Mesh
+    rules: dict[str, tuple[str, ...]]
+    param_specs: Any      # PartitionSpecs, shaped like the params
+    logical_axes: Any     # logical names, shaped like the params
+    state: Any            # NamedShardings, shaped like the state
+    batch: NamedSharding  # [batch, seq+1] tokens
+    abstract_state: Any   # ShapeDtypeStructs with shardings
+
+    def constrain(self):
+        """The activation-sharding hook handed to the model."""
+        return sharding_specs.constrainer(self.mesh, self.rules)
+
+
+def plan_layout(plan: Plan, mesh: jax.sharding.Mesh, tx: optax.GradientTransformation,
+                shard_opt_state: bool) -> Layout:
+    """Specs for params (strict divisibility), optimizer state (following params, optionally also
+    over `data`), the step counter (replicated) and the batch (rows over the `batch` rule's axes)."""
+    abstract_params, logical = models.abstract_params(plan.model)
+    pspecs = sharding_specs.param_specs(abstract_params, logical, plan.rules, plan.mesh_sizes)
+    ospecs = sharding_specs.opt_state_specs(tx, abstract_params, pspecs, plan.mesh_sizes, shard_opt_state)
+    specs = {"params": pspecs, "opt_state": ospecs, "step": P()}
+    shardings = sharding_specs.named(mesh, specs)
+    abstract = {"params": abstract_params, "opt_state": jax.eval_shape(tx.init, abstract_params),
+                "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    batch_spec = sharding_specs.mesh_spec(P("batch", None), plan.rules, None, plan.mesh_sizes)
+    return Layout(mesh, plan.rules, pspecs, logical, shardings, NamedSharding(mesh, batch_spec), abstract)
+
+
+def init_state(plan: Plan, layout: Layout, tx: optax.GradientTransformation, seed: int) -> State:
+    """Initialize every array directly in its target sharding (RNG values do not depend on the layout,
+    since jax's threefry is partitionable)."""
+    def init() -> State:
+        params = models.init_params(plan.model, seed)
+        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    return jax.jit(init, out_shardings=layout.state)()

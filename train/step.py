@@ -1,0 +1,78 @@
+"""The jitted train and eval steps. A step is `loss_and_grad` (the plain model, or later a pipeline
+executor) + optional gradient accumulation + clipping + AdamW, with explicit in/out shardings and a
+donated state."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import models
+from train.state import Layout, State
+
+LossAndGrad = Callable[[Any, jax.Array], tuple[jax.Array, Any]]
+
+
+def model_loss_and_grad(cfg: models.GPTConfig, constrain) -> LossAndGrad:
+    """Loss and gradients of the unpipelined model on a [batch, seq+1] token batch."""
+    return jax.value_and_grad(lambda params, tokens: models.loss(params, tokens, cfg, constrain))
+
+
+def accumulate(loss_and_grad: LossAndGrad, accum: int, batch_sharding: NamedSharding) -> LossAndGrad:
+    """Average loss and gradients over `accum` equal slices of the batch, one after another.
+
+    Slice k takes rows k, k+accum, k+2*accum, ...: each device's contiguous block of rows holds a
+    part of every slice, so splitting the batch moves no data between devices.
+    """
+    if accum == 1:
+        return loss_and_grad
+    spec = batch_sharding.spec
+
+    def fn(params, tokens_BxL):
+        B, L = tokens_BxL.shape
+        micro_AxBxL = jnp.swapaxes(tokens_BxL.reshape(B // accum, accum, L), 0, 1)
+        micro_AxBxL = jax.lax.with_sharding_constraint(
+            micro_AxBxL, NamedSharding(batch_sharding.mesh, P(None, *spec)))
+
+        def body(carry, tokens):
+            loss, grads = loss_and_grad(params, tokens)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(body, zeros, micro_AxBxL)
+        return jax.tree.map(lambda x: x / accum, (loss, grads))
+
+    return fn
+
+
+def make_train_step(loss_and_grad: LossAndGrad, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    layout: Layout):
+    """jit(state, batch) -> (state, metrics); the state is donated, metrics are replicated scalars."""
+    param_shardings = layout.state["params"]
+
+    def step(state: State, tokens: jax.Array):
+        loss, grads = loss_and_grad(state["params"], tokens)
+        # Pin gradients to the parameters' layout: under FSDP this makes the reduction a reduce-scatter.
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        new_state = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+                     "step": state["step"] + 1}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
+        return new_state, metrics
+
+    replicated = NamedSharding(layout.mesh, P())
+    return jax.jit(step, in_shardings=(layout.state, layout.batch),
+                   out_shardings=(layout.state, replicated), donate_argnums=0)
+
+
+def make_eval_step(cfg: models.GPTConfig, layout: Layout):
+    """jit(params, batch) -> mean loss, forward only."""
+    constrain = layout.constrain()
+    return jax.jit(lambda params, tokens: models.loss(params, tokens, cfg, constrain),
+                   in_shardings=(layout.state["params"], layout.batch),
+                   out_shardings=NamedSharding(layout.mesh, P()))

@@ -1,0 +1,60 @@
+"""One object holding everything a run needs once the config is validated: the plan, the mesh, the
+layout, the optimizer, the data source and the jitted steps. Tests and benchmarks build it directly."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import ml_collections
+import optax
+
+from mesh import make_mesh
+from train import data as data_lib
+from train import state as state_lib
+from train import step as step_lib
+from train.config import Plan, resolve
+
+
+@dataclasses.dataclass
+class Trainer:
+    config: ml_collections.ConfigDict
+    plan: Plan
+    mesh: jax.sharding.Mesh
+    layout: state_lib.Layout
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    source: data_lib.TokenSource
+    loss_and_grad: step_lib.LossAndGrad
+    train_step: Any
+    eval_step: Any
+
+    @classmethod
+    def build(cls, config: ml_collections.ConfigDict, num_devices: int | None = None) -> "Trainer":
+        """Validate (raising a one-line user error), then lay out; nothing is compiled or allocated yet."""
+        n = num_devices or jax.device_count()
+        plan = resolve(config, n)
+        source = data_lib.load(config.data, plan.model.vocab_size, plan.model.seq_len + 1)
+        mesh = make_mesh(plan.mesh_sizes, num_devices=num_devices)
+        tx, schedule = state_lib.make_optimizer(config.optimizer, plan.decay_steps)
+        layout = state_lib.plan_layout(plan, mesh, tx, config.sharding.shard_opt_state)
+        loss_and_grad = step_lib.model_loss_and_grad(plan.model, layout.constrain())
+        loss_and_grad = step_lib.accumulate(loss_and_grad, plan.grad_accum, layout.batch)
+        train_step = step_lib.make_train_step(loss_and_grad, tx, schedule, layout)
+        eval_step = step_lib.make_eval_step(plan.model, layout)
+        return cls(config, plan, mesh, layout, tx, schedule, source, loss_and_grad, train_step, eval_step)
+
+    def init_state(self) -> state_lib.State:
+        return state_lib.init_state(self.plan, self.layout, self.tx, self.config.train.seed)
+
+    def batch(self, step: int, split: str = "train") -> jax.Array:
+        return data_lib.global_batch(self.source, self.layout.batch, self.config.train.seed, step,
+                                     self.plan.global_batch, self.plan.model.seq_len + 1, split)
+
+    def abstract_batch(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((self.plan.global_batch, self.plan.model.seq_len + 1), "int32",
+                                    sharding=self.layout.batch)
+
+    def compile(self):
+        """Lower and compile the train step on abstract inputs (no state is allocated)."""
+        return self.train_step.lower(self.layout.abstract_state, self.abstract_batch()).compile()
