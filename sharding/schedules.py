@@ -134,14 +134,9 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     microbatches' activations (p on stage 0) instead of m; the bubble is GPipe's, (p-1)/(m+p-1).
     """
     check_config("1f1b", p, m)
-    orders = []
-    for d in range(p):
-        warmup = p - 1 - d
-        order = [(FORWARD, 0, i) for i in range(warmup)]
-        for i in range(m - warmup):
-            order += [(FORWARD, 0, warmup + i), (BACKWARD, 0, i)]
-        orders.append(order + [(BACKWARD, 0, i) for i in range(m - warmup, m)])
-    return from_orders("1f1b", p, m, 1, orders)
+    forwards = [(FORWARD, 0, i) for i in range(m)]
+    backwards = [(BACKWARD, 0, i) for i in range(m)]
+    return from_orders("1f1b", p, m, 1, [_warmup_then_alternate(forwards, backwards, p - 1 - d) for d in range(p)])
 
 
 def interleaved(p: int, m: int, v: int) -> Schedule:
@@ -149,25 +144,36 @@ def interleaved(p: int, m: int, v: int) -> Schedule:
 
     Each device holds v non-contiguous chunks (chunk c on device d is model chunk c*p + d). Forwards go
     in rounds of p microbatches through chunk 0, then the same p through chunk 1, ...; backwards visit
-    the chunks in reverse. Stage d warms up with 2(p-1-d) + (v-1)p forwards (the paper's code), then
-    runs 1F1B. Since a chunk is 1/v of a stage, the pipeline fills v times faster: bubble (p-1)/(vm+p-1).
+    the chunks in reverse; warm-up, 1F1B, cool-down as in 1F1B. A chunk is 1/v of a stage, so the
+    pipeline fills v times faster: bubble (p-1)/(vm+p-1).
+    Warm-up: Megatron's code runs 2(p-1-d) + (v-1)p forwards on stage d, slack its paired sends and
+    receives need. In this slot model (p-1-d) + (v-1)p reaches the same bubble (the tests check it for
+    a grid of p, m, v) and keeps vp - d chunk inputs alive instead of vp + p - 1 - 2d: on stage 0 that
+    is p stages' worth of activations, as in 1F1B, so interleaving costs no activation memory here.
     """
     check_config("interleaved", p, m, v)
+    return from_orders("interleaved", p, m, v, _interleaved_orders(p, m, v))
 
+
+def _interleaved_orders(p: int, m: int, v: int, megatron_warmup: bool = False) -> list[list[Action]]:
     def action(kind: int, n: int) -> Action:  # the n-th forward (or backward) on a device
         rounds, r = divmod(n, p * v)
         c = r // p if kind == FORWARD else v - 1 - r // p
         return kind, c, rounds * p + r % p
 
-    total = v * m
-    orders = []
-    for d in range(p):
-        warmup = min(2 * (p - 1 - d) + (v - 1) * p, total)
-        order = [action(FORWARD, n) for n in range(warmup)]
-        for n in range(total - warmup):
-            order += [action(FORWARD, warmup + n), action(BACKWARD, n)]
-        orders.append(order + [action(BACKWARD, n) for n in range(total - warmup, total)])
-    return from_orders("interleaved", p, m, v, orders)
+    forwards = [action(FORWARD, n) for n in range(v * m)]
+    backwards = [action(BACKWARD, n) for n in range(v * m)]
+    depth = 2 if megatron_warmup else 1
+    return [_warmup_then_alternate(forwards, backwards, depth * (p - 1 - d) + (v - 1) * p) for d in range(p)]
+
+
+def _warmup_then_alternate(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
+    """`warmup` forwards, then one forward and one backward in turn, then the remaining backwards."""
+    warmup = min(warmup, len(forwards))
+    order = forwards[:warmup]
+    for pair in zip(forwards[warmup:], backwards):
+        order += pair
+    return order + backwards[len(forwards) - warmup:]
 
 
 def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
@@ -253,7 +259,7 @@ def max_in_flight(schedule: Schedule) -> np.ndarray:
     """int [p]: per stage, the most (chunk, microbatch) pairs whose forward is done and backward is not.
 
     That is how many stage inputs a stage keeps for its backwards (v=1: microbatches): 1F1B p-d on
-    stage d, GPipe m everywhere. With v > 1 each pair is 1/v of a stage's layers.
+    stage d, GPipe m everywhere, interleaved vp-d pairs, each 1/v of a stage's layers.
     """
     p = schedule.stages
     kind = schedule.table[:, :, KIND]
