@@ -30,6 +30,8 @@ class Schedule:
     model chunk k lives on device k mod p (v=1: chunk 0 and k = d). A plain int array, rather than a
     record type, because the executor indexes it directly as one constant (`jnp.asarray(table)[t, d]`).
     The one-cell-per-(slot, stage) encoding cannot express a stage doing two things in one slot.
+    Slot model: a forward and a backward cost the same, one slot (the executor steps all stages in
+    lockstep, one slot per step); a message sent in slot t is usable from slot t+1.
     """
     name: str
     stages: int
@@ -108,8 +110,8 @@ def from_orders(name: str, p: int, m: int, v: int, orders: Sequence[Sequence[Act
                 row[d] = (kind, i, c)
                 position[d] += 1
                 remaining -= 1
-        # Nothing done in a slot means nothing new will ever arrive: the order is circular.
-        assert (row[:, KIND] != IDLE).any(), f"{name}: per-stage orders deadlock at slot {slot}"
+        if (row[:, KIND] == IDLE).all():  # nothing new will ever arrive: the orders wait on each other
+            raise ValueError(f"schedule {name} (p={p}, m={m}, v={v}): per-stage orders deadlock at slot {slot}")
         cells.append(row)
     schedule = Schedule(name, p, m, v, np.stack(cells))
     validate(schedule)
@@ -119,7 +121,8 @@ def from_orders(name: str, p: int, m: int, v: int, orders: Sequence[Sequence[Act
 def gpipe(p: int, m: int) -> Schedule:
     """GPipe (Huang et al. 2019): every microbatch's forward, then every backward (in microbatch order).
 
-    All m microbatches' activations are alive on every stage at the turn; bubble (p-1)/(m+p-1).
+    All m microbatches' activations are alive on every stage at the turn; bubble (p-1)/(m+p-1), the
+    paper's O((K-1)/(M+K-1)) with K stages and M microbatches.
     """
     check_config("gpipe", p, m)
     order = [(FORWARD, 0, i) for i in range(m)] + [(BACKWARD, 0, i) for i in range(m)]
@@ -146,10 +149,10 @@ def interleaved(p: int, m: int, v: int) -> Schedule:
     in rounds of p microbatches through chunk 0, then the same p through chunk 1, ...; backwards visit
     the chunks in reverse; warm-up, 1F1B, cool-down as in 1F1B. A chunk is 1/v of a stage, so the
     pipeline fills v times faster: bubble (p-1)/(vm+p-1).
-    Warm-up: Megatron's code runs 2(p-1-d) + (v-1)p forwards on stage d, slack its paired sends and
-    receives need. In this slot model (p-1-d) + (v-1)p reaches the same bubble (the tests check it for
-    a grid of p, m, v) and keeps vp - d chunk inputs alive instead of vp + p - 1 - 2d: on stage 0 that
-    is p stages' worth of activations, as in 1F1B, so interleaving costs no activation memory here.
+    Warm-up: Megatron-LM's code runs 2(p-1-d) + (v-1)p forwards on stage d. In this lockstep slot model
+    (p-1-d) + (v-1)p already reaches the closed-form bubble (tested over a grid of p, m, v) and keeps
+    vp-d chunk inputs alive instead of vp+p-1-2d: p stages' worth of activations on stage 0, as in
+    1F1B, instead of (p-1)/v more. With real latencies the deeper warm-up may hide delays this does not.
     """
     check_config("interleaved", p, m, v)
     return from_orders("interleaved", p, m, v, _interleaved_orders(p, m, v))
@@ -247,7 +250,7 @@ def bubble_fraction(schedule: Schedule) -> float:
 def closed_form_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     """The bubble of the schedule's paper, as a fraction of all cells (our tables achieve it exactly).
 
-    Megatron-LM (SC'21, eqs. 1-2) gives bubble time / ideal time = (p-1)/m, and (p-1)/(vm) interleaved;
+    Megatron-LM (SC'21, sections 2.2.1-2.2.2) gives bubble time / ideal time = (p-1)/m, (p-1)/(vm) interleaved;
     as idle / total that is r/(1+r): (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(vm+p-1) interleaved.
     In slots: each stage works 2vm slots and waits 2(p-1) (filling and draining), of 2(vm+p-1).
     """

@@ -201,3 +201,10 @@ def test_plot_cli_writes_png(tmp_path):
     plot_schedule.main(["--all", "--stages=2", "--microbatches=2", f"--out={every}"])
     for png in (one, every):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+def test_from_orders_reports_orders_that_wait_on_each_other():
+    # stage 0 wants microbatch 0's gradient before it has sent the activation that would produce it
+    orders = [[(S.BACKWARD, 0, 0), (S.FORWARD, 0, 0)], [(S.FORWARD, 0, 0), (S.BACKWARD, 0, 0)]]
+    with pytest.raises(ValueError, match="deadlock at slot 0"):
+        S.from_orders("mine", 2, 1, 1, orders)
