@@ -1,5 +1,5 @@
 """Pipeline schedule tables: validity, bubble against the closed forms, memory in flight, buffer plans,
-the one-line configuration errors, and the plotting CLI. Pure numpy: every test takes milliseconds."""
+the one-line configuration errors, and the plotting CLI. Pure numpy (the plot aside): the file runs in ~1 s."""
 import numpy as np
 import pytest
 
