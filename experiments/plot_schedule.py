@@ -1,0 +1,117 @@
+"""Draw pipeline schedule tables as the classic diagram: time across, stages down, cells by microbatch.
+
+  python -m experiments.plot_schedule --schedule=1f1b --stages=4 --microbatches=8 --out=1f1b.png
+  python -m experiments.plot_schedule --all --stages=4 --microbatches=8 --virtual_stages=2 --out=all.png
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.figure import Figure  # no pyplot: no global backend state, renders with Agg
+from matplotlib.patches import Patch, Rectangle
+
+from sharding import schedules as S
+
+
+def microbatch_colors(m: int) -> np.ndarray:
+    """[m, 3] RGB, distinct neighbours: qualitative maps while they last, then a sampled spectrum."""
+    if m <= 10:
+        return np.array(colormaps["tab10"].colors)[:m]
+    if m <= 20:  # tab20 alternates dark/light pairs; take the dark ones first so neighbours differ
+        colors = np.array(colormaps["tab20"].colors)
+        return np.concatenate([colors[0::2], colors[1::2]])[:m]
+    return colormaps["turbo"](np.linspace(0.05, 0.95, m))[:, :3]
+
+
+def draw(ax, schedule: S.Schedule, duration: float | None = None) -> None:
+    """One schedule on one Axes: forward cells light, backward cells dark and hatched, idle white.
+
+    Time is in units of one stage's whole forward of a microbatch, so an interleaved cell (one chunk,
+    1/v of a stage's layers) is 1/v wide, as in Megatron-LM's figure, and schedules compare by length.
+    """
+    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
+    colors, width = microbatch_colors(m), 1 / v
+    for t, d in zip(*np.nonzero(schedule.table[:, :, S.KIND] != S.IDLE)):
+        kind, i, c = schedule.table[t, d]
+        forward = kind == S.FORWARD
+        face = 1 - 0.5 * (1 - colors[i]) if forward else 0.8 * colors[i]  # forward: halfway to white
+        ax.add_patch(Rectangle((t * width, d), width, 1, facecolor=face, edgecolor="0.35", linewidth=0.4,
+                               hatch=None if forward else "///"))
+        text_color = "black" if forward else "white"
+        label = f"{i}" if v == 1 else f"{i}\n" + r"$_{c" + str(c) + "}$"
+        ax.text((t + 0.5) * width, d + 0.5, label, ha="center", va="center", fontsize=7, color=text_color,
+                linespacing=0.8, fontweight="bold" if not forward else "normal")
+    ax.set_xlim(0, duration or schedule.num_slots * width)
+    ax.set_ylim(p, 0)  # stage 0 on top
+    ax.set_yticks(np.arange(p) + 0.5, [f"stage {d}" for d in range(p)], fontsize=8)
+    ax.set_xticks(np.arange(0, ax.get_xlim()[1] + 1, 5 if ax.get_xlim()[1] > 30 else 2))
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_xlabel("time (1 = one stage's forward of a microbatch" + (f"; a cell is 1/{v})" if v > 1 else ")"),
+                  fontsize=8)
+    for d in range(p + 1):  # row lines also frame the idle cells
+        ax.axhline(d, color="0.8", linewidth=0.4, zorder=0)
+    bubble = S.bubble_fraction(schedule)
+    closed = S.closed_form_bubble(schedule.name, p, m, v)
+    form = "(p-1)/(vm+p-1)" if v > 1 else "(p-1)/(m+p-1)"
+    ax.set_title(f"{schedule.name}   p={p}  m={m}" + (f"  v={v}" if v > 1 else "")
+                 + f"   bubble {bubble:.1%}  (closed form {form} = {closed:.1%})", fontsize=9, loc="left")
+
+
+def render(schedules: Sequence[S.Schedule], out: str) -> None:
+    """Stack the schedules on one shared time axis, so their lengths compare at a glance."""
+    duration = max(s.num_slots / s.virtual_stages for s in schedules)
+    inch_per_unit = 0.18 * max(2, max(s.virtual_stages for s in schedules))  # room for a label in a 1/v cell
+    heights = [s.stages * 0.38 + 0.9 for s in schedules]
+    fig = Figure(figsize=(max(6.0, inch_per_unit * duration + 1.6), sum(heights) + 0.5), layout="constrained")
+    axes = fig.subplots(len(schedules), 1, squeeze=False, height_ratios=heights)[:, 0]
+    for ax, schedule in zip(axes, schedules):
+        draw(ax, schedule, duration)
+    legend = [Patch(facecolor="0.85", edgecolor="0.35", label="forward (light)"),
+              Patch(facecolor="0.4", edgecolor="0.35", hatch="///", label="backward (dark, hatched)"),
+              Patch(facecolor="white", edgecolor="0.35", label="idle")]
+    chunked = any(s.virtual_stages > 1 for s in schedules)
+    note = "cells: microbatch" + (", chunk c (model chunk c*p + stage)" if chunked else "")
+    fig.legend(handles=legend, loc="outside lower center", ncols=3, fontsize=8, frameon=False, title=note,
+               title_fontsize=8)
+    fig.savefig(out, dpi=130)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | interleaved")
+    parser.add_argument("--stages", type=int, default=4, help="pipeline stages p (mesh.pipeline)")
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches m (pipeline.microbatches)")
+    parser.add_argument("--virtual_stages", type=int, default=None,
+                        help="chunks per stage v for interleaved (default 2; 1 for the others)")
+    parser.add_argument("--all", action="store_true", help="draw gpipe, 1f1b and interleaved stacked")
+    parser.add_argument("--out", default="schedule.png", help="PNG file to write")
+    args = parser.parse_args(argv)
+    def virtual_stages(name: str) -> int:  # --all applies --virtual_stages to the interleaved panel only
+        if name == "interleaved":
+            return args.virtual_stages or 2
+        return 1 if args.all else args.virtual_stages or 1
+
+    try:
+        names = S.NAMES if args.all else (args.schedule,)
+        args.schedules = [S.build(n, args.stages, args.microbatches, virtual_stages(n)) for n in names]
+    except S.ScheduleConfigError as error:
+        parser.error(str(error))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    args = parse_args(argv)
+    render(args.schedules, args.out)
+    for schedule in args.schedules:
+        print(f"{schedule.name:12s} p={schedule.stages} m={schedule.microbatches} v={schedule.virtual_stages} "
+              f"slots={schedule.num_slots} bubble={S.bubble_fraction(schedule):.4f} "
+              f"max_in_flight={S.max_in_flight(schedule).tolist()}")
+    print(f"wrote {args.out}")
+    return args.out
+
+
+if __name__ == "__main__":
+    main()

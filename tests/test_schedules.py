@@ -1,0 +1,210 @@
+"""Pipeline schedule tables: validity, bubble against the closed forms, memory in flight, buffer plans,
+the one-line configuration errors, and the plotting CLI. Pure numpy (the plot aside): the file runs in ~1 s."""
+import numpy as np
+import pytest
+
+from sharding import schedules as S
+from sharding.schedule_buffers import activation_buffers, gradient_buffers
+
+GRID = ([("gpipe", p, m, 1) for p in (1, 2, 3, 4, 5) for m in (1, 2, 3, 5, 8)]
+        + [("1f1b", p, m, 1) for p in (1, 2, 3, 4, 5) for m in sorted({p, p + 1, 2 * p + 1, 3 * p})]
+        + [("interleaved", p, m, v) for p in (1, 2, 3, 4) for m in (p, 2 * p, 3 * p) for v in (2, 3, 4)])
+
+
+def parse(rows: list[str]) -> np.ndarray:
+    """Hand-written stage rows ('F0 F1 -- B0', v=1) -> table [slots, p, 3]."""
+    cells = [[(S.IDLE, -1, -1) if a == "--" else ({"F": S.FORWARD, "B": S.BACKWARD}[a[0]], int(a[1:]), 0)
+              for a in row.split()] for row in rows]
+    return np.array(cells).transpose(1, 0, 2)
+
+
+@pytest.mark.parametrize("name, p, m, v", GRID)
+def test_every_table_is_valid_and_its_bubble_is_the_closed_form(name, p, m, v):
+    schedule = S.build(name, p, m, v)
+    S.validate(schedule)
+    assert schedule.table.shape == (2 * (v * m + p - 1), p, 3)  # tight: 2vm busy + 2(p-1) idle slots per stage
+    assert S.bubble_fraction(schedule) == pytest.approx(S.closed_form_bubble(name, p, m, v), abs=1e-12)
+    assert S.bubble_fraction(schedule) == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+
+
+def test_tables_match_hand_worked_timings():
+    # Worked by hand in the slot model (unit cost, a message usable one slot after it is sent).
+    gpipe = parse(["F0 F1 F2 -- -- B0 B1 B2",
+                   "-- F0 F1 F2 B0 B1 B2 --"])
+    one_f_one_b = parse(["F0 F1 -- B0 F2 B1 -- B2",
+                         "-- F0 B0 F1 B1 F2 B2 --"])
+    assert np.array_equal(S.gpipe(2, 3).table, gpipe)
+    assert np.array_equal(S.one_f_one_b(2, 3).table, one_f_one_b)
+
+
+def test_interleaved_places_chunk_c_of_device_d_as_model_chunk_c_times_p_plus_d():
+    schedule = S.interleaved(2, 2, 2)
+    forward, backward = S.action_slots(schedule)
+    # microbatch 0 walks model chunks 0,1,2,3 on devices 0,1,0,1, one slot apart; its gradient comes back
+    assert forward[:, 0].tolist() == [0, 1, 2, 3]
+    assert backward[:, 0].tolist() == [8, 7, 5, 4]  # device 1 runs microbatch 1 in slots 5-6 (worked by hand)
+    assert [tuple(schedule.table[t, t % 2]) for t in range(4)] == [(1, 0, 0), (1, 0, 0), (1, 0, 1), (1, 0, 1)]
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (4, 4), (4, 8), (4, 16), (8, 9)])
+def test_1f1b_keeps_at_most_p_in_flight_while_gpipe_keeps_all(p, m):
+    assert S.max_in_flight(S.one_f_one_b(p, m)).tolist() == [p - d for d in range(p)]
+    assert S.max_in_flight(S.gpipe(p, m)).tolist() == [m] * p
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 2, 2), (4, 4, 2), (4, 8, 2), (4, 8, 4), (3, 9, 3)])
+def test_interleaved_holds_p_stages_of_activations_with_less_warmup_than_megatron(p, m, v):
+    lean = S.interleaved(p, m, v)
+    assert S.max_in_flight(lean).tolist() == [v * p - d for d in range(p)]  # v*p chunks of 1/v on stage 0
+    # Megatron-LM's code warms up 2(p-1-d) + (v-1)p: same bubble in the slot model, more inputs alive
+    published = S.from_orders("interleaved", p, m, v, S._interleaved_orders(p, m, v, megatron_warmup=True))
+    assert S.bubble_fraction(published) == S.bubble_fraction(lean) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert S.max_in_flight(published).tolist() == [min(2 * (p - 1 - d) + (v - 1) * p + 1, v * m) for d in range(p)]
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (8, 16, 2)])
+def test_interleaving_lowers_the_bubble_as_the_closed_form_says(p, m, v):
+    plain, inter = S.one_f_one_b(p, m), S.interleaved(p, m, v)
+    assert S.bubble_fraction(inter) < S.bubble_fraction(plain)
+    # idle slots per stage stay 2(p-1) while busy slots grow v-fold
+    idle = lambda s: (s.table[:, :, S.KIND] == S.IDLE).sum(axis=0).tolist()
+    assert idle(inter) == idle(plain) == [2 * (p - 1)] * p
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("pipedream", 4, 8, 1), "pipeline.schedule='pipedream': unknown schedule"),
+    (("1f1b", 4, 3, 1), "pipeline.microbatches=3: the 1f1b schedule needs at least"),
+    (("interleaved", 4, 6, 2), "pipeline.microbatches=6: the interleaved schedule needs a multiple"),
+    (("interleaved", 4, 8, 1), "pipeline.virtual_stages=1: the interleaved schedule needs at least 2"),
+    (("gpipe", 4, 8, 2), "pipeline.virtual_stages=2: only pipeline.schedule='interleaved'"),
+    (("1f1b", 4, 8, 2), "pipeline.virtual_stages=2"),
+    (("gpipe", 4, 0, 1), "pipeline.microbatches=0"),
+    (("gpipe", 0, 4, 1), "mesh.pipeline=0"),
+])
+def test_misconfigurations_raise_one_line_naming_the_key(args, fragment):
+    for call in (S.build, S.closed_form_bubble):
+        with pytest.raises(S.ScheduleConfigError) as info:
+            call(*args)
+        assert fragment in str(info.value) and "\n" not in str(info.value)
+    assert issubclass(S.ScheduleConfigError, ValueError)
+
+
+def broken(schedule, edit):
+    table = np.array(schedule.table)
+    edit(table)
+    return S.Schedule(schedule.name, schedule.stages, schedule.microbatches, schedule.virtual_stages, table)
+
+
+def swap(t1, d1, t2, d2):
+    def edit(table):
+        table[[t1, t2], [d1, d2]] = table[[t2, t1], [d2, d1]]
+    return edit
+
+
+def put(t, d, cell):
+    def edit(table):
+        table[t, d] = cell
+    return edit
+
+
+@pytest.mark.parametrize("make, edit, fragment", [
+    # stage 1 runs microbatch 0's backward (slot 2) and forward (slot 1) in the wrong order
+    (lambda: S.one_f_one_b(2, 3), swap(1, 1, 2, 1), "does not follow its forward"),
+    # stage 1's first forward moved into slot 0, before stage 0's output exists
+    (lambda: S.gpipe(2, 3), swap(0, 1, 1, 1), "forward of chunk 0 it needs has arrived"),
+    # stage 0 runs microbatch 0's backward in the slot where stage 1's is still running
+    (lambda: S.one_f_one_b(2, 3), swap(2, 0, 3, 0), "gradient from chunk 1 has arrived"),
+    (lambda: S.gpipe(2, 3), put(7, 0, (S.IDLE, -1, -1)), "backward of microbatch 2 chunk 0 is missing"),
+    (lambda: S.gpipe(2, 3), put(3, 0, (S.FORWARD, 2, 0)), "forward of microbatch 2 chunk 0 runs twice"),
+    (lambda: S.gpipe(2, 3), put(3, 0, (S.FORWARD, 3, 0)), "microbatch < 3"),
+    (lambda: S.interleaved(2, 2, 2), put(0, 0, (S.FORWARD, 0, 2)), "chunk < 2"),
+])
+def test_validate_catches_broken_tables(make, edit, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        S.validate(broken(make(), edit))
+
+
+def test_schedule_table_is_read_only():
+    schedule = S.gpipe(2, 2)
+    with pytest.raises(ValueError):
+        schedule.table[0, 0, 0] = S.IDLE
+
+
+def replay(schedule):
+    """Run the table with tags instead of tensors, using only the buffer plans, as an executor would.
+
+    Each stage owns two buffers; a tag (model chunk, microbatch) says which value an entry holds.
+    Every read must find the value its action needs: the input of (k, i), or the gradient for it.
+    """
+    p, v = schedule.stages, schedule.virtual_stages
+    K = p * v
+    acts, grads = activation_buffers(schedule), gradient_buffers(schedule)
+    act = [[None] * acts.size for _ in range(p)]
+    grad = [[None] * grads.size for _ in range(p)]
+    for t in range(schedule.num_slots):
+        sent_act, sent_grad = [None] * p, [None] * p
+        for d in range(p):
+            kind, i, c = schedule.table[t, d]
+            k = c * p + d
+            if kind == S.IDLE:
+                assert acts.read[t, d] == grads.read[t, d] == -1
+                continue
+            if k > 0:
+                assert act[d][acts.read[t, d]] == ("in", k, i)
+            else:
+                assert acts.read[t, d] == -1  # chunk 0 reads the batch
+            if kind == S.FORWARD:
+                assert grads.read[t, d] == -1
+                if k < K - 1:
+                    sent_act[(d + 1) % p] = ("in", k + 1, i)
+            else:
+                if k < K - 1:
+                    assert grad[d][grads.read[t, d]] == ("grad", k, i)
+                else:
+                    assert grads.read[t, d] == -1  # the last chunk starts from its loss
+                if k > 0:
+                    sent_grad[(d - 1) % p] = ("grad", k - 1, i)
+        for d in range(p):  # messages land at the end of the slot, after this slot's reads
+            for plan, buffer, message in ((acts, act, sent_act[d]), (grads, grad, sent_grad[d])):
+                assert (message is None) == (plan.write[t, d] < 0)
+                if message is not None:
+                    buffer[d][plan.write[t, d]] = message
+
+
+def peak_alive(plan):
+    """Most messages any stage holds at once, counted directly from the lifetimes."""
+    slots = np.arange(plan.read.shape[0])[:, None, None, None]
+    alive = (plan.arrive >= 0) & (plan.arrive <= slots) & (slots <= plan.release)
+    return int(alive.sum(axis=(2, 3)).max())
+
+
+@pytest.mark.parametrize("name, p, m, v", GRID)
+def test_buffer_plans_deliver_every_value_and_are_as_small_as_possible(name, p, m, v):
+    schedule = S.build(name, p, m, v)
+    replay(schedule)
+    for plan in (activation_buffers(schedule), gradient_buffers(schedule)):
+        assert plan.size == peak_alive(plan)
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (4, 8), (4, 32)])
+def test_1f1b_buffers_do_not_grow_with_microbatches(p, m):
+    schedule = S.one_f_one_b(p, m)
+    assert activation_buffers(schedule).size == p and gradient_buffers(schedule).size == 1
+    assert activation_buffers(S.gpipe(p, m)).size == m
+
+
+def test_plot_cli_writes_png(tmp_path):
+    from experiments import plot_schedule
+    one, every = tmp_path / "one.png", tmp_path / "all.png"
+    plot_schedule.main(["--schedule=interleaved", "--stages=2", "--microbatches=4", "--virtual_stages=2",
+                        f"--out={one}"])
+    plot_schedule.main(["--all", "--stages=2", "--microbatches=2", f"--out={every}"])
+    for png in (one, every):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+def test_from_orders_reports_orders_that_wait_on_each_other():
+    # stage 0 wants microbatch 0's gradient before it has sent the activation that would produce it
+    orders = [[(S.BACKWARD, 0, 0), (S.FORWARD, 0, 0)], [(S.FORWARD, 0, 0), (S.BACKWARD, 0, 0)]]
+    with pytest.raises(ValueError, match="deadlock at slot 0"):
+        S.from_orders("mine", 2, 1, 1, orders)
