@@ -81,7 +81,7 @@ def param_dict(model: nnx.Module) -> Params:
 
 def logical_axes(model: nnx.Module) -> dict:
     """A dict shaped like `param_dict(model)` whose leaves are PartitionSpecs of logical axis names."""
-    flat = nnx.state(model, nnx.Param).flat_state()
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     return _nest({path: var.get_metadata()["logical_axes"] for path, var in flat})
 
 

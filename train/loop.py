@@ -66,13 +66,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, compile_only: bool =
         peak_tflops: float = 0.0) -> dict[str, Any]:
     trainer = Trainer.build(config)  # every user error is raised here, before the workdir is touched
     plan = trainer.plan
+    path = prepare_workdir(workdir)  # only creates the directory; nothing in it is touched yet
     t0 = time.perf_counter()
     compiled = trainer.compile()
     compile_s = time.perf_counter() - t0
     memory = report_lib.memory_per_device(compiled)
     if config.train.memory_check:
         check_memory(memory)
-    path = prepare_workdir(workdir)
     rep = report_lib.build(plan, trainer.mesh, compiled, {"compile_seconds": round(compile_s, 3)})
     is_main = jax.process_index() == 0
     if is_main:

@@ -1,0 +1,66 @@
+"""Bad configurations fail with one line naming the setting, before compiling, and leave the workdir alone."""
+import pathlib
+
+import pytest
+
+from tests.helpers import run_cli, tiny_config
+from train import loop
+from train.config import USER_ERRORS
+
+
+def _bad_configs():
+    def with_(**changes):
+        config = tiny_config()
+        for dotted, value in changes.items():
+            section, key = dotted.split("__")
+            config[section][key] = value
+        return config
+
+    unknown_axis = tiny_config()
+    unknown_axis.mesh.expert = 2
+    return {
+        "product": (with_(mesh__data=3), "mesh: data=3 needs 3 devices but 8 are available"),
+        "two_wildcards": (with_(mesh__data=-1, mesh__tensor=-1), "mesh.data and mesh.tensor are both -1"),
+        "zero_axis": (with_(mesh__data=8, mesh__fsdp=0), "mesh.fsdp=0"),
+        "unknown_axis": (unknown_axis, "mesh.expert: unknown mesh axis"),
+        "indivisible_param": (with_(mesh__data=1, mesh__tensor=8, model__n_heads=4), "is not divisible by mesh axes tensor=8"),
+        "batch": (with_(mesh__data=8, train__global_batch_size=12), "train.global_batch_size=12"),
+        "strategy": (with_(mesh__data=8, sharding__strategy="zero9"), "sharding.strategy='zero9'"),
+        "preset": (with_(mesh__data=8, model__preset="huge"), "model.preset='huge'"),
+        "heads": (with_(mesh__data=8, model__n_heads=3), "model.d_model=128 is not divisible by model.n_heads=3"),
+        "source": (with_(mesh__data=8, data__source="web"), "data.source='web'"),
+        "missing_file": (with_(mesh__data=8, data__source="tokens", data__path="/nonexistent/train.bin"),
+                         "data.path='/nonexistent/train.bin'"),
+        "warmup": (with_(mesh__data=8, optimizer__warmup_steps=50), "optimizer.warmup_steps=50"),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_bad_configs()))
+def test_error_is_one_line_and_workdir_untouched(name, tmp_path, monkeypatch):
+    config, fragment = _bad_configs()[name]
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    before = {p.name: p.read_bytes() for p in workdir.iterdir()}
+    # Compilation must not start: make it explode if reached.
+    monkeypatch.setattr(loop.Trainer, "compile", lambda self: pytest.fail("compiled a bad config"))
+    with pytest.raises(USER_ERRORS) as info:
+        loop.run(config, str(workdir))
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+    assert {p.name: p.read_bytes() for p in workdir.iterdir()} == before
+
+
+def test_cli_prints_one_line_and_exits_nonzero(tmp_path):
+    result = run_cli("--config=experiments/tiny.py", f"--workdir={tmp_path / 'run'}", "--config.mesh.data=3")
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: mesh: data=3 needs 3 devices but 8 are available; change the mesh.* sizes (or set one to -1)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_unwritable_workdir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(USER_ERRORS, match="--workdir="):
+        loop.prepare_workdir(str(blocker / "run"))
+    assert blocker.read_text() == "not a directory"
