@@ -1,4 +1,4 @@
-"""Alpha-beta cost model of collectives on a topology: time = steps x alpha + bus bytes / bandwidth.
+"""Alpha-beta cost model of collectives on a topology: time = overhead + steps x alpha + bus bytes / bandwidth.
 
 Sizes are the nccl-tests S (bytes of the full buffer; see `bus_factor`), group size n, and the link a
 group's traffic crosses, with its bandwidth shared when several groups leave one host at once.
@@ -49,14 +49,16 @@ def steps(collective: str, n: int, algorithm: str = "ring") -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """What one group sees: per-step latency and per-device bandwidth (GB/s) after sharing."""
+    """What one group sees: per-step latency, per-device bandwidth (GB/s) after sharing, and a fixed
+    per-collective overhead (launch and synchronisation; 0 in the presets, fitted for `local`)."""
     alpha_us: float
     bandwidth_gbps: float
     level: str = ""
+    overhead_us: float = 0.0
 
 
 def time_us(collective: str, nbytes: float, n: int, link: Link, algorithm: str = "ring") -> float:
-    """T = steps(c, n) * alpha + bus_factor(c, n) * S / B, in microseconds.
+    """T = overhead + steps(c, n) * alpha + bus_factor(c, n) * S / B, in microseconds.
 
     Ring all-reduce: 2(n-1) a + 2(n-1)/n S/B. Ring all-gather / reduce-scatter: (n-1) a + (n-1)/n S/B.
     All-to-all (pairwise exchange on a switch): (n-1) a + (n-1)/n S/B. Permute: a + S/B.
@@ -65,13 +67,15 @@ def time_us(collective: str, nbytes: float, n: int, link: Link, algorithm: str =
     if n <= 1:
         return 0.0
     bus_bytes = bus_factor(collective, n) * nbytes
-    return steps(collective, n, algorithm) * link.alpha_us + bus_bytes / (link.bandwidth_gbps * 1e3)
+    return (link.overhead_us + steps(collective, n, algorithm) * link.alpha_us
+            + bus_bytes / (link.bandwidth_gbps * 1e3))
 
 
 def hierarchical_all_reduce_us(nbytes: float, n_inner: int, inner: Link, n_outer: int, outer: Link) -> float:
     """Reduce-scatter inside the host, all-reduce across hosts on S/n_inner, all-gather inside the host:
 
-    T = 2 [(n_i-1) a_i + (n_i-1)/n_i S/B_i] + 2(n_o-1) a_o + 2(n_o-1)/n_o (S/n_i)/B_o.
+    T = 2 [(n_i-1) a_i + (n_i-1)/n_i S/B_i] + 2(n_o-1) a_o + 2(n_o-1)/n_o (S/n_i)/B_o,
+    plus one overhead per phase.
     """
     rs = time_us("reduce_scatter", nbytes, n_inner, inner)
     return 2 * rs + time_us("all_reduce", nbytes / n_inner, n_outer, outer)
@@ -108,7 +112,7 @@ def _inter_bandwidth(level: Level, p: Placement, members_per_host: int, groups: 
 
 def links_for_intra(p: Placement, topo: Topology) -> Link:
     """The intra-host link of a group's members on one host (the inner phase of the hierarchical split)."""
-    return Link(topo.intra.latency_us, _intra_bandwidth(topo.intra, p), topo.intra.name)
+    return Link(topo.intra.latency_us, _intra_bandwidth(topo.intra, p), topo.intra.name, topo.intra.overhead_us)
 
 
 def links_for(p: Placement, topo: Topology) -> tuple[Link, Link | None]:
@@ -119,16 +123,17 @@ def links_for(p: Placement, topo: Topology) -> tuple[Link, Link | None]:
     """
     if len(p.axes) == 1 and p.axes[0] in topo.axes:
         lv = topo.axes[p.axes[0]]  # fitted on this machine for exactly this axis
-        return Link(lv.latency_us, lv.bandwidth_gbps * lv.links, lv.name), None
+        return Link(lv.latency_us, lv.bandwidth_gbps * lv.links, lv.name, lv.overhead_us), None
     intra = links_for_intra(p, topo)
     if p.level == "intra":
         return intra, None
     flat_bw = min(intra.bandwidth_gbps if p.members_per_host > 1 else math.inf,
                   _inter_bandwidth(topo.inter, p, p.members_per_host, p.crossing_groups_per_host))
-    flat = Link(max(topo.intra.latency_us, topo.inter.latency_us), flat_bw, topo.inter.name)
+    overhead = max(topo.intra.overhead_us, topo.inter.overhead_us)
+    flat = Link(max(topo.intra.latency_us, topo.inter.latency_us), flat_bw, topo.inter.name, overhead)
     # hierarchical: after the in-host reduce-scatter, m parallel outer groups of one member per host
     outer_bw = _inter_bandwidth(topo.inter, p, 1, p.crossing_groups_per_host * p.members_per_host)
-    return flat, Link(topo.inter.latency_us, outer_bw, topo.inter.name)
+    return flat, Link(topo.inter.latency_us, outer_bw, topo.inter.name, topo.inter.overhead_us)
 
 
 def predict_us(collective: str, nbytes: float, axes: Sequence[str], mesh_or_sizes, topology: Topology,

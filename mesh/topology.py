@@ -22,7 +22,8 @@ LOCAL_FILE = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "topo
 class Level:
     """One level of the interconnect.
 
-    `bandwidth_gbps` is one link, one direction, in GB/s (bytes). `links` counts links per device on the
+    `bandwidth_gbps` is one link, one direction, in GB/s (bytes); `latency_us` is paid per algorithm
+    step and `overhead_us` once per collective (launch and synchronisation). `links` counts links per device on the
     intra-host level (NVLink ports) and links per host on the inter-host level (NICs). `dims` is the
     ring or torus shape of a host's fast domain (torus/ring families). A fat tree with
     `oversubscription` r gives cross-leaf traffic 1/r of the host's NIC bandwidth; `hosts_per_leaf` = 0
@@ -33,6 +34,7 @@ class Level:
     bandwidth_gbps: float
     latency_us: float
     links: int = 1
+    overhead_us: float = 0.0
     dims: tuple[int, ...] = ()
     oversubscription: float = 1.0
     hosts_per_leaf: int = 0
@@ -40,8 +42,9 @@ class Level:
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"level {self.name}: family={self.family!r} is unknown; use one of {', '.join(FAMILIES)}")
-        if self.bandwidth_gbps <= 0 or self.latency_us < 0 or self.links < 1:
-            raise ValueError(f"level {self.name}: need bandwidth_gbps > 0, latency_us >= 0 and links >= 1")
+        if self.bandwidth_gbps <= 0 or self.latency_us < 0 or self.overhead_us < 0 or self.links < 1:
+            raise ValueError(f"level {self.name}: need bandwidth_gbps > 0, latency_us >= 0, overhead_us >= 0 "
+                             f"and links >= 1")
         if self.oversubscription < 1:
             raise ValueError(f"level {self.name}: oversubscription={self.oversubscription} must be >= 1 (1 = full bisection)")
         object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
@@ -188,10 +191,14 @@ def load_topology(path: str | pathlib.Path) -> Topology:
     return topology_from_dict(data, str(path))
 
 
-def save_topology(topo: Topology, path: str | pathlib.Path) -> None:
+def save_topology(topo: Topology, path: str | pathlib.Path, provenance: Mapping | None = None) -> None:
+    """Write `topo` as JSON; `provenance` (machine, date, command, fit error) is kept for readers only."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(topology_to_dict(topo), indent=2) + "\n")
+    data = topology_to_dict(topo)
+    if provenance:
+        data["provenance"] = dict(provenance)
+    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 # ----------------------------------------------------------------------------- placement
