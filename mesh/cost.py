@@ -153,7 +153,7 @@ def predict_placement_us(collective: str, nbytes: float, p: Placement, topology:
     if n <= 1:
         return 0.0
     flat, outer = links_for(p, topology)
-    pow2 = n & (n - 1) == 0
+    pow2 = (n & (n - 1)) == 0
     if algorithm is not None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={algorithm!r}: unknown; use one of {', '.join(ALGORITHMS)}")

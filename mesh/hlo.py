@@ -20,7 +20,7 @@ DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16
 
 _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([<=\d,]*)\]")  # f32[8,4], f32[<=8,4] (dynamic bound)
 _CALLEE = re.compile(r"\b(?:to_apply|calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
@@ -42,7 +42,7 @@ def _split_shape(rest: str) -> tuple[str, str]:
 def _arrays(shape: str) -> list[tuple[str, list[int]]]:
     """All (dtype, dims) leaves of an HLO shape string, layouts ignored."""
     shape = re.sub(r"\{[^{}]*\}", "", shape)  # drop layouts like {1,0} and {1,0:T(8,128)}
-    return [(dt, [int(d) for d in dims.split(",") if d]) for dt, dims in _ARRAY.findall(shape)
+    return [(dt, [int(d.lstrip("<=")) for d in dims.split(",") if d]) for dt, dims in _ARRAY.findall(shape)
             if dt in DTYPE_BYTES or dt.startswith("f8")]
 
 

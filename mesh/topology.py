@@ -41,12 +41,14 @@ class Level:
 
     def __post_init__(self):
         if self.family not in FAMILIES:
-            raise ValueError(f"level {self.name}: family={self.family!r} is unknown; use one of {', '.join(FAMILIES)}")
+            raise ValueError(f"level {self.name}: family={self.family!r} is unknown; "
+                             f"use one of {', '.join(FAMILIES)}")
         if self.bandwidth_gbps <= 0 or self.latency_us < 0 or self.overhead_us < 0 or self.links < 1:
             raise ValueError(f"level {self.name}: need bandwidth_gbps > 0, latency_us >= 0, overhead_us >= 0 "
                              f"and links >= 1")
         if self.oversubscription < 1:
-            raise ValueError(f"level {self.name}: oversubscription={self.oversubscription} must be >= 1 (1 = full bisection)")
+            raise ValueError(f"level {self.name}: oversubscription={self.oversubscription} must be >= 1 "
+                             f"(1 = full bisection)")
         object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
 
 
@@ -106,7 +108,8 @@ def _dgx(name: str, nvlink: Level, ib: Level, hosts: int) -> Topology:
 
 def _tpu_v5p(hosts: int) -> Topology:
     ici = Level("ici-v5p", "torus3d",
-                bandwidth_gbps=100.0,  # cloud.google.com/tpu/docs/v5p: 1200 GB/s bidirectional ICI per chip / 6 links / 2
+                # cloud.google.com/tpu/docs/v5p: 1200 GB/s bidirectional ICI per chip = 6 links x 2 x 100
+                bandwidth_gbps=100.0,
                 latency_us=1.0,        # assumed: not on the datasheet
                 dims=(4, 4, 4))        # one cube, the smallest slice with full 3D wraparound (same page)
     dcn = Level("dcn-v5p", "switch",
