@@ -97,15 +97,30 @@ def replica_groups(attrs: str, num_devices: int) -> list[list[int]] | None:
     raise ValueError(f"replica_groups: unrecognised syntax {body[:60]!r}")
 
 
+def _device_ids(text: str, n: int) -> np.ndarray:
+    """A mesh's device_ids: an explicit list of n ids, or an iota `[dims]T(perm)` (also `[..]<=[dims]T(perm)`):
+    arange(n) reshaped to dims and transposed. An explicit list has n entries, one of them 0, so it can
+    never read as iota dims multiplying to n."""
+    m = re.fullmatch(r"\s*(?:\[[\d,]+\]<=)?\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", text)
+    if m:
+        dims = [int(v) for v in m.group(1).split(",")]
+        if math.prod(dims) == n and (m.group(2) or len(dims) != n):
+            ids = np.arange(n).reshape(dims)
+            return (ids.transpose([int(v) for v in m.group(2).split(",")]) if m.group(2) else ids).reshape(-1)
+    ids = np.array([int(v) for v in re.findall(r"\d+", text)])
+    if sorted(ids.tolist()) != list(range(n)):
+        raise ValueError(f"replica_groups: cannot read device_ids=({text}) as a permutation of {n} devices")
+    return ids
+
+
 def _mesh_groups(axes_text: str, between: str, group_text: str) -> list[list[int]]:
     """Groups of the mesh form: devices that agree on every coordinate outside the grouped (sub-)axes."""
     names, sizes = [], []
     for name, size in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", axes_text.split("device_ids")[0]):
         names.append(name)
         sizes.append(int(size))
-    ids_text = re.search(r"device_ids=\(([^)]*)\)", axes_text + between)
-    ids = (np.array([int(v) for v in re.findall(r"\d+", ids_text.group(1))]) if ids_text
-           else np.arange(math.prod(sizes)))
+    ids_text = re.search(r"device_ids=\((.*)\)", axes_text + between)
+    ids = _device_ids(ids_text.group(1), math.prod(sizes)) if ids_text else np.arange(math.prod(sizes))
     coords = np.stack(np.unravel_index(np.arange(math.prod(sizes)), sizes), -1)  # position -> coordinates
     key = coords.copy()
     size_of = 1

@@ -90,14 +90,19 @@ def test_replica_groups_are_mesh_positions_not_device_ids():
     assert a.count("replica_groups=") == b.count("replica_groups=") > 0
 
 
-def test_auto_sharded_step_axes():
-    mesh = make_mesh(SIZES)
+@pytest.mark.parametrize("sizes", [SIZES, {"data": 2, "fsdp": 4}])
+def test_auto_sharded_step_axes(sizes):
+    """XLA's own mesh forms (`mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {...}`) decode to user axes."""
+    mesh = make_mesh(sizes)
     recs = collectives(_grad_step_hlo(mesh), mesh)
-    assert recs and all(set(r["axes"]) <= {"data", "fsdp", "tensor"} for r in recs)
+    assert recs and all(set(r["axes"]) <= set(sizes) for r in recs)
+    # the weights are sharded over fsdp only along their rows, so the forward gathers run over fsdp
+    assert {tuple(r["axes"]) for r in recs if r["op"] == "all_gather"} == {("fsdp",)}
     # the weights are replicated over data, so their gradients must be summed over data
-    assert any(r["op"] in ("all_reduce", "reduce_scatter") and "data" in r["axes"] and not r["scalar"] for r in recs)
-    # the mean loss over a batch sharded on (data, fsdp) is reduced over exactly those axes
-    assert set().union(*[r["axes"] for r in recs if r["scalar"]]) == {"data", "fsdp"}
+    assert any(r["op"] in ("all_reduce", "reduce_scatter") and r["axes"] == ["data"] and not r["scalar"]
+               for r in recs)
+    # the mean loss over a batch sharded on (data, fsdp) is reduced over those axes only
+    assert set().union(*[r["axes"] for r in recs if r["scalar"]]) <= {"data", "fsdp"}
     assert all(r["count"] == 1 and r["exact"] for r in recs)
 
 
@@ -113,6 +118,13 @@ def test_auto_sharded_step_axes():
     ("replica_groups=mesh[a=2,b=4] {b:(1)2}, x", [[0, 1], [2, 3], [4, 5], [6, 7]]),
     ("replica_groups=mesh[a=2,b=4] {b:(2)2}, x", [[0, 2], [1, 3], [4, 6], [5, 7]]),
     ("replica_groups=mesh[a=2,b=4], device_ids=(7,6,5,4,3,2,1,0) {a}, x", [[7, 3], [6, 2], [5, 1], [4, 0]]),
+    # XLA's own axes over a transposed iota of devices (seen for a data:2 x fsdp:4 FSDP step)
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, x",
+     [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, x",
+     [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([4,2]) {'axis_1'}, x",
+     [[0, 2, 4, 6], [1, 3, 5, 7]]),
 ])
 def test_replica_group_syntaxes(text, groups):
     got = replica_groups(text, 8)
