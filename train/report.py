@@ -10,10 +10,7 @@ from typing import Any
 import jax
 
 import models
-try:
-    from mesh import hlo  # TEMP
-except ImportError:
-    hlo = None
+from mesh import hlo
 from mesh.layout import axis_sizes
 from train.config import Plan
 
@@ -47,7 +44,7 @@ def build(plan: Plan, mesh: jax.sharding.Mesh, compiled, extra: dict[str, Any] |
         "tokens_per_step": tokens,
         "flops_per_step": models.flops_per_token(plan.model) * tokens,
         "memory_per_device": memory_per_device(compiled),
-        "collectives": hlo.collectives(compiled.as_text(), mesh) if hlo else [],
+        "collectives": hlo.collectives(compiled.as_text(), mesh),
     }
     report.update(extra or {})
     return report
