@@ -12,6 +12,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: metrics, reports
 _NUM_CPU_DEVICES = flags.DEFINE_integer("num_cpu_devices", 8, "Virtual devices when the platform is CPU.")
 _COMPILE_ONLY = flags.DEFINE_boolean("compile_only", False, "Compile the step, write compile_report.json, exit.")
 _PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "Peak TFLOP/s per device for MFU (0: datasheet or measured).")
+_AUDIT = flags.DEFINE_boolean("audit", False, "Audit the step's collectives against the layout's needs.")
+_TOPOLOGY = flags.DEFINE_string("topology", "dgx-h100", "With --audit: cluster to project onto (preset or JSON file; '' for none).")
+_HOSTS = flags.DEFINE_integer("hosts", 1, "With --audit: hosts of --topology; the data axis grows to fill them.")
+_AUDIT_MFU = flags.DEFINE_float("audit_mfu", 0.4, "With --audit: MFU assumed for the projected compute time.")
 _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/spmdtrain/xla",
                              "JAX persistent compilation cache ('' to disable); restarts then skip compilation.")
 
@@ -35,7 +39,9 @@ def main(argv: list[str]) -> int:
     from train import loop
 
     try:
-        loop.run(_CONFIG.value, _WORKDIR.value, compile_only=_COMPILE_ONLY.value, peak_tflops=_PEAK_TFLOPS.value)
+        audit = dict(topology=_TOPOLOGY.value, hosts=_HOSTS.value, mfu=_AUDIT_MFU.value) if _AUDIT.value else None
+        loop.run(_CONFIG.value, _WORKDIR.value, compile_only=_COMPILE_ONLY.value, peak_tflops=_PEAK_TFLOPS.value,
+                 audit=audit)
     except USER_ERRORS as e:
         sys.exit(f"error: {e}")
     return 0

@@ -14,7 +14,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from train import hardware, report as report_lib
+from train import audit as audit_lib, hardware, report as report_lib
 from train.config import ConfigError
 from train.metrics import MetricsLog
 from train.trainer import Trainer
@@ -63,18 +63,24 @@ def evaluate(trainer: Trainer, params) -> float:
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *, compile_only: bool = False,
-        peak_tflops: float = 0.0) -> dict[str, Any]:
+        peak_tflops: float = 0.0, audit: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train (or with `compile_only` just compile and report); `audit` = {topology, hosts, mfu} adds
+    the communication audit to the report and prints it."""
     trainer = Trainer.build(config)  # every user error is raised here, before the workdir is touched
     plan = trainer.plan
     path = prepare_workdir(workdir)  # only creates the directory; nothing in it is touched yet
     t0 = time.perf_counter()
-    compiled = trainer.compile()
+    compiled, xla_log = audit_lib.compile_logged(trainer.compile) if audit else (trainer.compile(), "")
     compile_s = time.perf_counter() - t0
     memory = report_lib.memory_per_device(compiled)
     if config.train.memory_check:
         check_memory(memory)
     rep = report_lib.build(plan, trainer.mesh, compiled, {"compile_seconds": round(compile_s, 3)})
     is_main = jax.process_index() == 0
+    if audit:
+        rep["audit"] = audit_lib.audit(trainer, rep, xla_log, **audit)
+        if is_main:
+            print(audit_lib.format_table(rep["audit"]), flush=True)
     if is_main:
         report_lib.write(rep, path)
         resolved = {"config": config.to_dict(), "model": vars(plan.model) | {"param_count": rep["param_count"]},

@@ -1,0 +1,73 @@
+"""The communication audit finds exactly the collectives each layout needs, with loop trips counted."""
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mesh import make_mesh
+from sharding.expected import Expected
+from tests.helpers import tiny_config
+from train import audit as audit_lib
+from train import report
+from train.trainer import Trainer
+
+LAYOUTS = {
+    "data_parallel": ({"data": 8}, ["gradient all-reduce"]),
+    "fsdp": ({"fsdp": 8}, ["weight all-gather (forward + backward)", "gradient reduce-scatter"]),
+    "tensor_parallel": ({"tensor": 8}, ["activation all-reduce (Megatron)"]),
+    "fsdp_tensor": ({"data": 2, "fsdp": 2, "tensor": 2}, ["gradient all-reduce", "weight all-gather (forward + backward)",
+                                                          "gradient reduce-scatter", "activation all-reduce (Megatron)"]),
+}
+
+
+def _audit(strategy, mesh):
+    config = tiny_config(**mesh)
+    config.sharding.strategy = strategy
+    trainer = Trainer.build(config)
+    compiled, log = audit_lib.compile_logged(trainer.compile)
+    rep = report.build(trainer.plan, trainer.mesh, compiled)
+    return audit_lib.audit(trainer, rep, log, topology="dgx-h100", hosts=16, mfu=0.4)
+
+
+@pytest.mark.parametrize("strategy", sorted(LAYOUTS))
+def test_audit_matches_the_construction(strategy):
+    mesh, purposes = LAYOUTS[strategy]
+    result = _audit(strategy, mesh)
+    rows = [r for r in result["rows"] if r["purpose"] != "scalars (loss, norms)"]
+    assert sorted(r["purpose"] for r in rows) == sorted(purposes)
+    for row in rows:
+        # Within 5% of the bytes; the layer scan's trip count (8) is what makes these ratios 1.
+        assert abs(row["ratio"] - 1) <= 0.05, row
+        if row["op"] == "reduce_scatter" and "all_reduce" in row["found_ops"]:
+            assert any("reduce-scatter would do" in n for n in row["notes"])
+    assert result["involuntary_rematerializations"] == 0
+    proj = result["projection"]
+    assert proj["devices"] == 128 == math.prod(proj["mesh"].values())
+    assert proj["comm_us"] > 0 and proj["compute_us"] > 0
+
+
+def test_projection_puts_data_across_hosts_and_tensor_inside():
+    proj = _audit("fsdp_tensor", {"data": 2, "fsdp": 2, "tensor": 2})["projection"]
+    assert proj["mesh"] == {"data": 32, "pipeline": 1, "fsdp": 2, "tensor": 2}
+    assert proj["links"]["tensor"] == "intra" and proj["links"]["data"] == "inter"
+
+
+def test_xla_remat_warning_is_caught():
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    table = jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=NamedSharding(mesh, P("tensor", "fsdp")))
+    tokens = jax.ShapeDtypeStruct((16, 64), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
+    lookup = jax.jit(lambda t, i: jax.lax.with_sharding_constraint(
+        jnp.take(t, i, axis=0), NamedSharding(mesh, P(("data", "fsdp")))))
+    _, log = audit_lib.compile_logged(lambda: lookup.lower(table, tokens).compile())
+    assert log.count(audit_lib.REMAT_WARNING) >= 1
+
+
+def test_unexpected_collectives_are_flagged():
+    expected = [Expected("gradient all-reduce", "all_reduce", "data", 100.0)]
+    records = [{"op": "all_reduce", "axes": ["data"], "bytes": 50, "count": 4, "scalar": False},
+               {"op": "all_to_all", "axes": ["tensor"], "bytes": 8, "count": 1, "scalar": False}]
+    rows = {r["purpose"]: r for r in audit_lib.attribute(records, expected, {"data": 2, "tensor": 2})}
+    assert rows["gradient all-reduce"]["ratio"] == 2.0 and "2.00x" in rows["gradient all-reduce"]["notes"][0]
+    assert rows["unexpected"]["notes"] == ["resharding all-to-all"]

@@ -1,0 +1,169 @@
+"""Communication audit of the compiled step: the collectives XLA emitted (mesh.hlo) against those the
+layout needs by construction (sharding.expected), with anything unexpected flagged, then the predicted
+communication time per axis on a chosen cluster (mesh.cost) against the step's compute time."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+from typing import Any
+
+import jax
+
+from mesh import cost, topology as topology_lib
+from sharding.expected import expected_traffic
+from train.config import ConfigError
+
+REMAT_WARNING = "Involuntary full rematerialization"
+TOLERANCE = 0.05
+# Dense bf16 peak per device of each preset's accelerator (datasheets: NVIDIA H100 SXM 989 TFLOP/s,
+# A100 SXM 312; Google Cloud TPU v5p 459, v5e 197), for the compute side of the projection.
+PEAK_TFLOPS = {"dgx-h100": 989.0, "dgx-a100": 312.0, "tpu-v5p": 459.0, "tpu-v5e": 197.0}
+
+
+@contextlib.contextmanager
+def _stderr_to(path: str):
+    """Redirect file descriptor 2 (where XLA's C++ logging goes) into `path`."""
+    saved = os.dup(2)
+    with open(path, "w") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def compile_logged(compile_fn) -> tuple[Any, str]:
+    """Run `compile_fn()` with XLA's log captured; the persistent cache is bypassed, since a cache hit
+    skips the partitioner and with it the warnings we look for."""
+    previous = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
+        try:
+            with _stderr_to(log.name):
+                compiled = compile_fn()
+        finally:
+            jax.config.update("jax_enable_compilation_cache", previous)
+        text = log.read()
+    os.write(2, "".join(l + "\n" for l in text.splitlines() if REMAT_WARNING not in l).encode())
+    return compiled, text
+
+
+def attribute(records: list[dict], expected: list, sizes: dict[str, int]) -> list[dict]:
+    """One row per expected collective and per unexpected one, with found bytes and flags.
+
+    An all-reduce over (data, fsdp) where the layout reduce-scatters over fsdp and all-reduces over
+    data counts as both: S towards the fsdp reduce-scatter, S / |fsdp| towards the data all-reduce.
+    """
+    rows = {(e.op, (e.axis,)): {"purpose": e.purpose, "op": e.op, "axes": [e.axis], "expected_bytes": e.bytes,
+                                "found_bytes": 0.0, "found_ops": set(), "notes": []} for e in expected}
+    scalars = {"purpose": "scalars (loss, norms)", "op": "all_reduce", "axes": [], "expected_bytes": None,
+               "found_bytes": 0.0, "found_ops": set(), "notes": []}
+
+    def add(key, nbytes, found_op):
+        row = rows.setdefault(key, {"purpose": "unexpected", "op": key[0], "axes": list(key[1]),
+                                    "expected_bytes": 0.0, "found_bytes": 0.0, "found_ops": set(), "notes": []})
+        row["found_bytes"] += nbytes
+        row["found_ops"].add(found_op)
+
+    for r in records:
+        if not r["axes"]:
+            continue
+        total = r["bytes"] * r["count"]
+        if r["scalar"]:
+            scalars["found_bytes"] += total
+            scalars["axes"] = sorted(set(scalars["axes"]) | set(r["axes"]))
+            continue
+        if r["op"] != "all_reduce":
+            add((r["op"], tuple(r["axes"])), total, r["op"])
+            continue
+        scattered = [a for a in r["axes"] if ("reduce_scatter", (a,)) in rows]
+        rest = tuple(a for a in r["axes"] if a not in scattered)
+        if len(scattered) == 1:
+            add(("reduce_scatter", (scattered[0],)), total, "all_reduce")
+            total /= sizes[scattered[0]]
+        if rest:
+            add(("all_reduce", rest), total, "all_reduce")
+    out = []
+    for row in list(rows.values()) + ([scalars] if scalars["found_bytes"] else []):
+        exp, found = row["expected_bytes"], row["found_bytes"]
+        row["ratio"] = found / exp if exp else None
+        if row["purpose"] == "unexpected":
+            row["notes"].append("resharding all-to-all" if row["op"] == "all_to_all" else "not required by the layout")
+        elif exp is not None and abs(found / exp - 1) > TOLERANCE:
+            row["notes"].append(f"{found / exp:.2f}x the bytes the layout needs"
+                                + (" (repeated gathers)" if row["op"] == "all_gather" and found > exp else ""))
+        if row["op"] == "reduce_scatter" and "all_reduce" in row["found_ops"]:
+            row["notes"].append("all-reduce + slice where a reduce-scatter would do (2x bus traffic)")
+        row["found_ops"] = sorted(row["found_ops"])
+        out.append(row)
+    return out
+
+
+def project(records: list[dict], sizes: dict[str, int], topology_name: str, hosts: int,
+            flops_per_device: float, mfu: float) -> dict[str, Any]:
+    """Predicted communication per step on `hosts` hosts of a topology preset (or file), scaling the
+    `data` axis to fill the cluster with the per-device work unchanged (weak scaling)."""
+    try:
+        topo = topology_lib.get_topology(topology_name, hosts=hosts)
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e)) from None
+    others = math.prod(s for a, s in sizes.items() if a != "data")
+    if topo.num_devices % others:
+        raise ConfigError(f"--hosts={hosts}: {topo.num_devices} devices cannot hold the non-data axes "
+                          f"({others} devices per replica); change --hosts or the mesh")
+    target = {**sizes, "data": topo.num_devices // others}
+    per_axis = cost.time_by_axes(records, target, topo)
+    peak = PEAK_TFLOPS.get(topology_name, 0.0) * 1e12
+    compute_us = flops_per_device / (peak * mfu) * 1e6 if peak else None
+    return {"topology": topology_name, "hosts": hosts, "devices": topo.num_devices, "mesh": target,
+            "warnings": topology_lib.placement_warnings(target, topo),
+            "links": {axis: p.level for axis, p in topology_lib.axis_links(target, topo, warn=False).items()},
+            "comm_us_per_axis": per_axis, "comm_us": sum(per_axis.values()), "mfu": mfu,
+            "compute_us": compute_us}
+
+
+def audit(trainer, report: dict, xla_log: str, topology: str, hosts: int, mfu: float) -> dict[str, Any]:
+    layout, plan = trainer.layout, trainer.plan
+    pipe = trainer.config.pipeline
+    expected = expected_traffic(plan.model, layout.abstract_state["params"], layout.param_specs, plan.rules,
+                                plan.mesh_sizes, plan.global_batch,
+                                {"microbatches": pipe.microbatches, "virtual_stages": pipe.virtual_stages})
+    rows = attribute(report["collectives"], expected, plan.mesh_sizes)
+    remats = xla_log.count(REMAT_WARNING)
+    result = {"rows": rows, "involuntary_rematerializations": remats}
+    if topology:
+        devices = math.prod(plan.mesh_sizes.values())
+        result["projection"] = project(report["collectives"], plan.mesh_sizes, topology, hosts,
+                                       report["flops_per_step"] / devices, mfu)
+    return result
+
+
+def _mb(x: float | None) -> str:
+    return "-" if x is None else f"{x / 1e6:,.2f}"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = ["| purpose | op | axes | expected MB | found MB | ratio | notes |", "|---|---|---|---:|---:|---:|---|"]
+    for r in result["rows"]:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        lines.append(f"| {r['purpose']} | {r['op']} | {','.join(r['axes']) or '-'} | {_mb(r['expected_bytes'])} | "
+                     f"{_mb(r['found_bytes'])} | {ratio} | {'; '.join(r['notes'])} |")
+    if result["involuntary_rematerializations"]:
+        lines.append(f"XLA: {result['involuntary_rematerializations']} involuntary full rematerialization(s)")
+    proj = result.get("projection")
+    if proj:
+        mesh_text = " x ".join(f"{a}={s}" for a, s in proj["mesh"].items() if s > 1)
+        lines += ["", f"on {proj['topology']} x {proj['hosts']} hosts ({proj['devices']} devices, mesh {mesh_text}):",
+                  "| axes | link | predicted us/step |", "|---|---|---:|"]
+        for axes, us in sorted(proj["comm_us_per_axis"].items()):
+            link = "+".join(sorted({proj["links"].get(a, "?") for a in axes.split("+")}))
+            lines.append(f"| {axes} | {link} | {us:,.1f} |")
+        if proj["compute_us"]:
+            lines.append(f"communication {proj['comm_us']:,.1f} us/step (not overlapped) vs compute "
+                         f"{proj['compute_us']:,.1f} us/step at {100 * proj['mfu']:.0f}% MFU: ratio "
+                         f"{proj['comm_us'] / proj['compute_us']:.2f}")
+        lines += [f"warning: {w}" for w in proj["warnings"]]
+    return "\n".join(lines)
