@@ -11,6 +11,8 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 
+from mesh.topology import hybrid_order
+
 AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "tensor")
 
 
@@ -69,6 +71,11 @@ def make_mesh(sizes: Mapping[str, int], num_devices: int | None = None,
             if not 1 <= num_devices <= len(devices):
                 raise MeshConfigError(f"num_devices={num_devices}: only {len(devices)} devices are available")
             devices = devices[:num_devices]
+        shape = resolve_axis_sizes(sizes, len(devices))
+        per_host = jax.local_device_count()
+        if jax.process_count() > 1 and len(devices) % per_host == 0:
+            # Several hosts: inner axes inside a host, what does not fit spans hosts evenly.
+            devices = [devices[i] for i in hybrid_order(shape, per_host, "these processes")]
     shape = resolve_axis_sizes(sizes, len(devices))
     grid = np.asarray(devices, dtype=object).reshape([shape[a] for a in AXES])
     return jax.sharding.Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))

@@ -313,7 +313,13 @@ def axis_links(mesh_or_sizes, topology: Topology, device_order=None, warn: bool 
 
 
 def hybrid_device_order(sizes: Mapping[str, int], topology: Topology) -> list[int]:
-    """Physical device index for each mesh position (row-major), intra-host x inter-host.
+    """`hybrid_order` for the hosts of `topology`."""
+    return hybrid_order(sizes, topology.devices_per_host, topology.name)
+
+
+def hybrid_order(sizes: Mapping[str, int], dph: int, where: str = "this cluster") -> list[int]:
+    """Physical device index for each mesh position (row-major), intra-host x inter-host, for hosts of
+    `dph` devices (devices numbered host-major).
 
     Filling from the innermost axis outwards, each axis takes the largest factor of its size that still
     fits in the host (gcd with the room left); what remains of every axis spans hosts. A mesh position
@@ -322,11 +328,10 @@ def hybrid_device_order(sizes: Mapping[str, int], topology: Topology) -> list[in
     """
     names = list(sizes)
     n = math.prod(sizes.values())
-    dph = topology.devices_per_host
     if n <= dph:
         return list(range(n))
     if n % dph:
-        raise ValueError(f"mesh of {n} devices does not fill whole hosts of {dph} on {topology.name}; "
+        raise ValueError(f"mesh of {n} devices does not fill whole hosts of {dph} on {where}; "
                          f"use a multiple of {dph} devices")
     room, inner = dph, {}
     for a in reversed(names):
