@@ -11,4 +11,5 @@ def get_config():
     c.train.log_every = 5
     c.train.eval_every = 10
     c.train.eval_batches = 2
+    c.optimizer.warmup_steps = 2
     return c

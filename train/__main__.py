@@ -16,6 +16,13 @@ _AUDIT = flags.DEFINE_boolean("audit", False, "Audit the step's collectives agai
 _TOPOLOGY = flags.DEFINE_string("topology", "dgx-h100", "With --audit: cluster to project onto (preset or JSON file; '' for none).")
 _HOSTS = flags.DEFINE_integer("hosts", 1, "With --audit: hosts of --topology; the data axis grows to fill them.")
 _AUDIT_MFU = flags.DEFINE_float("audit_mfu", 0.4, "With --audit: MFU assumed for the projected compute time.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", "", "host:port of process 0, for multi-process runs.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Processes in the run (with --coordinator_address).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index, 0..num_processes-1.")
+_INIT_TIMEOUT = flags.DEFINE_integer("init_timeout_s", 120, "Seconds to wait for every process to join.")
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer("heartbeat_timeout_s", 15,
+                                          "A process silent this long is declared dead and the run fails.")
+_SHUTDOWN_TIMEOUT = flags.DEFINE_integer("shutdown_timeout_s", 30, "Seconds to wait for peers at exit.")
 _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/spmdtrain/xla",
                              "JAX persistent compilation cache ('' to disable); restarts then skip compilation.")
 
@@ -28,12 +35,17 @@ def main(argv: list[str]) -> int:
     import jax  # configured before any backend starts
 
     from mesh import use_cpu_devices
+    from train import distributed, exit_codes
     from train.config import USER_ERRORS
 
     try:
         use_cpu_devices(_NUM_CPU_DEVICES.value)
-    except USER_ERRORS as e:
-        sys.exit(f"error: {e}")
+        cluster = distributed.detect(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    except (*USER_ERRORS, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exit_codes.USER_ERROR
+    distributed.initialize(cluster, init_timeout_s=_INIT_TIMEOUT.value, heartbeat_timeout_s=_HEARTBEAT_TIMEOUT.value,
+                           shutdown_timeout_s=_SHUTDOWN_TIMEOUT.value)
     if _CACHE.value and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(_CACHE.value))
     from train import loop
@@ -43,9 +55,10 @@ def main(argv: list[str]) -> int:
         loop.run(_CONFIG.value, _WORKDIR.value, compile_only=_COMPILE_ONLY.value, peak_tflops=_PEAK_TFLOPS.value,
                  audit=audit)
     except USER_ERRORS as e:
-        sys.exit(f"error: {e}")
-    return 0
+        print(f"error: {e}", file=sys.stderr)
+        return exit_codes.USER_ERROR
+    return exit_codes.OK
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(lambda argv: sys.exit(main(argv)))
