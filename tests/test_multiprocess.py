@@ -1,0 +1,51 @@
+"""Several processes form one run: same numbers as one process, and a dead process ends the launch."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from tests.helpers import ROOT, run_cli
+
+TRAIN = ["--config=experiments/tiny.py", "--config.data.source=synthetic", "--config.train.log_every=1",
+         "--config.train.eval_every=0", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
+
+
+def launch(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "train.launch", "--num_processes=2", "--num_cpu_devices=4",
+                             "--", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **kwargs)
+
+
+def losses(workdir) -> list[float]:
+    return [json.loads(l)["loss"] for l in (workdir / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+
+
+def test_two_processes_match_one(tmp_path):
+    # data=2 is the outermost axis, so its two halves live in different processes.
+    proc = launch(*TRAIN, f"--workdir={tmp_path / 'two'}", "--config.train.steps=4")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    single = run_cli(*TRAIN, f"--workdir={tmp_path / 'one'}", "--config.train.steps=4")
+    assert single.returncode == 0, single.stderr[-3000:]
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
+    assert len(losses(tmp_path / "two")) == 4  # only process 0 writes metrics
+
+
+def test_killing_one_process_ends_the_launch(tmp_path):
+    proc = launch(*TRAIN, f"--workdir={tmp_path / 'run'}", "--config.train.steps=100000")
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not (tmp_path / "run" / "metrics.jsonl").exists():
+        time.sleep(0.5)
+    time.sleep(2)
+    victim = subprocess.run(["pgrep", "-f", f"workdir={tmp_path / 'run'}.*--process_id=1"], capture_output=True,
+                            text=True).stdout.split()
+    assert victim, "process 1 not found"
+    os.kill(int(victim[0]), signal.SIGKILL)
+    killed_at = time.monotonic()
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - killed_at < 60
