@@ -14,6 +14,8 @@ from mesh.topology import Level, Placement, Topology, placement
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute")
 ALGORITHMS = ("ring", "halving_doubling", "hierarchical")
 _HLO_NAMES = {"collective_permute": "permute"}
+# Fabrics on which recursive halving-doubling's pairings (distance 1, 2, 4, ...) never share a link.
+FULL_BISECTION = ("hypercube", "switch", "fat_tree")
 
 
 def bus_factor(collective: str, n: int) -> float:
@@ -140,8 +142,9 @@ def predict_us(collective: str, nbytes: float, axes: Sequence[str], mesh_or_size
                algorithm: str | None = None, device_order=None) -> float:
     """Predicted time of one collective over mesh `axes` on `topology`, S = `nbytes` (nccl-tests S).
 
-    `algorithm` None picks the fastest that applies: ring; halving-doubling on a hypercube level with a
-    power-of-two group; for all-reduce across hosts, also the hierarchical split.
+    `algorithm` None picks the fastest that applies: ring; halving-doubling for a power-of-two group on
+    a level where every pair of devices talks without contention (hypercube, switch, fat tree); for
+    all-reduce across hosts, also the hierarchical split.
     """
     p = placement(mesh_or_sizes, tuple(axes), topology, device_order)
     return predict_placement_us(collective, nbytes, p, topology, algorithm)
@@ -165,8 +168,9 @@ def predict_placement_us(collective: str, nbytes: float, p: Placement, topology:
                                               p.hosts, outer)
         return time_us(collective, nbytes, n, flat, algorithm)
     level = topology.inter if p.level == "inter" else topology.intra
-    best = time_us(collective, nbytes, n, flat, "halving_doubling" if level.family == "hypercube" and pow2
-                   else "ring")
+    best = time_us(collective, nbytes, n, flat, "ring")
+    if pow2 and level.family in FULL_BISECTION:
+        best = min(best, time_us(collective, nbytes, n, flat, "halving_doubling"))
     if collective == "all_reduce" and outer is not None and 1 < p.members_per_host < n and p.even:
         best = min(best, hierarchical_all_reduce_us(nbytes, p.members_per_host, links_for_intra(p, topology),
                                                     p.hosts, outer))
