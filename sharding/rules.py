@@ -54,7 +54,8 @@ def resolve(strategy: str, overrides: Mapping | None = None, mesh_sizes: Mapping
     """The rules of `strategy` with `overrides` applied on top, checked against the mesh.
 
     Every mesh axis of size > 1 other than `pipeline` (which the pipeline executor owns) must be
-    used by some rule, or devices would silently hold copies of the same work.
+    used by some rule, or devices would silently hold copies of the same work. With `mesh.pipeline` > 1
+    the rule `layers -> pipeline` is added: each stage holds its slice of the stacked layers.
     """
     if strategy not in STRATEGIES:
         raise ShardingConfigError(
@@ -62,6 +63,14 @@ def resolve(strategy: str, overrides: Mapping | None = None, mesh_sizes: Mapping
             f"or register one with sharding.register_strategy")
     rules = dict(STRATEGIES[strategy])
     rules.update(normalize(overrides or {}))
+    if mesh_sizes is not None and mesh_sizes.get("pipeline", 1) > 1:
+        # Pipeline stages are contiguous slices of the stacked layers; only the executor may use the axis.
+        others = sorted(name for name, axes in rules.items() if "pipeline" in axes and name != "layers")
+        if others:
+            raise ShardingConfigError(
+                f"sharding.rules maps {others[0]!r} onto 'pipeline', which the pipeline executor owns; "
+                f"remove 'pipeline' from that rule")
+        rules["layers"] = ("pipeline",)
     if mesh_sizes is not None:
         used = {axis for axes in rules.values() for axis in axes}
         unknown = sorted(used - set(mesh_sizes))

@@ -16,14 +16,16 @@ import models
 from mesh import MeshConfigError, resolve_axis_sizes
 from models import ModelConfigError
 from sharding import rules as sharding_rules
+from sharding import schedules
 from sharding.rules import ShardingConfigError
+from sharding.schedules import ScheduleConfigError
 
 
 class ConfigError(ValueError):
     """A training setting the user can fix; the message is one line naming the setting."""
 
 
-USER_ERRORS = (ConfigError, MeshConfigError, ModelConfigError, ShardingConfigError)
+USER_ERRORS = (ConfigError, MeshConfigError, ModelConfigError, ShardingConfigError, ScheduleConfigError)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -47,6 +49,18 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """The pipeline settings of a run with mesh.pipeline > 1 (see sharding/schedules.py)."""
+    schedule: str
+    stages: int
+    microbatches: int
+    virtual_stages: int
+
+    def build(self) -> schedules.Schedule:
+        return schedules.build(self.schedule, self.stages, self.microbatches, self.virtual_stages)
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """Everything resolved from a config before any device work: the contract of the run."""
     model: models.GPTConfig
@@ -57,6 +71,7 @@ class Plan:
     steps: int
     decay_steps: int
     profile_steps: tuple[int, int] | None
+    pipeline: PipelinePlan | None = None  # None when mesh.pipeline == 1
 
 
 def _positive(section: Any, prefix: str, keys: tuple[str, ...], allow_zero: tuple[str, ...] = ()) -> None:
@@ -76,6 +91,26 @@ def _profile_range(text: str) -> tuple[int, int] | None:
     if not 1 <= first <= last:
         raise ConfigError(f"train.profile_steps={text!r}: need 1 <= FIRST <= LAST")
     return first, last
+
+
+def _pipeline(section: Any, model: models.GPTConfig, mesh_sizes: dict[str, int], batch: int, accum: int,
+              replicas: int) -> PipelinePlan | None:
+    """Check the pipeline settings against the model, the mesh and the batch (`replicas`: the batch's mesh ways)."""
+    name, m, v = section.schedule, section.microbatches, section.virtual_stages
+    p = mesh_sizes["pipeline"]
+    if name not in schedules.NAMES:
+        schedules.check_config(name, p, m, v)  # raises: unknown schedule
+    if p == 1:
+        return None
+    schedules.check_config(name, p, m, v)
+    if model.n_layers % (p * v):
+        raise ConfigError(f"model.n_layers={model.n_layers} is not divisible by mesh.pipeline={p} x "
+                          f"pipeline.virtual_stages={v}; change the layer count or the pipeline shape")
+    if batch % (replicas * accum * m):
+        raise ConfigError(f"train.global_batch_size={batch} is not divisible by the data-parallel size {replicas} x "
+                          f"pipeline.microbatches={m} x train.grad_accum_steps={accum}; change the batch or the "
+                          f"microbatch count")
+    return PipelinePlan(name, p, m, v)
 
 
 def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
@@ -100,10 +135,11 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} must be divisible by train.grad_accum_steps="
             f"{t.grad_accum_steps} x the batch-sharding mesh axes ({batch_ways} ways); change the batch size")
+    pipeline = _pipeline(config.pipeline, model, mesh_sizes, t.global_batch_size, t.grad_accum_steps, batch_ways)
     if config.data.source not in ("text", "tokens", "synthetic"):
         raise ConfigError(f"data.source={config.data.source!r}: use text, tokens or synthetic")
     if config.data.source == "text" and model.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={model.vocab_size}: byte-level text needs at least 256")
     return Plan(model=model, mesh_sizes=mesh_sizes, rules=rules, global_batch=t.global_batch_size,
                 grad_accum=t.grad_accum_steps, steps=t.steps, decay_steps=decay_steps,
-                profile_steps=_profile_range(t.profile_steps))
+                profile_steps=_profile_range(t.profile_steps), pipeline=pipeline)

@@ -1,6 +1,6 @@
-"""The jitted train and eval steps. A step is `loss_and_grad` (the plain model, or later a pipeline
-executor) + optional gradient accumulation + clipping + AdamW, with explicit in/out shardings and a
-donated state."""
+"""The jitted train and eval steps. A step is `loss_and_grad` (the plain model, or the pipeline
+executor of sharding/pipeline.py) + optional gradient accumulation + clipping + AdamW, with explicit
+in/out shardings and a donated state."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -70,9 +70,10 @@ def make_train_step(loss_and_grad: LossAndGrad, tx: optax.GradientTransformation
                    out_shardings=(layout.state, replicated), donate_argnums=0)
 
 
-def make_eval_step(cfg: models.GPTConfig, layout: Layout):
-    """jit(params, batch) -> mean loss, forward only."""
+def make_eval_step(cfg: models.GPTConfig, layout: Layout, loss_fn: Callable | None = None):
+    """jit(params, batch) -> mean loss, forward only (`loss_fn`, e.g. a pipeline's, or the plain model)."""
     constrain = layout.constrain()
-    return jax.jit(lambda params, tokens: models.loss(params, tokens, cfg, constrain),
+    loss_fn = loss_fn or (lambda params, tokens: models.loss(params, tokens, cfg, constrain))
+    return jax.jit(loss_fn,
                    in_shardings=(layout.state["params"], layout.batch),
                    out_shardings=NamedSharding(layout.mesh, P()))

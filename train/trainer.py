@@ -10,6 +10,7 @@ import ml_collections
 import optax
 
 from mesh import make_mesh
+from sharding import pipeline as pipeline_lib
 from train import data as data_lib
 from train import state as state_lib
 from train import step as step_lib
@@ -38,14 +39,44 @@ class Trainer:
         mesh = make_mesh(plan.mesh_sizes, num_devices=num_devices)
         tx, schedule = state_lib.make_optimizer(config.optimizer, plan.decay_steps)
         layout = state_lib.plan_layout(plan, mesh, tx, config.sharding.shard_opt_state)
-        loss_and_grad = step_lib.model_loss_and_grad(plan.model, layout.constrain())
+        if plan.pipeline:
+            table = plan.pipeline.build()
+            loss_and_grad = pipeline_lib.loss_and_grad(plan.model, mesh, plan.rules, table)
+            eval_loss = pipeline_lib.loss(plan.model, mesh, plan.rules, table)
+        else:
+            loss_and_grad = step_lib.model_loss_and_grad(plan.model, layout.constrain())
+            eval_loss = None
         loss_and_grad = step_lib.accumulate(loss_and_grad, plan.grad_accum, layout.batch)
         train_step = step_lib.make_train_step(loss_and_grad, tx, schedule, layout)
-        eval_step = step_lib.make_eval_step(plan.model, layout)
+        eval_step = step_lib.make_eval_step(plan.model, layout, eval_loss)
         return cls(config, plan, mesh, layout, tx, schedule, source, loss_and_grad, train_step, eval_step)
 
     def init_state(self) -> state_lib.State:
-        return state_lib.init_state(self.plan, self.layout, self.tx, self.config.train.seed)
+        return self.from_logical(state_lib.init_state(self.plan, self.layout, self.tx, self.config.train.seed))
+
+    def _layer_order(self):
+        p = self.plan.pipeline
+        if p is None or p.virtual_stages == 1:
+            return None  # contiguous stages: the in-memory order is the logical one
+        return pipeline_lib.layer_order(self.plan.model.n_layers, p.stages, p.virtual_stages)
+
+    def to_logical(self, state: state_lib.State) -> state_lib.State:
+        """The state with every stacked-layer array in logical layer order: what a checkpoint saves.
+
+        Interleaved pipelines keep each device's chunks contiguous in memory (sharding/pipeline.layer_order);
+        any other layout is already logical and this returns `state` itself.
+        """
+        order = self._layer_order()
+        if order is None:
+            return state
+        return jax.jit(lambda s: pipeline_lib.to_logical(s, order), out_shardings=self.layout.state)(state)
+
+    def from_logical(self, state: state_lib.State) -> state_lib.State:
+        """Inverse of to_logical: a restored (logical-order) state -> this layout's in-memory order."""
+        order = self._layer_order()
+        if order is None:
+            return state
+        return jax.jit(lambda s: pipeline_lib.from_logical(s, order), out_shardings=self.layout.state)(state)
 
     def batch(self, step: int, split: str = "train") -> jax.Array:
         return data_lib.global_batch(self.source, self.layout.batch, self.config.train.seed, step,

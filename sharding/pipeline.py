@@ -1,0 +1,229 @@
+"""Pipeline-parallel loss and gradients in one SPMD program: a `shard_map` over the pipeline and batch axes
+runs any schedule table (sharding/schedules.py) as a `lax.scan` over time slots, one `lax.switch` per slot.
+
+Same contract as train.step.model_loss_and_grad, so GPipe, 1F1B and interleaved 1F1B are tables, not code.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import models
+from sharding import pipeline_stages as stages
+from sharding import schedule_buffers, schedules
+from sharding import specs as sharding_specs
+from sharding.rules import Rules
+
+PIPELINE = "pipeline"
+
+
+# ----------------------------------------------------------------------------- layer order
+
+def layer_order(n_layers: int, stages_: int, virtual_stages: int) -> np.ndarray:
+    """int [n_layers]: the logical layer held at each position of the in-memory layer stack.
+
+    The stack's `layers` dimension is split contiguously over `pipeline` (rule layers -> pipeline), so
+    device d holds positions [d*v*Lc, (d+1)*v*Lc), read as v chunks of Lc = L/(vp) layers. Interleaving
+    (Megatron-LM, Narayanan et al. SC'21) puts model chunk k = c*p + d on device d, so position
+    d*v*Lc + c*Lc + l holds logical layer (c*p + d)*Lc + l. With v = 1 this is the identity.
+    """
+    p, v = stages_, virtual_stages
+    lc = n_layers // (p * v)
+    d, c, l = np.meshgrid(np.arange(p), np.arange(v), np.arange(lc), indexing="ij")
+    return ((c * p + d) * lc + l).reshape(-1)
+
+
+def _permute_layers(tree: Any, index: np.ndarray) -> Any:
+    """Take `index` along dim 0 of every leaf under a `layers` key (params and their optimizer moments)."""
+    def visit(path, x):
+        if any(getattr(k, "key", None) == "layers" for k in path):
+            return jnp.take(x, jnp.asarray(index), axis=0)
+        return x
+    return jax.tree_util.tree_map_with_path(visit, tree)
+
+
+def to_logical(tree: Any, order: np.ndarray) -> Any:
+    """In-memory (pipeline) layer order -> logical order 0..L-1: what checkpoints store."""
+    return _permute_layers(tree, np.argsort(order))
+
+
+def from_logical(tree: Any, order: np.ndarray) -> Any:
+    """Logical layer order -> the in-memory order of this pipeline layout (inverse of to_logical)."""
+    return _permute_layers(tree, order)
+
+
+# ----------------------------------------------------------------------------- the region's axes
+
+def manual_axes(rules: Rules, mesh_sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """`pipeline` and the axes that split the batch (data, fsdp): the pipeline region handles these by
+    hand. The batch axes must be manual: left automatic, XLA gathered the whole batch onto every stage at
+    the region's entry. Everything else (tensor) stays automatic, so XLA's partitioner places Megatron's
+    tensor-parallel collectives inside each stage's computation, as in the unpipelined model."""
+    batch = [a for a in rules.get("batch", ()) if mesh_sizes.get(a, 1) > 1 and a != PIPELINE]
+    return (PIPELINE, *batch)
+
+
+def _only(spec: P, axes: tuple[str, ...], drop: tuple[str, ...] = ()) -> P:
+    """`spec` restricted to the mesh axes in `axes` (minus `drop`)."""
+    out = []
+    for entry in spec:
+        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else (entry or ())) if a in axes and a not in drop)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*out)
+
+
+def _axes_of(spec: P) -> list[tuple[int, tuple[str, ...]]]:
+    return [(dim, (e,) if isinstance(e, str) else tuple(e)) for dim, e in enumerate(spec) if e]
+
+
+# ----------------------------------------------------------------------------- the slot program
+
+def slot_program(schedule: schedules.Schedule, train: bool) -> dict[str, np.ndarray]:
+    """int32 [slots, p] per field: the branch each device runs in each slot, its microbatch and chunk, and
+    the buffer entries it reads and writes (entry `size` is a scratch entry for cells that use none).
+
+    Evaluation (train=False) runs the same table with every backward cell idle, cut after its last forward.
+    """
+    kind, mb, chunk = (schedule.table[:, :, f] for f in (schedules.KIND, schedules.MICROBATCH, schedules.CHUNK))
+    p, v = schedule.stages, schedule.virtual_stages
+    d = np.arange(p)[None, :]
+    place = np.where((chunk == 0) & (d == 0), 0, np.where((chunk == v - 1) & (d == p - 1), 2, 1))
+    branch = np.full(kind.shape, stages.IDLE)
+    branch = np.where(kind == schedules.FORWARD, stages.FWD_FIRST + place, branch)
+    if train:
+        branch = np.where(kind == schedules.BACKWARD, stages.BWD_FIRST + place, branch)
+    acts, grads = schedule_buffers.activation_buffers(schedule), schedule_buffers.gradient_buffers(schedule)
+    scratch = lambda a, plan: np.where(a < 0, plan.size, a)  # noqa: E731
+    program = dict(branch=branch, mb=np.maximum(mb, 0), chunk=np.maximum(chunk, 0),
+                   act_read=scratch(acts.read, acts), act_write=scratch(acts.write, acts),
+                   grad_read=scratch(grads.read, grads), grad_write=scratch(grads.write, grads))
+    if not train:
+        program = {k: a[: np.nonzero(kind == schedules.FORWARD)[0].max() + 1] for k, a in program.items()}
+    program = {k: a.astype(np.int32) for k, a in program.items()}
+    program["sizes"] = np.array([acts.size + 1, grads.size + 1])
+    return program
+
+
+def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule,
+          train: bool = True) -> Callable:
+    """fn(params, tokens [B, seq+1]) -> (loss, grads) (train) or loss: the pipelined model on `mesh`.
+
+    Per device (shard_map, manual over `pipeline` and the batch axes): its rows of the batch split into m
+    microbatches; its stage's layers as v chunks. Each slot it runs its table cell, then `ppermute` carries
+    the activation to the next stage (d+1) and the input gradient to the previous one (d-1), on a ring when
+    interleaved (chunk c on device p-1 feeds chunk c+1 on device 0). Received messages wait in fixed-size
+    buffers (schedule_buffers) until their backward, so 1F1B keeps at most p inputs per stage whatever m.
+
+    FSDP inside the pipeline: stage parameters are gathered once per step, before the slot loop, and the
+    gradients stay full-size over fsdp until one reduce-scatter after it. The alternative, gathering per
+    microbatch inside each cell (ZeRO-3 proper), keeps only 1/fsdp of the stage's weights resident but moves
+    them 3m times a step (forward, recomputed forward, reduce-scatter of each backward) instead of twice;
+    with the stage already 1/p of the model, the once-per-step gather is the ZeRO-1/2-with-pipeline
+    trade made by DeepSpeed and Megatron-LM's distributed optimizer. Gradients and the loss are reduced
+    over the batch axes once per step, after the loop.
+    """
+    p, v, m = schedule.stages, schedule.virtual_stages, schedule.microbatches
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    assert sizes[PIPELINE] == p, (sizes, p)
+    assert p * v >= 2 and cfg.n_layers % (p * v) == 0, (cfg.n_layers, p, v)
+    manual = manual_axes(rules, sizes)
+    batch_axes = manual[1:]
+    replicas = math.prod(sizes[a] for a in batch_axes)
+
+    abstract, logical = models.abstract_params(cfg)
+    full_specs = sharding_specs.param_specs(abstract, logical, rules, sizes)
+    param_in = jax.tree.map(lambda s: _only(s, manual), full_specs, is_leaf=lambda x: isinstance(x, P))
+    batch_in = _only(sharding_specs.mesh_spec(P("batch", None), rules, None, sizes), manual)
+    auto_rules = {k: tuple(a for a in axes if a not in manual) for k, axes in rules.items()}
+
+    def constrain(x, names):  # activation hints for the automatic (tensor) axes only
+        return jax.lax.with_sharding_constraint(x, sharding_specs.mesh_spec(P(*names), auto_rules, x.shape, sizes))
+
+    program = slot_program(schedule, train)
+    act_entries, grad_entries = (int(n) for n in program.pop("sizes"))
+    fns = stages.branches(cfg, constrain, manual, 1.0 / m)
+    ring = v > 1  # only interleaving sends from the last stage back to the first
+    to_next = [(d, (d + 1) % p) for d in range(p if ring else p - 1)]
+    to_prev = [((d + 1) % p, d) for d in range(p if ring else p - 1)]
+
+    def gather(x, spec):  # FSDP: the whole stage's weights, once per step
+        for dim, axes in _axes_of(_only(spec, manual, drop=(PIPELINE,))):
+            x = jax.lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+        return x
+
+    def reduce(g, spec, is_layer):  # once per step: sum over the batch axes, scatter back to the FSDP shards
+        sharded = _axes_of(_only(spec, manual, drop=(PIPELINE,)))
+        in_spec = {a for _, axes in sharded for a in axes}
+        summed = tuple(a for a in batch_axes if a not in in_spec) + (() if is_layer else (PIPELINE,))
+        if summed:
+            g = jax.lax.psum(g, summed)
+        for dim, axes in sharded:
+            g = jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=dim, tiled=True)
+        return g / replicas
+
+    def region(params, tokens):
+        d = jax.lax.axis_index(PIPELINE)
+        params = jax.tree.map(gather, params, param_in)
+        params = stages.make_varying(params, manual)
+        stack = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), params["layers"])
+        top = {k: params[k] for k in stages.TOP_KEYS}
+        b = tokens.shape[0] // m
+        micro = tokens.reshape(m, b, tokens.shape[1])
+        dt = jnp.dtype(cfg.compute_dtype)
+        act_shape = (b, tokens.shape[1] - 1, cfg.d_model)
+        carry = dict(acts=jnp.zeros((act_entries, *act_shape), dt), grads=jnp.zeros((grad_entries, *act_shape), dt),
+                     loss=jnp.zeros((), jnp.float32))
+        if train:
+            carry.update(g_stack=jax.tree.map(jnp.zeros_like, stack), g_top=jax.tree.map(jnp.zeros_like, top))
+        carry = stages.make_varying(carry, manual)
+
+        def slot(carry, row):
+            cell = {k: a[d] for k, a in row.items()}
+            chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, cell["chunk"], 0, keepdims=False), stack)
+            ops = (chunk, top, micro[cell["mb"]], carry["acts"][cell["act_read"]], carry["grads"][cell["grad_read"]])
+            y, g_x, g_chunk, g_top, loss = jax.lax.switch(cell["branch"], fns, ops)
+            new = dict(carry, loss=carry["loss"] + loss / m)
+            # Send, then store what arrived (schedule_buffers' order), so an entry freed in this slot is reusable.
+            new["acts"] = _store(carry["acts"], jax.lax.ppermute(y, PIPELINE, to_next), cell["act_write"])
+            if train:
+                new["grads"] = _store(carry["grads"], jax.lax.ppermute(g_x, PIPELINE, to_prev), cell["grad_write"])
+                new["g_stack"] = jax.tree.map(lambda acc, g: _add_at(acc, g, cell["chunk"]), carry["g_stack"], g_chunk)
+                new["g_top"] = jax.tree.map(jnp.add, carry["g_top"], g_top)
+            return new, None
+
+        carry, _ = jax.lax.scan(slot, carry, {k: jnp.asarray(a) for k, a in program.items()})
+        loss = jax.lax.psum(carry["loss"], manual) / replicas
+        if not train:
+            return loss
+        grads = dict(carry["g_top"], layers=jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry["g_stack"]))
+        grads = {k: jax.tree.map(lambda g, s: reduce(g, s, k == "layers"), grads[k], param_in[k]) for k in grads}
+        return loss, grads
+
+    out_specs = (P(), param_in) if train else P()
+    return jax.shard_map(region, mesh=mesh, in_specs=(param_in, batch_in), out_specs=out_specs,
+                         axis_names=set(manual), check_vma=True)
+
+
+def _store(buffer: jax.Array, message: jax.Array, entry: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(buffer, message, entry, 0)
+
+
+def _add_at(acc: jax.Array, g: jax.Array, index: jax.Array) -> jax.Array:
+    current = jax.lax.dynamic_index_in_dim(acc, index, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(acc, current + g, index, 0)
+
+
+def loss_and_grad(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules,
+                  schedule: schedules.Schedule) -> Callable:
+    """The LossAndGrad of train.step: (params, tokens [B, seq+1]) -> (mean loss, grads)."""
+    return build(cfg, mesh, rules, schedule, train=True)
+
+
+def loss(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule) -> Callable:
+    """(params, tokens) -> mean loss, forward cells only: evaluation without gathering the layer stack."""
+    return build(cfg, mesh, rules, schedule, train=False)
