@@ -103,7 +103,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, compile_only: bool =
         (path / "metrics.jsonl").write_text("")  # a fresh run starts a fresh log
     log.message(f"training {rep['param_count'] / 1e6:.1f}M parameters on mesh "
                 f"{' x '.join(f'{a}={s}' for a, s in rep['mesh'].items() if s > 1) or 'single device'} "
-                f"for {plan.steps} steps; compiled in {compile_s:.1f}s")
+                f"for {plan.steps} steps{report_lib.pipeline_line(plan)}; compiled in {compile_s:.1f}s")
 
     times: list[float] = []
     last = {"loss": float("nan"), "eval_loss": None}

@@ -12,6 +12,7 @@ import jax
 import models
 from mesh import hlo
 from mesh.layout import axis_sizes
+from sharding import schedules
 from train.config import Plan
 
 
@@ -46,8 +47,32 @@ def build(plan: Plan, mesh: jax.sharding.Mesh, compiled, extra: dict[str, Any] |
         "memory_per_device": memory_per_device(compiled),
         "collectives": hlo.collectives(compiled.as_text(), mesh),
     }
+    if plan.pipeline:
+        report["pipeline"] = pipeline_summary(plan)
     report.update(extra or {})
     return report
+
+
+def pipeline_summary(plan: Plan) -> dict[str, Any] | None:
+    """The schedule's shape and its bubble: idle cells of the table (equal to the paper's closed form)."""
+    if not plan.pipeline:
+        return None
+    table = plan.pipeline.build()
+    return {"schedule": table.name, "stages": table.stages, "microbatches": table.microbatches,
+            "virtual_stages": table.virtual_stages, "slots": table.num_slots,
+            "bubble_fraction": schedules.bubble_fraction(table),
+            "closed_form_bubble": schedules.closed_form_bubble(table.name, table.stages, table.microbatches,
+                                                               table.virtual_stages),
+            "max_in_flight": [int(n) for n in schedules.max_in_flight(table)]}
+
+
+def pipeline_line(plan: Plan) -> str:
+    """'; pipeline 1f1b p=2 m=8 v=1, bubble 11.1%' for the start-of-run log line ('' without a pipeline)."""
+    info = pipeline_summary(plan)
+    if not info:
+        return ""
+    return (f"; pipeline {info['schedule']} p={info['stages']} m={info['microbatches']} "
+            f"v={info['virtual_stages']}, bubble {100 * info['bubble_fraction']:.1f}%")
 
 
 def write(report: dict[str, Any], workdir: pathlib.Path) -> pathlib.Path:

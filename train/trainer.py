@@ -54,7 +54,9 @@ class Trainer:
     def init_state(self) -> state_lib.State:
         return self.from_logical(state_lib.init_state(self.plan, self.layout, self.tx, self.config.train.seed))
 
-    def _layer_order(self):
+    @property
+    def layer_order(self):
+        """The logical layer at each position of the in-memory stack, or None when that is the identity."""
         p = self.plan.pipeline
         if p is None or p.virtual_stages == 1:
             return None  # contiguous stages: the in-memory order is the logical one
@@ -66,14 +68,14 @@ class Trainer:
         Interleaved pipelines keep each device's chunks contiguous in memory (sharding/pipeline.layer_order);
         any other layout is already logical and this returns `state` itself.
         """
-        order = self._layer_order()
+        order = self.layer_order
         if order is None:
             return state
         return jax.jit(lambda s: pipeline_lib.to_logical(s, order), out_shardings=self.layout.state)(state)
 
     def from_logical(self, state: state_lib.State) -> state_lib.State:
         """Inverse of to_logical: a restored (logical-order) state -> this layout's in-memory order."""
-        order = self._layer_order()
+        order = self.layer_order
         if order is None:
             return state
         return jax.jit(lambda s: pipeline_lib.from_logical(s, order), out_shardings=self.layout.state)(state)
