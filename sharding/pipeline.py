@@ -20,6 +20,9 @@ from sharding import specs as sharding_specs
 from sharding.rules import Rules
 
 PIPELINE = "pipeline"
+# FSDP inside the pipeline region: stage weights gathered (and gradients reduce-scattered) once per step;
+# see `build`. The compile report carries this so an audit knows to expect one fsdp all-gather per weight.
+FSDP_GATHER = "once_per_step"
 
 
 # ----------------------------------------------------------------------------- layer order
@@ -102,10 +105,12 @@ def slot_program(schedule: schedules.Schedule, train: bool) -> dict[str, np.ndar
     program = dict(branch=branch, mb=np.maximum(mb, 0), chunk=np.maximum(chunk, 0),
                    act_read=scratch(acts.read, acts), act_write=scratch(acts.write, acts),
                    grad_read=scratch(grads.read, grads), grad_write=scratch(grads.write, grads))
-    if not train:
+    sizes = [acts.size + 1, grads.size + 1]
+    if not train:  # no gradients travel: one scratch entry
         program = {k: a[: np.nonzero(kind == schedules.FORWARD)[0].max() + 1] for k, a in program.items()}
+        program["grad_read"], program["grad_write"], sizes[1] = 0 * program["grad_read"], 0 * program["grad_write"], 1
     program = {k: a.astype(np.int32) for k, a in program.items()}
-    program["sizes"] = np.array([acts.size + 1, grads.size + 1])
+    program["sizes"] = np.array(sizes)
     return program
 
 
@@ -118,6 +123,7 @@ def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule
     the activation to the next stage (d+1) and the input gradient to the previous one (d-1), on a ring when
     interleaved (chunk c on device p-1 feeds chunk c+1 on device 0). Received messages wait in fixed-size
     buffers (schedule_buffers) until their backward, so 1F1B keeps at most p inputs per stage whatever m.
+    The cells themselves (embedding first, head and loss last, backward by vjp) are in pipeline_stages.
 
     FSDP inside the pipeline: stage parameters are gathered once per step, before the slot loop, and the
     gradients stay full-size over fsdp until one reduce-scatter after it. The alternative, gathering per
@@ -191,6 +197,9 @@ def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule
             # Send, then store what arrived (schedule_buffers' order), so an entry freed in this slot is reusable.
             new["acts"] = _store(carry["acts"], jax.lax.ppermute(y, PIPELINE, to_next), cell["act_write"])
             if train:
+                # Every cell returns chunk and top gradients (zeros unless it is a backward), since switch
+                # branches share one output type; the add costs one pass over the chunk's gradient, small next
+                # to the chunk's matmuls on a microbatch.
                 new["grads"] = _store(carry["grads"], jax.lax.ppermute(g_x, PIPELINE, to_prev), cell["grad_write"])
                 new["g_stack"] = jax.tree.map(lambda acc, g: _add_at(acc, g, cell["chunk"]), carry["g_stack"], g_chunk)
                 new["g_top"] = jax.tree.map(jnp.add, carry["g_top"], g_top)

@@ -98,8 +98,8 @@ def _pipeline(section: Any, model: models.GPTConfig, mesh_sizes: dict[str, int],
     """Check the pipeline settings against the model, the mesh and the batch (`replicas`: the batch's mesh ways)."""
     name, m, v = section.schedule, section.microbatches, section.virtual_stages
     p = mesh_sizes["pipeline"]
-    if name not in schedules.NAMES:
-        schedules.check_config(name, p, m, v)  # raises: unknown schedule
+    if name not in schedules.NAMES:  # a typo is an error even before mesh.pipeline > 1 uses it
+        schedules.check_config(name, p, m, v)
     if p == 1:
         return None
     schedules.check_config(name, p, m, v)

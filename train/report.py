@@ -12,6 +12,7 @@ import jax
 import models
 from mesh import hlo
 from mesh.layout import axis_sizes
+from sharding import pipeline as pipeline_lib
 from sharding import schedules
 from train.config import Plan
 
@@ -63,7 +64,8 @@ def pipeline_summary(plan: Plan) -> dict[str, Any] | None:
             "bubble_fraction": schedules.bubble_fraction(table),
             "closed_form_bubble": schedules.closed_form_bubble(table.name, table.stages, table.microbatches,
                                                                table.virtual_stages),
-            "max_in_flight": [int(n) for n in schedules.max_in_flight(table)]}
+            "max_in_flight": [int(n) for n in schedules.max_in_flight(table)],
+            "fsdp_gather": pipeline_lib.FSDP_GATHER}
 
 
 def pipeline_line(plan: Plan) -> str:

@@ -3,6 +3,7 @@ layout, the optimizer, the data source and the jitted steps. Tests and benchmark
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -62,23 +63,26 @@ class Trainer:
             return None  # contiguous stages: the in-memory order is the logical one
         return pipeline_lib.layer_order(self.plan.model.n_layers, p.stages, p.virtual_stages)
 
+    @functools.cached_property
+    def _reorder(self):
+        """Jitted (to_logical, from_logical) over the whole state, compiled once; None for the identity."""
+        order = self.layer_order
+        if order is None:
+            return None
+        return tuple(jax.jit(lambda s, fn=fn: fn(s, order), out_shardings=self.layout.state)
+                     for fn in (pipeline_lib.to_logical, pipeline_lib.from_logical))
+
     def to_logical(self, state: state_lib.State) -> state_lib.State:
         """The state with every stacked-layer array in logical layer order: what a checkpoint saves.
 
         Interleaved pipelines keep each device's chunks contiguous in memory (sharding/pipeline.layer_order);
-        any other layout is already logical and this returns `state` itself.
+        for any other layout the order is already logical and `state` itself is returned.
         """
-        order = self.layer_order
-        if order is None:
-            return state
-        return jax.jit(lambda s: pipeline_lib.to_logical(s, order), out_shardings=self.layout.state)(state)
+        return state if self._reorder is None else self._reorder[0](state)
 
     def from_logical(self, state: state_lib.State) -> state_lib.State:
         """Inverse of to_logical: a restored (logical-order) state -> this layout's in-memory order."""
-        order = self.layer_order
-        if order is None:
-            return state
-        return jax.jit(lambda s: pipeline_lib.from_logical(s, order), out_shardings=self.layout.state)(state)
+        return state if self._reorder is None else self._reorder[1](state)
 
     def batch(self, step: int, split: str = "train") -> jax.Array:
         return data_lib.global_batch(self.source, self.layout.batch, self.config.train.seed, step,
