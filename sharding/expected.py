@@ -6,7 +6,9 @@ pass (the memory-saving choice of ZeRO-3), and their gradients reduce-scattered 
 Megatron tensor parallelism: per block, one activation all-reduce after attention and one after the MLP,
 each mirrored in the backward pass, plus the embedding (forward) and the head's input gradient (backward);
 full rematerialization repeats the two forward ones.
-Pipeline: each microbatch's activation to the next stage and its gradient to the previous one.
+Pipeline (sharding/pipeline.py): the lockstep executor sends one activation and one gradient per time slot,
+2(vm+p-1) slots a step; each backward cell recomputes its forward (tensor all-reduces as under full remat);
+FSDP weights are gathered once per step (pipeline.FSDP_GATHER), not in the forward and again in the backward.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ def expected_traffic(cfg: models.GPTConfig, abstract_params: Any, param_specs: A
     leaves = jax.tree.leaves(abstract_params)
     specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
     batch_axes = [a for a in rules.get("batch", ()) if sizes.get(a, 1) > 1]
+    pipelined = bool(pipeline) and sizes.get("pipeline", 1) > 1
     out: list[Expected] = []
     for axis in batch_axes:
         grads = gathered = 0.0
@@ -59,20 +62,24 @@ def expected_traffic(cfg: models.GPTConfig, abstract_params: Any, param_specs: A
         if grads:
             out.append(Expected("gradient all-reduce", "all_reduce", axis, grads))
         if gathered:
-            out.append(Expected("weight all-gather (forward + backward)", "all_gather", axis, 2 * gathered))
+            if pipelined:
+                out.append(Expected("weight all-gather (once per step, pipeline)", "all_gather", axis, gathered))
+            else:
+                out.append(Expected("weight all-gather (forward + backward)", "all_gather", axis, 2 * gathered))
             out.append(Expected("gradient reduce-scatter", "reduce_scatter", axis, gathered))
     tensor = sizes.get("tensor", 1)
     if tensor > 1 and any("tensor" in _axes_of(s) for s in specs):
         ways = math.prod(sizes[a] for a in batch_axes)
         stages = sizes.get("pipeline", 1)
         act = global_batch // ways * cfg.seq_len * cfg.d_model * jax.numpy.dtype(cfg.compute_dtype).itemsize
-        per_layer = 6 if cfg.remat == "full" else 4
+        per_layer = (6 if cfg.remat == "full" else 4) + (2 if pipelined else 0)
         out.append(Expected("activation all-reduce (Megatron)", "all_reduce", "tensor",
                             (per_layer * cfg.n_layers // stages + 2) * act))
-    if pipeline and sizes.get("pipeline", 1) > 1:
+    if pipelined:
         ways = math.prod(sizes[a] for a in batch_axes)
         micro = global_batch // ways // pipeline["microbatches"]
         act = micro * cfg.seq_len * cfg.d_model * jax.numpy.dtype(cfg.compute_dtype).itemsize
-        sends = 2 * pipeline["microbatches"] * pipeline.get("virtual_stages", 1)
+        slots = 2 * (pipeline.get("virtual_stages", 1) * pipeline["microbatches"] + sizes["pipeline"] - 1)
+        sends = 2 * slots  # idle cells send zeros: SPMD collectives run on every device every slot
         out.append(Expected("stage activations and gradients", "collective_permute", "pipeline", sends * act))
     return out

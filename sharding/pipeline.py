@@ -162,15 +162,14 @@ def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule
             x = jax.lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
         return x
 
-    def reduce(g, spec, is_layer):  # once per step: sum over the batch axes, scatter back to the FSDP shards
+    def reduce(g, spec, is_layer):  # once per step: scatter back to the FSDP shards, then sum over the rest
         sharded = _axes_of(_only(spec, manual, drop=(PIPELINE,)))
-        in_spec = {a for _, axes in sharded for a in axes}
-        summed = tuple(a for a in batch_axes if a not in in_spec) + (() if is_layer else (PIPELINE,))
-        if summed:
-            g = jax.lax.psum(g, summed)
-        for dim, axes in sharded:
+        for dim, axes in sharded:  # first, so the all-reduce below moves a shard rather than the whole stage
             g = jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=dim, tiled=True)
-        return g / replicas
+        in_spec = {a for _, axes in sharded for a in axes}
+        # Embedding and head gradients exist on the first and last stage only; every stage holds a replica.
+        summed = tuple(a for a in batch_axes if a not in in_spec) + (() if is_layer else (PIPELINE,))
+        return (jax.lax.psum(g, summed) if summed else g) / replicas
 
     def region(params, tokens):
         d = jax.lax.axis_index(PIPELINE)
