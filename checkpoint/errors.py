@@ -1,0 +1,21 @@
+"""What can go wrong with checkpoints, as exception types the training entry point maps to exit statuses."""
+
+
+class CheckpointError(RuntimeError):
+    """Base of every checkpoint failure; the message is one line a user can act on."""
+
+
+class IncompatibleCheckpoint(CheckpointError, ValueError):
+    """The checkpoint holds a different model or optimizer shape than the config asks for (a user error)."""
+
+
+class RestoreFromError(CheckpointError, ValueError):
+    """`checkpoint.restore_from` names nothing restorable (a user error)."""
+
+
+class NoRestorableCheckpoint(CheckpointError):
+    """Checkpoints exist (or were set aside) but none restores; starting from step 0 would lose them."""
+
+
+class SaveFailed(CheckpointError):
+    """A save failed, usually in the background; the newest complete checkpoint is still intact."""

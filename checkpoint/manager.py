@@ -1,0 +1,155 @@
+"""Async checkpoints with Orbax: DIR/checkpoints/<step>/ holds the PyTree item `state` and the JSON item
+`meta`. The caller blocks only while arrays are copied to host; Orbax writes and commits in the
+background (a save killed midway stays a `*.orbax-checkpoint-tmp` folder that is never listed), and a
+background failure is raised on the caller's thread by the next poll() or wait()."""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import time
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+
+from checkpoint import integrity
+from checkpoint import meta as meta_lib
+from checkpoint.errors import SaveFailed
+from checkpoint.meta_handler import DeferredMeta, MetaRestore, MetaSave
+
+ITEMS = ("state", "meta")
+
+
+@dataclasses.dataclass(frozen=True)
+class SavePolicy:
+    """When to save: every `every_steps` steps and/or every `every_minutes` of wall time (0 = never);
+    the caller also saves at the final step and on preemption."""
+    every_steps: int = 0
+    every_minutes: float = 0.0
+
+    def step_due(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def time_due(self, seconds_since_last_save: float) -> bool:
+        return bool(self.every_minutes) and seconds_since_last_save >= 60.0 * self.every_minutes
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveRecord:
+    step: int
+    blocked_s: float  # the caller's wait: device-to-host copy and the start of the write
+    save_s: float     # start of the save to its commit, from Orbax's own timestamps
+
+
+def _one_writer_per_array() -> None:
+    """With one process, Orbax's replica-parallel saving (its default on CPU) cuts every replicated array
+    into per-device slices, compiling a slice program per shape on each process's first save (seconds
+    of blocked time on CPU) for no I/O gain, since one process writes everything anyway. Turn it off
+    then, as Orbax already does on GPU; with several processes keep Orbax's choice."""
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    if jax.process_count() == 1 and getattr(handler, "_use_replica_parallel", False):
+        handler._use_replica_parallel = False
+
+
+def _retention(keep: int, keep_period: int) -> policies.PreservationPolicy:
+    latest = policies.LatestN(keep)
+    return policies.AnyPreservationPolicy([latest, policies.EveryNSteps(keep_period)]) if keep_period else latest
+
+
+class Checkpoints:
+    """The checkpoints of one run directory (`read_only` for another run's, as with restore_from)."""
+
+    def __init__(self, directory: str | pathlib.Path, *, keep: int = 3, keep_period: int = 0,
+                 read_only: bool = False, async_save: bool = True):
+        self.directory = pathlib.Path(directory)
+        _one_writer_per_array()
+        # read_only: a manager that is never asked to save, so it writes nothing (Orbax's own read_only
+        # mode would log a warning on every run that merely peeks at its checkpoints).
+        self.read_only = read_only
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=async_save, create=not read_only,
+            cleanup_tmp_directories=not read_only,  # leftovers of saves killed midway
+            preservation_policy=None if read_only else _retention(keep, keep_period))
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        self._inflight: tuple[int, float] | None = None  # (step, blocked seconds) of the save in flight
+        self._done: list[SaveRecord] = []
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return sorted(self.manager.all_steps())
+
+    def reload(self) -> None:
+        self.manager.reload()
+
+    def step_dir(self, step: int) -> pathlib.Path:
+        return self.directory / str(step)
+
+    def save(self, step: int, tree: Any, info: dict[str, Any],
+             checksums: tuple[list[str], Any] | None = None) -> float:
+        """Start saving `tree` (a plain nested dict of arrays) as `step`, with a meta of `info` plus every
+        array's shape, dtype and checksum. `checksums`: integrity.device_checksums(tree) dispatched earlier,
+        while the arrays were still being computed, so that on CPU (where a dispatch with ready inputs runs
+        inline) they do not block here either. Returns the seconds the caller was blocked, including any
+        wait for the previous save (whose failure is raised here)."""
+        assert not self.read_only, "a read-only Checkpoints never saves"
+        start = time.perf_counter()
+        if self._inflight is not None:
+            self._finish()
+        names, sums = checksums or integrity.device_checksums(tree)  # the commit fetches them
+        meta = DeferredMeta(meta_lib.build(tree, {}, step=step, **info), names, sums)
+        try:
+            self.manager.save(step, force=True, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                                                         meta=MetaSave(meta)))
+        except Exception as e:  # noqa: BLE001  (the synchronous part: directories, host copies)
+            raise SaveFailed(f"saving checkpoint {self.step_dir(step)} failed: {type(e).__name__}: {e}") from e
+        blocked = time.perf_counter() - start
+        self._inflight = (step, blocked)
+        return blocked
+
+    def _finish(self) -> None:
+        step, blocked = self._inflight
+        self._inflight = None
+        try:
+            self.manager.wait_until_finished()  # joins at once if done; raises the background error
+        except Exception as e:  # noqa: BLE001
+            raise SaveFailed(f"background save of checkpoint {self.step_dir(step)} failed: "
+                             f"{type(e).__name__}: {e}; the newest complete checkpoint is intact") from e
+        if step not in self.manager.all_steps():
+            raise SaveFailed(f"background save of checkpoint {self.step_dir(step)} did not commit; "
+                             f"the newest complete checkpoint is intact")
+        timing = self.manager.metadata(step)
+        saved = ((timing.commit_timestamp_nsecs or 0) - (timing.init_timestamp_nsecs or 0)) / 1e9
+        self._done.append(SaveRecord(step, blocked, max(saved, blocked)))
+
+    def poll(self) -> list[SaveRecord]:
+        """Non-blocking: records of saves committed since the last call; raises SaveFailed if one failed."""
+        if self._inflight is not None and not self.manager.is_saving_in_progress():
+            self._finish()
+        done, self._done = self._done, []
+        return done
+
+    def wait(self) -> list[SaveRecord]:
+        """Like poll(), but first blocks until the save in flight has committed."""
+        if self._inflight is not None:
+            self._finish()
+        return self.poll()
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        return self.manager.restore(step, args=ocp.args.Composite(meta=MetaRestore()))["meta"]
+
+    def restore_state(self, step: int, target: Any) -> Any:
+        """The `state` item of `step` restored straight into `target`'s shardings (ShapeDtypeStructs),
+        each device reading only its own slices."""
+        return self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target)))["state"]
+
+    def restore_subtree(self, step: int, target: Any) -> Any:
+        """Only the arrays named in `target` (e.g. {'params': ...}); the others are never read."""
+        with ocp.PyTreeCheckpointer() as reader:
+            return reader.restore(self.step_dir(step) / "state", args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True))
+
+    def close(self) -> None:
+        self.manager.close()
