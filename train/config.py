@@ -44,7 +44,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer = dict(lr=3e-3, warmup_steps=10, decay_steps=0, min_lr_ratio=0.1, weight_decay=0.1,
                        b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0)
     c.data = dict(source="text", path="", token_dtype="uint16", eval_percent=5, cache_dir="")
-    c.checkpoint = dict(every_steps=0, keep=3)
+    c.checkpoint = dict(every_steps=0, every_minutes=0.0, keep=3, keep_period=0, restore_from="",
+                        restore_params_only=False)
+    c.train.update(on_nonfinite="stop", step_timeout_s=1800.0)  # fault tolerance: see train/resume.py
+    # Faults on purpose, for tests of the fault handling (0 = off): never set them in a real run.
+    c.fault_injection = dict(nan_at_step=0, hang_at_step=0, hang_s=0.0, step_delay_s=0.0)
     return c
 
 

@@ -50,24 +50,43 @@ def accumulate(loss_and_grad: LossAndGrad, accum: int, batch_sharding: NamedShar
 
 
 def make_train_step(loss_and_grad: LossAndGrad, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    layout: Layout):
-    """jit(state, batch) -> (state, metrics); the state is donated, metrics are replicated scalars."""
+                    layout: Layout, *, skip_nonfinite: bool = False, nan_at_step: int = 0):
+    """jit(state, batch) -> (state, metrics); the state is donated, metrics are replicated scalars.
+
+    `skip_nonfinite`: a step whose loss or gradient norm is not finite leaves params and optimizer state
+    as they were (decided inside the step, so a bad update never reaches the state) and reports
+    `skipped`=1. `nan_at_step` (fault injection, for tests) makes step number k's loss and gradients NaN.
+    """
     param_shardings = layout.state["params"]
 
     def step(state: State, tokens: jax.Array):
         loss, grads = loss_and_grad(state["params"], tokens)
+        if nan_at_step:
+            poison = jnp.where(state["step"] + 1 == nan_at_step, jnp.nan, 1.0).astype(loss.dtype)
+            loss, grads = loss * poison, jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
         # Pin gradients to the parameters' layout: under FSDP this makes the reduction a reduce-scatter.
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        new_state = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
-                     "step": state["step"] + 1}
+        params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
+        if skip_nonfinite:
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                             (params, opt_state), (state["params"], state["opt_state"]))
+            metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+        new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
         return new_state, metrics
 
     replicated = NamedSharding(layout.mesh, P())
     return jax.jit(step, in_shardings=(layout.state, layout.batch),
                    out_shardings=(layout.state, replicated), donate_argnums=0)
+
+
+def guard_options(config) -> dict:
+    """make_train_step's non-finite policy and fault injection, from the config."""
+    return {"skip_nonfinite": config.train.on_nonfinite == "skip",
+            "nan_at_step": int(config.fault_injection.nan_at_step)}
 
 
 def make_eval_step(cfg: models.GPTConfig, layout: Layout, loss_fn: Callable | None = None):
