@@ -54,9 +54,12 @@ def main(argv: list[str]) -> int:
         audit = dict(topology=_TOPOLOGY.value, hosts=_HOSTS.value, mfu=_AUDIT_MFU.value) if _AUDIT.value else None
         loop.run(_CONFIG.value, _WORKDIR.value, compile_only=_COMPILE_ONLY.value, peak_tflops=_PEAK_TFLOPS.value,
                  audit=audit)
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return exit_codes.USER_ERROR
+    except Exception as e:  # noqa: BLE001  (expected failures end with their documented status: exit_codes)
+        status = exit_codes.status_of(e)
+        if status is None:
+            raise
+        print(e if isinstance(e, exit_codes.Stop) else f"error: {e}", file=sys.stderr, flush=True)
+        return status
     return exit_codes.OK
 
 

@@ -19,7 +19,9 @@ def _fmt_duration(seconds: float) -> str:
 
 
 class MetricsLog:
-    def __init__(self, workdir: pathlib.Path, total_steps: int):
+    def __init__(self, workdir: pathlib.Path, total_steps: int, purge_step: int | None = None):
+        """`purge_step`: a resumed run's first step; TensorBoard drops events of that step and later
+        that the interrupted run had written."""
         self.enabled = jax.process_index() == 0
         self.total_steps = total_steps
         self.live = sys.stdout.isatty()
@@ -27,7 +29,7 @@ class MetricsLog:
         if self.enabled:
             self._jsonl = open(workdir / "metrics.jsonl", "a", buffering=1)
             from tensorboardX import SummaryWriter  # imported late: it is slow to import
-            self._tb = SummaryWriter(str(workdir / "tensorboard"))
+            self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=purge_step)
 
     def write(self, record: dict[str, Any]) -> None:
         """One record: `step` plus scalars. Written at once, so a crash loses nothing logged."""

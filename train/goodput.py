@@ -1,0 +1,73 @@
+"""Goodput across restarts: each attempt's wall time split into productive steps, compilation, restore or
+init, checkpoint blocking, evaluation and steps recomputed after a failure, kept in DIR/goodput.json.
+The file is rewritten atomically as the run goes, so a killed attempt keeps what it last recorded."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import time
+from typing import Any
+
+PARTS = ("compile_s", "restore_s", "init_s", "checkpoint_blocked_s", "eval_s", "productive_s", "recomputed_s")
+
+
+def process_start_time() -> float:
+    """When this process started (Unix time), so imports and backend startup count too (Linux; else now)."""
+    try:
+        ticks = int(pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(pathlib.Path("/proc/uptime").read_text().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+class Goodput:
+    def __init__(self, workdir: pathlib.Path, enabled: bool = True):
+        self.path = workdir / "goodput.json"
+        self.enabled = enabled
+        self.started = process_start_time()
+        previous = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.attempts: list[dict[str, Any]] = previous.get("attempts", [])
+        # Steps an earlier attempt completed: running them again is recomputation.
+        self.done_before = max([a.get("last_step") or 0 for a in self.attempts], default=0)
+        self.now: dict[str, Any] = {
+            "started": datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(),
+            "wall_s": 0.0, **{p: 0.0 for p in PARTS}, "recomputed_steps": 0, "first_step": None,
+            "last_step": None, "exit_status": None}
+
+    def add(self, part: str, seconds: float) -> None:
+        self.now[part] += seconds
+
+    def step(self, step: int, seconds: float) -> None:
+        recomputed = step <= self.done_before
+        self.now["recomputed_s" if recomputed else "productive_s"] += seconds
+        self.now["recomputed_steps"] += int(recomputed)
+        self.now["first_step"] = self.now["first_step"] or step
+        self.now["last_step"] = step
+
+    def totals(self) -> dict[str, Any]:
+        runs = self.attempts + [self.now]
+        out = {p: round(sum(a[p] for a in runs), 3) for p in ("wall_s",) + PARTS}
+        out["attempts"] = len(runs)
+        out["goodput"] = round(out["productive_s"] / out["wall_s"], 4) if out["wall_s"] else 0.0
+        return out
+
+    def flush(self, exit_status: int | None = None) -> None:
+        self.now["wall_s"] = time.time() - self.started
+        self.now["exit_status"] = exit_status
+        if not self.enabled:
+            return
+        record = {"totals": self.totals(), "attempts": self.attempts + [self.now]}
+        tmp = self.path.with_suffix(f".json.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, self.path)
+
+    def line(self) -> str:
+        t = self.totals()
+        other = t["wall_s"] - sum(t[p] for p in PARTS)
+        return (f"goodput {100 * t['goodput']:.1f}% over {t['attempts']} attempt(s): productive {t['productive_s']:.1f}s "
+                f"of {t['wall_s']:.1f}s wall; compile {t['compile_s']:.1f}s, restore {t['restore_s']:.1f}s, init "
+                f"{t['init_s']:.1f}s, checkpoint blocking {t['checkpoint_blocked_s']:.2f}s, eval {t['eval_s']:.1f}s, "
+                f"recomputed {t['recomputed_s']:.1f}s, other {other:.1f}s")

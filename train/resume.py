@@ -1,0 +1,157 @@
+"""Where a run starts: its own newest intact checkpoint (automatic resume), else `checkpoint.restore_from`
+(another run's checkpoint: full state, or params only for fine-tuning), else a fresh init. Also the checks
+of the fault-tolerance settings, made before anything is compiled or moved."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import shutil
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import checkpoint
+from checkpoint import meta as meta_lib
+from checkpoint import plain
+from train.config import ConfigError
+from train.trainer import Trainer
+
+NONFINITE_POLICIES = ("stop", "skip")
+GiB = 1 << 30
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Every fault-tolerance setting, as one-line errors naming the setting."""
+    ck, t, fi = config.checkpoint, config.train, config.fault_injection
+    for prefix, section, keys in (("checkpoint", ck, ("every_steps", "keep_period", "every_minutes")),
+                                  ("train", t, ("step_timeout_s",)),
+                                  ("fault_injection", fi, ("nan_at_step", "hang_at_step", "hang_s", "step_delay_s"))):
+        for key in keys:
+            if not isinstance(section[key], (int, float)) or section[key] < 0:
+                raise ConfigError(f"{prefix}.{key}={section[key]!r}: must be a number >= 0 (0 turns it off)")
+    if not isinstance(ck.keep, int) or ck.keep < 1:
+        raise ConfigError(f"checkpoint.keep={ck.keep!r}: keep at least 1 checkpoint")
+    if t.on_nonfinite not in NONFINITE_POLICIES:
+        raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r}: use 'stop' (default) or 'skip'")
+    if ck.restore_params_only and not ck.restore_from:
+        raise ConfigError("checkpoint.restore_params_only=True needs checkpoint.restore_from=PATH[:STEP]")
+
+
+def rng_of(seed: int, mesh: jax.sharding.Mesh) -> jax.Array:
+    """The run's root RNG key data (replicated): with the step, it fixes every batch and random draw."""
+    return jax.device_put(jax.random.key_data(jax.random.key(seed)), NamedSharding(mesh, P()))
+
+
+def target(trainer: Trainer) -> dict[str, Any]:
+    """The checkpoint's plain tree as ShapeDtypeStructs in this run's shardings: what a restore fills."""
+    rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+    rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=NamedSharding(trainer.mesh, P()))
+    return plain.to_plain({**trainer.layout.abstract_state, "rng": rng})
+
+
+def to_tree(state: dict[str, Any], rng: jax.Array) -> dict[str, Any]:
+    return plain.to_plain({**state, "rng": rng})
+
+
+def from_tree(tree: dict[str, Any], trainer: Trainer) -> dict[str, Any]:
+    return plain.from_plain({k: tree[k] for k in ("params", "opt_state", "step")}, trainer.layout.abstract_state)
+
+
+def _newest_meta(ckpts: checkpoint.Checkpoints) -> tuple[int, dict[str, Any]] | None:
+    for step in reversed(ckpts.steps()):
+        try:
+            return step, ckpts.read_meta(step)
+        except Exception:  # noqa: BLE001  (a damaged one: the restore moves it aside later)
+            continue
+    return None
+
+
+def check_before_compile(config: ml_collections.ConfigDict, trainer: Trainer, workdir: pathlib.Path) -> None:
+    """Fail fast, moving nothing: the run's own newest checkpoint (or restore_from's) must hold the arrays
+    this config trains, with the same seed; the workdir must have room for a checkpoint."""
+    wanted = target(trainer)
+    own = checkpoint.Checkpoints(workdir / "checkpoints", read_only=True) if (workdir / "checkpoints").is_dir() else None
+    found = _newest_meta(own) if own else None
+    if found:
+        step, meta = found
+        meta_lib.check_compatible(meta, wanted, str(own.step_dir(step)))
+        seed = meta.get("config", {}).get("train", {}).get("seed")
+        if seed is not None and seed != config.train.seed:
+            raise ConfigError(f"train.seed={config.train.seed} but {own.step_dir(step)} was trained with seed {seed}; "
+                              f"set it back (a resumed run replays the same data), or use a new --workdir")
+    elif config.checkpoint.restore_from:
+        source, step = checkpoint.open_source(config.checkpoint.restore_from)
+        try:
+            meta = source.read_meta(step)
+        except Exception as e:  # noqa: BLE001
+            raise checkpoint.RestoreFromError(f"checkpoint.restore_from={config.checkpoint.restore_from!r}: the meta "
+                                              f"of {source.step_dir(step)} does not read ({type(e).__name__})") from None
+        meta_lib.check_compatible(meta, wanted, str(source.step_dir(step)),
+                                  prefix="params/" if config.checkpoint.restore_params_only else "")
+    need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(wanted))
+    free = shutil.disk_usage(workdir).free
+    if free < need:
+        raise ConfigError(f"--workdir={workdir}: {free / GiB:.2f} GiB free but one checkpoint needs about "
+                          f"{need / GiB:.2f} GiB; free some space or choose another directory")
+
+
+@dataclasses.dataclass
+class Start:
+    state: dict[str, Any]
+    rng: jax.Array
+    step: int
+    origin: str        # what the run starts from, for the log
+    resumed: bool      # from this run's own checkpoint (metrics.jsonl continues)
+    seconds: float
+
+
+def start(config: ml_collections.ConfigDict, trainer: Trainer, ckpts: checkpoint.Checkpoints,
+          say: Callable[[str], None]) -> Start:
+    t0 = time.perf_counter()
+    rng = rng_of(config.train.seed, trainer.mesh)
+    restored = checkpoint.restore_newest(ckpts, target(trainer), warn=say)
+    if restored:
+        changes = meta_lib.config_changes(restored.meta.get("config", {}), config.to_dict())
+        if changes:
+            say(f"resuming with changed settings: {'; '.join(changes)}")
+        return Start(from_tree(restored.tree, trainer), restored.tree["rng"], restored.step,
+                     f"resumed from {restored.where}", True, time.perf_counter() - t0)
+    spec = config.checkpoint.restore_from
+    if not spec:
+        return Start(trainer.init_state(), rng, 0, "initialized", False, time.perf_counter() - t0)
+    source, step = checkpoint.open_source(spec)
+    if config.checkpoint.restore_params_only:
+        got = checkpoint.restore_source(source, step, {"params": target(trainer)["params"]}, True, spec)
+        params = plain.from_plain(got.tree["params"], trainer.layout.abstract_state["params"])
+        opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.layout.state["opt_state"])(params)
+        state = {"params": params, "opt_state": opt_state,
+                 "step": jax.device_put(jnp.zeros((), jnp.int32), trainer.layout.state["step"])}
+        return Start(state, rng, 0, f"params of {got.where}", False, time.perf_counter() - t0)
+    got = checkpoint.restore_source(source, step, target(trainer), False, spec)
+    return Start(from_tree(got.tree, trainer), rng, got.step, f"full state of {got.where}", False,
+                 time.perf_counter() - t0)
+
+
+def cut_metrics(workdir: pathlib.Path, step: int) -> None:
+    """Keep only metrics.jsonl records up to `step`, so a resumed run logs every step once."""
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and _record_step(line) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
+
+
+def _record_step(line: str) -> float:
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return float("inf")  # a torn last line (killed mid-write) goes

@@ -1,0 +1,105 @@
+"""Saving during training: when (every_steps; every_minutes, agreed across processes; the final step;
+preemption), what (the plain state tree with the RNG, and meta with every array's checksum), and what
+it cost (blocked and save seconds into metrics.jsonl and goodput). A failed background save is raised
+on the main thread at the next step."""
+from __future__ import annotations
+
+import importlib.metadata
+import pathlib
+import time
+import tomllib
+from typing import Any
+
+import jax
+import ml_collections
+
+import checkpoint
+from checkpoint import integrity, plain
+from mesh.layout import axis_sizes
+from train import resume
+from train.goodput import Goodput
+from train.metrics import MetricsLog
+from train.trainer import Trainer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def project_version() -> str:
+    try:
+        return importlib.metadata.version("spmdtrain")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown"
+
+
+def _spec(spec) -> list:
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def describe_run(config: ml_collections.ConfigDict, trainer: Trainer) -> dict[str, Any]:
+    """Everything about the writer that meta records besides the arrays."""
+    import flax
+    import optax
+    import orbax.checkpoint as ocp
+    layout = trainer.layout
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    return {
+        "config": config.to_dict(),
+        "mesh": axis_sizes(trainer.mesh), "device_count": jax.device_count(), "process_count": jax.process_count(),
+        "logical_axes": {k: _spec(v) for k, v in plain.flatten(layout.logical_axes, is_leaf=is_spec).items()},
+        "partition_specs": {k: _spec(s.spec) for k, s in plain.flatten(layout.state).items()},
+        "versions": {"spmdtrain": project_version(), "jax": jax.__version__, "flax": flax.__version__,
+                     "optax": optax.__version__, "orbax_checkpoint": ocp.__version__},
+    }
+
+
+class Saver:
+    def __init__(self, ckpts: checkpoint.Checkpoints, config: ml_collections.ConfigDict, trainer: Trainer,
+                 log: MetricsLog, goodput: Goodput, last_saved: int):
+        self.ckpts = ckpts
+        self.policy = checkpoint.SavePolicy(config.checkpoint.every_steps, config.checkpoint.every_minutes)
+        self.run_info = describe_run(config, trainer)
+        self.log, self.goodput = log, goodput
+        self.last_saved = last_saved
+        self._since = time.monotonic()
+        self._prepared: tuple[int, Any] | None = None
+
+    def time_due(self) -> bool:
+        """This process's view; the loop makes it agreed before acting on it."""
+        return self.policy.time_due(time.monotonic() - self._since)
+
+    def warm_up(self, state: dict[str, Any], rng: jax.Array) -> float:
+        """Compile the checksum program now, not at the first save; returns the seconds it took."""
+        t0 = time.perf_counter()
+        jax.block_until_ready(integrity.device_checksums(resume.to_tree(state, rng))[1])
+        return time.perf_counter() - t0
+
+    def prepare(self, step: int, state: dict[str, Any], rng: jax.Array) -> None:
+        """Dispatch the checksums of `step`'s state while the step still runs, so they cost device time
+        after it rather than time on this thread (a dispatch with ready inputs runs inline on CPU)."""
+        self._prepared = (step, integrity.device_checksums(resume.to_tree(state, rng)))
+
+    def save(self, step: int, state: dict[str, Any], rng: jax.Array) -> None:
+        """Save `step` (its state must be finite: the loop checked its metrics first)."""
+        if step == self.last_saved:
+            return
+        prepared = self._prepared[1] if self._prepared and self._prepared[0] == step else None
+        self._prepared = None
+        jax.block_until_ready(state)  # waiting for the step itself is step time, not checkpoint time
+        blocked = self.ckpts.save(step, resume.to_tree(state, rng), self.run_info, checksums=prepared)
+        self.goodput.add("checkpoint_blocked_s", blocked)
+        self.last_saved, self._since = step, time.monotonic()
+
+    def _report(self, records: list[checkpoint.SaveRecord]) -> None:
+        for r in records:
+            self.log.write({"step": r.step, "checkpoint_blocked_s": round(r.blocked_s, 4),
+                            "checkpoint_save_s": round(r.save_s, 4)})
+
+    def poll(self) -> None:
+        """Log saves that have committed; raise SaveFailed if a background save failed."""
+        self._report(self.ckpts.poll())
+
+    def wait(self) -> None:
+        self._report(self.ckpts.wait())
