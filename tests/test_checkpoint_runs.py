@@ -1,0 +1,251 @@
+"""Fault tolerance end to end, through `python -m train` subprocesses on the tiny model: SIGKILL chaos
+with exact replay, SIGTERM requeue, damaged checkpoints, a model-shape change, resharding, a failing
+background save, the non-finite stop, the watchdog, bad inputs and restore_from. Every run shares the
+tests' compilation cache; together they take about two minutes on 2 cores."""
+import json
+import random
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from tests.helpers import ROOT, run_cli
+
+STEPS = 12
+BASE = ["--config=experiments/tiny.py", "--config.data.source=synthetic", "--config.mesh.data=8",
+        f"--config.train.steps={STEPS}", "--config.train.log_every=1", "--config.train.eval_every=6",
+        "--config.train.eval_batches=1", "--config.optimizer.warmup_steps=2",
+        f"--config.optimizer.decay_steps={STEPS}",  # fixed, so runs stopped early share the schedule
+        "--config.checkpoint.every_steps=2", "--config.checkpoint.keep=3"]
+
+
+def train(workdir, *extra, timeout=180):
+    return run_cli(*BASE, f"--workdir={workdir}", *extra, timeout=timeout)
+
+
+def start(workdir, *extra):
+    """A run in the background; its output goes to WORKDIR.out (appended)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = open(workdir.with_suffix(".out"), "a")
+    return subprocess.Popen([sys.executable, "-m", "train", *BASE, f"--workdir={workdir}", *extra], cwd=ROOT,
+                            stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def losses(workdir) -> dict[int, float]:
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert len(steps) == len(set(steps)), f"a step is logged twice: {steps}"
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def last_step(workdir) -> int:
+    path = workdir / "metrics.jsonl"
+    return max(losses(workdir), default=0) if path.exists() else 0
+
+
+def state_arrays(workdir, step=STEPS) -> dict[str, np.ndarray]:
+    """The saved state as numpy arrays, read by a plain Orbax client."""
+    tree = ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(step) / "state")
+    flat, _ = __import__("jax").tree_util.tree_flatten_with_path(tree)
+    return {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v) for path, v in flat}
+
+
+def assert_bitwise_equal(workdir, reference):
+    ours, ref = state_arrays(workdir), state_arrays(reference)
+    assert ours.keys() == ref.keys()
+    for name in ref:
+        np.testing.assert_array_equal(ours[name], ref[name], err_msg=name)
+    assert losses(workdir) == losses(reference)
+
+
+def wait_for(condition, process, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the run ended early with status {process.returncode}"
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def listing(path):
+    return sorted((str(p.relative_to(path)), p.stat().st_size) for p in path.rglob("*") if p.is_file())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run: the numbers every other run must reproduce."""
+    workdir = tmp_path_factory.mktemp("reference") / "run"
+    result = train(workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [8, 10, 12]
+    goodput = json.loads((workdir / "goodput.json").read_text())
+    assert goodput["attempts"][0]["last_step"] == STEPS and 0 < goodput["totals"]["goodput"] < 1
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def partial(tmp_path_factory):
+    """The same run stopped at step 8 (checkpoints 4, 6, 8): copied by the tests that damage it."""
+    workdir = tmp_path_factory.mktemp("partial") / "run"
+    result = train(workdir, "--config.train.steps=8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir
+
+
+def test_sigkill_chaos_replays_exactly(tmp_path, reference):
+    workdir, rng = tmp_path / "run", random.Random(7)
+    for kill in range(3):
+        process = start(workdir, "--config.fault_injection.step_delay_s=0.1")
+        out = workdir.with_suffix(".out")
+        wait_for(lambda: len(re.findall(r"from step (\d+)", out.read_text())) > kill, process)
+        restored = int(re.findall(r"from step (\d+)", out.read_text())[-1])
+        target = min(restored + rng.randint(1, 4), STEPS - 1)
+        wait_for(lambda: last_step(workdir) >= target, process)
+        time.sleep(rng.uniform(0.0, 0.1))  # mid-step, mid-save or mid-log
+        process.kill()
+        assert process.wait() == -signal.SIGKILL
+    result = train(workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_bitwise_equal(workdir, reference)
+    goodput = json.loads((workdir / "goodput.json").read_text())
+    assert len(goodput["attempts"]) == 4 and goodput["attempts"][-1]["exit_status"] == 0
+
+
+def test_sigterm_saves_the_step_reached_and_requeues(tmp_path, reference):
+    workdir = tmp_path / "run"
+    process = start(workdir, "--config.checkpoint.every_steps=0", "--config.fault_injection.step_delay_s=0.3")
+    wait_for(lambda: last_step(workdir) >= 3, process)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 75
+    out = workdir.with_suffix(".out").read_text()
+    saved = int(re.search(r"preempted: saved checkpoint .*/checkpoints/(\d+)", out).group(1))
+    assert [int(p.name) for p in (workdir / "checkpoints").iterdir()] == [saved]
+    assert 3 <= saved < STEPS and last_step(workdir) == saved
+    result = train(workdir, "--config.checkpoint.every_steps=0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"from step {saved}" in result.stdout
+    assert_bitwise_equal(workdir, reference)
+
+
+def test_second_ctrl_c_aborts_at_once(tmp_path):
+    workdir = tmp_path / "run"
+    process = start(workdir, "--config.fault_injection.step_delay_s=0.3")
+    wait_for(lambda: last_step(workdir) >= 2, process)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=30) == -signal.SIGINT
+    assert "SIGINT: finishing the step in flight" in workdir.with_suffix(".out").read_text()
+
+
+@pytest.mark.parametrize("damage", ["overwrite", "bitflip"])
+def test_damaged_newest_checkpoint_falls_back_then_matches(tmp_path, reference, partial, damage):
+    workdir = tmp_path / "run"
+    shutil.copytree(partial, workdir)
+    files = [p for p in (workdir / "checkpoints" / "8").rglob("*") if p.is_file()]
+    if damage == "overwrite":
+        for path in files:
+            path.write_bytes(b"\0garbage" * (path.stat().st_size // 8 + 1))
+    else:
+        largest = max(files, key=lambda p: p.stat().st_size)
+        data = bytearray(largest.read_bytes())
+        for offset in range(len(data) // 4, len(data), len(data) // 4):
+            data[offset] ^= 0x55
+        largest.write_bytes(bytes(data))
+    result = train(workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"checkpoint .*/checkpoints/8 is damaged: .*; moved it to .*checkpoints.set_aside/8\.",
+                     result.stdout), result.stdout
+    assert "from step 6" in result.stdout
+    assert_bitwise_equal(workdir, reference)
+
+
+def test_model_shape_change_is_a_config_error_that_moves_nothing(tmp_path, partial):
+    workdir = tmp_path / "run"
+    shutil.copytree(partial, workdir)
+    before = listing(workdir)
+    result = train(workdir, "--config.model.d_model=64")
+    assert result.returncode == 64
+    message = result.stderr.strip().splitlines()[-1]
+    assert re.match(r"error: checkpoint .*/checkpoints/8 holds a different model or optimizer shape than the "
+                    r"config \(\S+: checkpoint float32\(.*\), config float32\(.*\)", message), message
+    assert listing(workdir) == before and not (workdir / "checkpoints.set_aside").exists()
+
+
+def test_resume_on_other_meshes_continues_the_same_losses(tmp_path, reference, partial):
+    workdir = tmp_path / "run"
+    shutil.copytree(partial, workdir)
+    first = train(workdir, "--config.train.steps=10", "--config.mesh.data=2", "--config.mesh.fsdp=2",
+                  "--config.mesh.tensor=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = train(workdir, "--num_cpu_devices=4", "--config.mesh.data=2", "--config.mesh.tensor=2")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "from step 10" in second.stdout and "data=2 x tensor=2" in second.stdout
+    ours, ref = losses(workdir), losses(reference)
+    assert sorted(ours) == sorted(ref)
+    np.testing.assert_allclose([ours[s] for s in range(9, 13)], [ref[s] for s in range(9, 13)], rtol=1e-5)
+
+
+def test_failing_background_save_is_reported_on_the_main_thread(tmp_path):
+    # Tests run as root, and permissions do not stop root, so the directory cannot simply be made
+    # read-only. Instead the run's file-size limit is lowered mid-run (prlimit, the kernel's
+    # per-process quota, which binds root too): the small logs still fit, a checkpoint's data files do
+    # not, so the background write fails with EFBIG as it would on a full disk.
+    workdir = tmp_path / "run"
+    process = start(workdir, "--config.checkpoint.every_steps=1", "--config.fault_injection.step_delay_s=0.2")
+    wait_for(lambda: (workdir / "checkpoints" / "2").is_dir(), process)
+    resource.prlimit(process.pid, resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
+    assert process.wait(timeout=60) == 74
+    message = workdir.with_suffix(".out").read_text().strip().splitlines()[-1]
+    assert re.match(r"error: background save of checkpoint .*/checkpoints/\d+ failed \(.*File too large.*\); the newest complete "
+                    r"checkpoint is intact", message), message
+    committed = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert committed and committed[-1] < STEPS
+
+
+def test_non_finite_loss_stops_naming_the_step_and_saves_nothing_after(tmp_path):
+    workdir = tmp_path / "run"
+    result = train(workdir, "--config.fault_injection.nan_at_step=5")
+    assert result.returncode == 65
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("loss nan and gradient norm nan at step 5: not finite; stopped without saving it "
+                              "(the newest checkpoint is step 4)"), message
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [2, 4]
+    assert last_step(workdir) == 4
+
+
+def test_watchdog_dumps_every_stack_and_exits(tmp_path):
+    workdir = tmp_path / "run"
+    t0 = time.monotonic()
+    result = train(workdir, "--config.train.step_timeout_s=3", "--config.fault_injection.hang_at_step=4",
+                   "--config.fault_injection.hang_s=600")
+    assert result.returncode == 124, result.stderr[-3000:]
+    assert time.monotonic() - t0 < 120
+    assert "watchdog: no progress for" in result.stderr and "(train.step_timeout_s=3)" in result.stderr
+    assert "most recent call first" in result.stderr and "Thread 0x" in result.stderr
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path):
+    missing = train(tmp_path / "a", f"--config.checkpoint.restore_from={tmp_path / 'nope'}:3")
+    assert missing.returncode == 64
+    assert missing.stderr.strip().splitlines()[-1].startswith("error: checkpoint.restore_from=")
+    (tmp_path / "file").write_text("not a directory")
+    unwritable = train(tmp_path / "file" / "run")
+    assert unwritable.returncode == 64
+    assert unwritable.stderr.strip().splitlines()[-1].startswith(f"error: --workdir={tmp_path / 'file' / 'run'}")
+
+
+def test_restore_from_continues_another_runs_state(tmp_path, reference, partial):
+    workdir = tmp_path / "run"
+    result = train(workdir, f"--config.checkpoint.restore_from={partial}:8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "from step 8 (full state of" in result.stdout
+    ours, ref = losses(workdir), losses(reference)
+    assert sorted(ours) == list(range(9, STEPS + 1)) and all(ours[s] == ref[s] for s in ours)
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [10, 12]
