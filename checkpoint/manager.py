@@ -42,6 +42,12 @@ class SaveRecord:
     save_s: float     # start of the save to its commit, from Orbax's own timestamps
 
 
+def _brief(error: BaseException, limit: int = 160) -> str:
+    """An error in one short line: Orbax's messages run to pages, and their cause comes last."""
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= limit else f"{type(error).__name__}: ...{text[-limit:]}"
+
+
 def _one_writer_per_array() -> None:
     """With one process, Orbax's replica-parallel saving (its default on CPU) cuts every replicated array
     into per-device slices, compiling a slice program per shape on each process's first save (seconds
@@ -102,7 +108,8 @@ class Checkpoints:
             self.manager.save(step, force=True, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
                                                                          meta=MetaSave(meta)))
         except Exception as e:  # noqa: BLE001  (the synchronous part: directories, host copies)
-            raise SaveFailed(f"saving checkpoint {self.step_dir(step)} failed: {type(e).__name__}: {e}") from e
+            raise SaveFailed(f"saving checkpoint {self.step_dir(step)} failed ({_brief(e)}); check the space and "
+                             f"permissions of {self.directory}") from e
         blocked = time.perf_counter() - start
         self._inflight = (step, blocked)
         return blocked
@@ -113,8 +120,8 @@ class Checkpoints:
         try:
             self.manager.wait_until_finished()  # joins at once if done; raises the background error
         except Exception as e:  # noqa: BLE001
-            raise SaveFailed(f"background save of checkpoint {self.step_dir(step)} failed: "
-                             f"{type(e).__name__}: {e}; the newest complete checkpoint is intact") from e
+            raise SaveFailed(f"background save of checkpoint {self.step_dir(step)} failed ({_brief(e)}); the newest "
+                             f"complete checkpoint is intact: check the space and permissions of {self.directory}") from e
         if step not in self.manager.all_steps():
             raise SaveFailed(f"background save of checkpoint {self.step_dir(step)} did not commit; "
                              f"the newest complete checkpoint is intact")
