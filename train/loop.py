@@ -144,7 +144,8 @@ def train(config: ml_collections.ConfigDict, trainer: Trainer, compiled, rep: di
     saver = Saver(ckpts, config, trainer, log, goodput, last_saved=begin.step if begin.resumed else -1)
     goodput.add("compile_s", saver.warm_up(begin.state, begin.rng))
     status = exit_codes.CRASH
-    with Watchdog(config.train.step_timeout_s, exit_codes.WATCHDOG) as dog:
+    with Watchdog(config.train.step_timeout_s, exit_codes.WATCHDOG,
+                  before_exit=lambda: goodput.flush(exit_codes.WATCHDOG)) as dog:
         try:
             state, last = _loop(config, trainer, compiled, rep, path, begin, log, saver, goodput, signals, dog,
                                 peak_tflops)

@@ -8,12 +8,14 @@ import os
 import sys
 import threading
 import time
+from typing import Callable
 
 
 class Watchdog:
-    def __init__(self, timeout_s: float, status: int):
+    def __init__(self, timeout_s: float, status: int, before_exit: Callable[[], None] | None = None):
         self.timeout_s = float(timeout_s)
         self.status = status
+        self.before_exit = before_exit  # e.g. record goodput: the main thread is stuck
         self._last = 0.0
         self._what = ""
         self._stop = threading.Event()
@@ -43,6 +45,11 @@ class Watchdog:
                          f"{self.timeout_s:g}); stacks of all threads follow, then exit status {self.status}\n")
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if self.before_exit:
+            try:
+                self.before_exit()
+            except Exception as e:  # noqa: BLE001  (exiting matters more)
+                sys.stderr.write(f"watchdog: {e}\n")
         sys.stderr.write(f"watchdog: exiting with status {self.status} (hang after {self._what})\n")
         sys.stderr.flush()
         os._exit(self.status)
