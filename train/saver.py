@@ -5,6 +5,7 @@ on the main thread at the next step."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import pathlib
 import time
 import tomllib
@@ -46,7 +47,7 @@ def describe_run(config: ml_collections.ConfigDict, trainer: Trainer) -> dict[st
     layout = trainer.layout
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     return {
-        "config": config.to_dict(),
+        "config": json.loads(json.dumps(config.to_dict(), default=str)),  # JSON-safe now, not in the commit
         "mesh": axis_sizes(trainer.mesh), "device_count": jax.device_count(), "process_count": jax.process_count(),
         "logical_axes": {k: _spec(v) for k, v in plain.flatten(layout.logical_axes, is_leaf=is_spec).items()},
         "partition_specs": {k: _spec(s.spec) for k, s in plain.flatten(layout.state).items()},
