@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests.helpers import ROOT, run_cli
+from train import exit_codes
 
 STEPS = 12
 BASE = ["--config=experiments/tiny.py", "--config.data.source=synthetic", "--config.mesh.data=8",
@@ -124,7 +125,7 @@ def test_sigterm_saves_the_step_reached_and_requeues(tmp_path, reference):
     process = start(workdir, "--config.checkpoint.every_steps=0", "--config.fault_injection.step_delay_s=0.3")
     wait_for(lambda: last_step(workdir) >= 3, process)
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 75
+    assert process.wait(timeout=60) == exit_codes.REQUEUE
     out = workdir.with_suffix(".out").read_text()
     saved = int(re.search(r"preempted: saved checkpoint .*/checkpoints/(\d+)", out).group(1))
     assert [int(p.name) for p in (workdir / "checkpoints").iterdir()] == [saved]
@@ -173,7 +174,7 @@ def test_model_shape_change_is_a_config_error_that_moves_nothing(tmp_path, parti
     shutil.copytree(partial, workdir)
     before = listing(workdir)
     result = train(workdir, "--config.model.d_model=64")
-    assert result.returncode == 64
+    assert result.returncode == exit_codes.USER_ERROR
     message = result.stderr.strip().splitlines()[-1]
     assert re.match(r"error: checkpoint .*/checkpoints/8 holds a different model or optimizer shape than the "
                     r"config \(\S+: checkpoint float32\(.*\), config float32\(.*\)", message), message
@@ -203,7 +204,7 @@ def test_failing_background_save_is_reported_on_the_main_thread(tmp_path):
     process = start(workdir, "--config.checkpoint.every_steps=1", "--config.fault_injection.step_delay_s=0.2")
     wait_for(lambda: (workdir / "checkpoints" / "2").is_dir(), process)
     resource.prlimit(process.pid, resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
-    assert process.wait(timeout=60) == 74
+    assert process.wait(timeout=60) == exit_codes.SAVE_FAILED
     message = workdir.with_suffix(".out").read_text().strip().splitlines()[-1]
     assert re.match(r"error: background save of checkpoint .*/checkpoints/\d+ failed \(.*File too large.*\); the newest complete "
                     r"checkpoint is intact", message), message
@@ -214,7 +215,7 @@ def test_failing_background_save_is_reported_on_the_main_thread(tmp_path):
 def test_non_finite_loss_stops_naming_the_step_and_saves_nothing_after(tmp_path):
     workdir = tmp_path / "run"
     result = train(workdir, "--config.fault_injection.nan_at_step=5")
-    assert result.returncode == 65
+    assert result.returncode == exit_codes.NON_FINITE
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("loss nan and gradient norm nan at step 5: not finite; stopped without saving it "
                               "(the newest checkpoint is step 4)"), message
@@ -227,20 +228,20 @@ def test_watchdog_dumps_every_stack_and_exits(tmp_path):
     t0 = time.monotonic()
     result = train(workdir, "--config.train.step_timeout_s=3", "--config.fault_injection.hang_at_step=4",
                    "--config.fault_injection.hang_s=600")
-    assert result.returncode == 124, result.stderr[-3000:]
+    assert result.returncode == exit_codes.WATCHDOG, result.stderr[-3000:]
     assert time.monotonic() - t0 < 120
     assert "watchdog: no progress for" in result.stderr and "(train.step_timeout_s=3)" in result.stderr
     assert "most recent call first" in result.stderr and "Thread 0x" in result.stderr
-    assert json.loads((workdir / "goodput.json").read_text())["attempts"][-1]["exit_status"] == 124
+    assert json.loads((workdir / "goodput.json").read_text())["attempts"][-1]["exit_status"] == exit_codes.WATCHDOG
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path):
     missing = train(tmp_path / "a", f"--config.checkpoint.restore_from={tmp_path / 'nope'}:3")
-    assert missing.returncode == 64
+    assert missing.returncode == exit_codes.USER_ERROR
     assert missing.stderr.strip().splitlines()[-1].startswith("error: checkpoint.restore_from=")
     (tmp_path / "file").write_text("not a directory")
     unwritable = train(tmp_path / "file" / "run")
-    assert unwritable.returncode == 64
+    assert unwritable.returncode == exit_codes.USER_ERROR
     assert unwritable.stderr.strip().splitlines()[-1].startswith(f"error: --workdir={tmp_path / 'file' / 'run'}")
 
 
