@@ -1,8 +1,10 @@
 """Fault tolerance end to end, through `python -m train` subprocesses on the tiny model: SIGKILL chaos
 with exact replay, SIGTERM requeue, damaged checkpoints, a model-shape change, resharding, a failing
-background save, the non-finite stop, the watchdog, bad inputs and restore_from. Every run shares the
-tests' compilation cache; together they take about two minutes on 2 cores."""
+background save, the non-finite stop, the watchdog, bad inputs, restore_from and a two-process
+preemption. Every run but the reference shares the tests' compilation cache; together they take about
+two minutes on 2 shared cores."""
 import json
+import os
 import random
 import re
 import resource
@@ -256,3 +258,29 @@ def test_restore_from_continues_another_runs_state(tmp_path, reference, partial)
     ours, ref = losses(workdir), losses(reference)
     assert sorted(ours) == list(range(9, STEPS + 1)) and all(ours[s] == ref[s] for s in ours)
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [10, 12]
+
+
+def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path):
+    """The stop flag is agreed by an all-reduce: both processes save one step, the launch exits 75, and
+    one process then resumes the two-process checkpoint."""
+    workdir = tmp_path / "run"
+    mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
+    workdir.mkdir()
+    with open(tmp_path / "launch.out", "w") as out:
+        launch = subprocess.Popen([sys.executable, "-m", "train.launch", "--num_processes=2", "--num_cpu_devices=4",
+                                   "--", *BASE, *mesh, f"--workdir={workdir}", "--config.checkpoint.every_steps=0",
+                                   "--config.fault_injection.step_delay_s=0.3"], cwd=ROOT, stdout=out,
+                                  stderr=subprocess.STDOUT, text=True)
+        wait_for(lambda: last_step(workdir) >= 2, launch, timeout=180)
+        victim = subprocess.run(["pgrep", "-f", f"workdir={workdir} .*--process_id=1"], capture_output=True,
+                                text=True).stdout.split()
+        assert victim, "process 1 not found"
+        os.kill(int(victim[0]), signal.SIGTERM)
+        assert launch.wait(timeout=120) == exit_codes.REQUEUE
+    saved = re.findall(r"\[p(\d)\] preempted: saved checkpoint .*/checkpoints/(\d+)", (tmp_path / "launch.out").read_text())
+    assert sorted(p for p, _ in saved) == ["0", "1"] and len({s for _, s in saved}) == 1, saved
+    step = int(saved[0][1])
+    assert [int(p.name) for p in (workdir / "checkpoints").iterdir()] == [step]
+    result = train(workdir, *mesh, "--config.checkpoint.every_steps=0", f"--config.train.steps={step + 2}")
+    assert result.returncode == exit_codes.OK, result.stderr[-3000:]
+    assert f"from step {step}" in result.stdout
