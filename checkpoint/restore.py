@@ -52,7 +52,12 @@ def _everyone(ok: bool) -> bool:
 
 
 def _move_aside(ckpts: Checkpoints, step: int, reason: str) -> pathlib.Path:
-    dest = set_aside_dir(ckpts) / f"{step}.{time.strftime('%Y%m%dT%H%M%S')}"
+    stamp = time.strftime('%Y%m%dT%H%M%S')
+    dest = set_aside_dir(ckpts) / f"{step}.{stamp}"
+    for n in range(1, 1000):  # the same step may be set aside again (saved anew, damaged anew)
+        if not dest.exists():
+            break
+        dest = set_aside_dir(ckpts) / f"{step}.{stamp}.{n}"
     if jax.process_index() == 0:
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(ckpts.step_dir(step), dest)  # a rename on the same filesystem: atomic, nothing copied
