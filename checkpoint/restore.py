@@ -74,7 +74,8 @@ def _load(ckpts: Checkpoints, step: int, target: Any, params_only: bool) -> tupl
     where = ckpts.step_dir(step)
     try:
         meta = ckpts.read_meta(step)
-        assert isinstance(meta.get("arrays"), dict), "meta lists no arrays"
+        if not isinstance(meta.get("arrays"), dict):
+            raise ValueError("it lists no arrays")
     except Exception as e:  # noqa: BLE001  (unreadable meta: overwritten, truncated, missing)
         raise _Damaged(f"its meta does not read ({type(e).__name__}: {str(e)[:200]})") from None
     meta_lib.check_compatible(meta, target, str(where), prefix="params/" if params_only else "")
