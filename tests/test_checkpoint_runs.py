@@ -184,17 +184,21 @@ def test_model_shape_change_is_a_config_error_that_moves_nothing(tmp_path, parti
 
 
 def test_resume_on_other_meshes_continues_the_same_losses(tmp_path, reference, partial):
+    """Saved on data=8 (step 8), resumed on data=2,fsdp=2,tensor=2 (to 10), on an interleaved pipeline,
+    whose in-memory layer order differs (to 11), then on 4 devices (to 12)."""
     workdir = tmp_path / "run"
     shutil.copytree(partial, workdir)
-    first = train(workdir, "--config.train.steps=10", "--config.mesh.data=2", "--config.mesh.fsdp=2",
-                  "--config.mesh.tensor=2")
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = train(workdir, "--num_cpu_devices=4", "--config.mesh.data=2", "--config.mesh.tensor=2")
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "from step 10" in second.stdout and "data=2 x tensor=2" in second.stdout
+    runs = [("--config.train.steps=10", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"),
+            ("--config.train.steps=11", "--config.mesh.data=2", "--config.mesh.pipeline=2", "--config.mesh.tensor=2",
+             "--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=2"),
+            ("--num_cpu_devices=4", "--config.mesh.data=2", "--config.mesh.tensor=2")]
+    for args, restored in zip(runs, (8, 10, 11)):
+        result = train(workdir, "--config.checkpoint.every_steps=1", *args)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"from step {restored}" in result.stdout
     ours, ref = losses(workdir), losses(reference)
     assert sorted(ours) == sorted(ref)
-    np.testing.assert_allclose([ours[s] for s in range(9, 13)], [ref[s] for s in range(9, 13)], rtol=1e-5)
+    np.testing.assert_allclose([ours[s] for s in range(9, 13)], [ref[s] for s in range(9, 13)], rtol=1e-4)
 
 
 def test_failing_background_save_is_reported_on_the_main_thread(tmp_path):

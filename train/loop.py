@@ -139,8 +139,7 @@ def train(config: ml_collections.ConfigDict, trainer: Trainer, compiled, rep: di
     log.message(f"training {rep['param_count'] / 1e6:.1f}M parameters on mesh "
                 f"{' x '.join(f'{a}={s}' for a, s in rep['mesh'].items() if s > 1) or 'single device'} "
                 f"for {plan.steps} steps{report_lib.pipeline_line(plan)} from step {begin.step} ({begin.origin}); "
-                f"compiled in "
-                f"{rep['compile_seconds']:.1f}s")
+                f"compiled in {rep['compile_seconds']:.1f}s")
     saver = Saver(ckpts, config, trainer, log, goodput, last_saved=begin.step if begin.resumed else -1)
     goodput.add("compile_s", saver.warm_up(begin.state, begin.rng))
     status = exit_codes.CRASH

@@ -60,7 +60,9 @@ def to_tree(state: dict[str, Any], rng: jax.Array) -> dict[str, Any]:
 
 
 def from_tree(tree: dict[str, Any], trainer: Trainer) -> dict[str, Any]:
-    return plain.from_plain({k: tree[k] for k in ("params", "opt_state", "step")}, trainer.layout.abstract_state)
+    """A restored plain tree (layers in logical order) -> this run's state, in its in-memory layer order."""
+    logical = plain.from_plain({k: tree[k] for k in ("params", "opt_state", "step")}, trainer.layout.abstract_state)
+    return trainer.from_logical(logical)
 
 
 def _newest_meta(ckpts: checkpoint.Checkpoints) -> tuple[int, dict[str, Any]] | None:
@@ -132,7 +134,7 @@ def start(config: ml_collections.ConfigDict, trainer: Trainer, ckpts: checkpoint
         opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.layout.state["opt_state"])(params)
         state = {"params": params, "opt_state": opt_state,
                  "step": jax.device_put(jnp.zeros((), jnp.int32), trainer.layout.state["step"])}
-        return Start(state, rng, 0, f"params of {got.where}", False, time.perf_counter() - t0)
+        return Start(trainer.from_logical(state), rng, 0, f"params of {got.where}", False, time.perf_counter() - t0)
     got = checkpoint.restore_source(source, step, target(trainer), False, spec)
     return Start(from_tree(got.tree, trainer), rng, got.step, f"full state of {got.where}", False,
                  time.perf_counter() - t0)

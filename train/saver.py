@@ -59,37 +59,43 @@ def describe_run(config: ml_collections.ConfigDict, trainer: Trainer) -> dict[st
 class Saver:
     def __init__(self, ckpts: checkpoint.Checkpoints, config: ml_collections.ConfigDict, trainer: Trainer,
                  log: MetricsLog, goodput: Goodput, last_saved: int):
-        self.ckpts = ckpts
+        self.ckpts, self.trainer = ckpts, trainer
         self.policy = checkpoint.SavePolicy(config.checkpoint.every_steps, config.checkpoint.every_minutes)
         self.run_info = describe_run(config, trainer)
         self.log, self.goodput = log, goodput
         self.last_saved = last_saved
         self._since = time.monotonic()
-        self._prepared: tuple[int, Any] | None = None
+        self._prepared: tuple[int, Any, Any] | None = None  # (step, tree, checksums dispatched)
 
     def time_due(self) -> bool:
         """This process's view; the loop makes it agreed before acting on it."""
         return self.policy.time_due(time.monotonic() - self._since)
 
     def warm_up(self, state: dict[str, Any], rng: jax.Array) -> float:
-        """Compile the checksum program now, not at the first save; returns the seconds it took."""
+        """Compile the checksum program (and the layer reordering, if any) now, not at the first save;
+        returns the seconds it took."""
         t0 = time.perf_counter()
-        jax.block_until_ready(integrity.device_checksums(resume.to_tree(state, rng))[1])
+        jax.block_until_ready(integrity.device_checksums(resume.to_tree(self.trainer.to_logical(state), rng))[1])
         return time.perf_counter() - t0
 
     def prepare(self, step: int, state: dict[str, Any], rng: jax.Array) -> None:
         """Dispatch the checksums of `step`'s state while the step still runs, so they cost device time
         after it rather than time on this thread (a dispatch with ready inputs runs inline on CPU)."""
-        self._prepared = (step, integrity.device_checksums(resume.to_tree(state, rng)))
+        tree = resume.to_tree(self.trainer.to_logical(state), rng)
+        self._prepared = (step, tree, integrity.device_checksums(tree))
 
     def save(self, step: int, state: dict[str, Any], rng: jax.Array) -> None:
-        """Save `step` (its state must be finite: the loop checked its metrics first)."""
+        """Save `step` (its state must be finite: the loop checked its metrics first), in logical layer
+        order so that any pipeline layout can restore it."""
         if step == self.last_saved:
             return
-        prepared = self._prepared[1] if self._prepared and self._prepared[0] == step else None
+        if self._prepared and self._prepared[0] == step:
+            _, tree, checksums = self._prepared
+        else:
+            tree, checksums = resume.to_tree(self.trainer.to_logical(state), rng), None
         self._prepared = None
-        jax.block_until_ready(state)  # waiting for the step itself is step time, not checkpoint time
-        blocked = self.ckpts.save(step, resume.to_tree(state, rng), self.run_info, checksums=prepared)
+        jax.block_until_ready(tree)  # waiting for the step itself is step time, not checkpoint time
+        blocked = self.ckpts.save(step, tree, self.run_info, checksums=checksums)
         self.goodput.add("checkpoint_blocked_s", blocked)
         self.last_saved, self._since = step, time.monotonic()
 
