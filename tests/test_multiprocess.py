@@ -24,24 +24,38 @@ def losses(workdir) -> list[float]:
     return [json.loads(l)["loss"] for l in (workdir / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
 
 
-def test_two_processes_match_one(tmp_path):
+def committed(workdir) -> list[int]:
+    """Steps of the checkpoints that finished committing (Orbax renames a save's folder to its step)."""
+    folder = workdir / "checkpoints"
+    return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
+
+
+def test_two_processes_match_one_and_share_checkpoints(tmp_path):
     # data=2 is the outermost axis, so its two halves live in different processes.
+    single = run_cli(*TRAIN, f"--workdir={tmp_path / 'one'}", "--config.train.steps=4",
+                     "--config.checkpoint.every_steps=2")
+    assert single.returncode == 0, single.stderr[-3000:]
     proc = launch(*TRAIN, f"--workdir={tmp_path / 'two'}", "--config.train.steps=4")
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]
-    single = run_cli(*TRAIN, f"--workdir={tmp_path / 'one'}", "--config.train.steps=4")
-    assert single.returncode == 0, single.stderr[-3000:]
     np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
     assert len(losses(tmp_path / "two")) == 4  # only process 0 writes metrics
+    records = [json.loads(l) for l in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert all(len(r["host_step_time_s"]) == 2 for r in records if "loss" in r)  # per-host step times
+    # A checkpoint written by one process continues in two.
+    proc = launch(*TRAIN, f"--workdir={tmp_path / 'one'}", "--config.train.steps=5")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    assert "from step 4" in out and len(losses(tmp_path / "one")) == 5
 
 
-def test_killing_one_process_ends_the_launch(tmp_path):
-    proc = launch(*TRAIN, f"--workdir={tmp_path / 'run'}", "--config.train.steps=100000")
+def test_killing_one_process_ends_the_launch_and_a_relaunch_resumes(tmp_path):
+    run = [*TRAIN, f"--workdir={tmp_path / 'run'}", "--config.checkpoint.every_steps=2"]
+    proc = launch(*run, "--config.train.steps=100000")
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not (tmp_path / "run" / "metrics.jsonl").exists():
+    while time.monotonic() < deadline and not committed(tmp_path / "run"):
         time.sleep(0.5)
-    time.sleep(2)
-    victim = subprocess.run(["pgrep", "-f", f"workdir={tmp_path / 'run'}.*--process_id=1"], capture_output=True,
+    victim = subprocess.run(["pgrep", "-f", f"workdir={tmp_path / 'run'} .*--process_id=1"], capture_output=True,
                             text=True).stdout.split()
     assert victim, "process 1 not found"
     os.kill(int(victim[0]), signal.SIGKILL)
@@ -49,3 +63,8 @@ def test_killing_one_process_ends_the_launch(tmp_path):
     proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert time.monotonic() - killed_at < 60
+    saved = max(committed(tmp_path / "run"))
+    proc = launch(*run, f"--config.train.steps={saved + 1}")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    assert f"from step {saved}" in out

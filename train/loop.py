@@ -112,6 +112,12 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
     return train(config, trainer, compiled, rep, path, goodput, signals, peak_tflops)
 
 
+def host_step_times(seconds: float) -> list[float]:
+    """Each process's mean step time, so a straggling host shows in metrics.jsonl."""
+    from jax.experimental import multihost_utils
+    return [float(t) for t in multihost_utils.process_allgather(np.float32(seconds))]
+
+
 def say(text: str) -> None:
     if jax.process_index() == 0:
         print(text, flush=True)
@@ -210,7 +216,10 @@ def _loop(config, trainer: Trainer, compiled, rep, path: pathlib.Path, begin: re
             recent = float(np.mean(times[-config.train.log_every:]))
             tps = rep["tokens_per_step"] / recent
             mfu = rep["flops_per_step"] / recent / peak if peak else 0.0
-            log.write({"step": step, **values, "step_time_s": recent, "tokens_per_s": tps, "mfu": mfu})
+            record = {"step": step, **values, "step_time_s": recent, "tokens_per_s": tps, "mfu": mfu}
+            if jax.process_count() > 1:  # every process logs at the same steps, so this gather cannot hang
+                record["host_step_time_s"] = host_step_times(recent)
+            log.write(record)
             log.progress(step, values["loss"], tps, mfu, recent * (plan.steps - step))
             goodput.flush()
 
