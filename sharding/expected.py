@@ -25,9 +25,13 @@ import models
 @dataclasses.dataclass(frozen=True)
 class Expected:
     purpose: str
-    op: str       # as in mesh.hlo records
-    axis: str     # one mesh axis
-    bytes: float  # sum over the step of S x executions
+    op: str                    # as in mesh.hlo records
+    axes: tuple[str, ...]      # mesh axes of one collective, in mesh order (a str for one axis)
+    bytes: float               # sum over the step of S x executions, per device
+
+    def __post_init__(self):
+        if isinstance(self.axes, str):
+            object.__setattr__(self, "axes", (self.axes,))
 
 
 def _axes_of(spec: P) -> set[str]:

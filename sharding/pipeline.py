@@ -163,6 +163,7 @@ def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule
     program = slot_program(schedule, train)
     act_entries, grad_entries = (int(n) for n in program.pop("sizes"))
     fns = stages.branches(cfg, constrain, manual, 1.0 / m)
+    assert len(fns) == stages.NUM_BRANCHES, len(fns)  # branch_slot_counts and the audit index by these
     ring = v > 1  # only interleaving sends from the last stage back to the first
     to_next = [(d, (d + 1) % p) for d in range(p if ring else p - 1)]
     to_prev = [((d + 1) % p, d) for d in range(p if ring else p - 1)]
