@@ -49,6 +49,23 @@ def test_audit_matches_the_construction(strategy):
     assert proj["comm_us"] > 0 and proj["compute_us"] > 0
 
 
+@pytest.mark.parametrize("schedule,virtual_stages", [("1f1b", 1), ("interleaved", 2)])
+def test_pipelined_audit_is_exact(schedule, virtual_stages):
+    """3D layout: the tensor all-reduces inside the slot switch's branches count as often as each stage
+    runs their branch (not every slot), the embedding/head gradients' all-reduce over (data, pipeline)
+    is expected, and every row is exact and within 5%."""
+    mesh = {"pipeline": 2, "data": 2, "tensor": 2}
+    result = _audit("fsdp_tensor", mesh, {"schedule": schedule, "virtual_stages": virtual_stages})
+    rows = {r["purpose"]: r for r in result["rows"] if r["purpose"] != "scalars (loss, norms)"}
+    assert sorted(rows) == sorted(["gradient all-reduce", "embedding/head gradient all-reduce (on every stage)",
+                                   "activation all-reduce (Megatron)", "stage activations and gradients"])
+    assert rows["embedding/head gradient all-reduce (on every stage)"]["axes"] == ["data", "pipeline"]
+    for row in result["rows"]:
+        assert row["exact"], row
+        assert row["ratio"] is None or abs(row["ratio"] - 1) <= 0.05, row
+    assert result["involuntary_rematerializations"] == 0
+
+
 def test_projection_puts_data_across_hosts_and_tensor_inside():
     proj = _audit("fsdp_tensor", {"data": 2, "fsdp": 2, "tensor": 2})["projection"]
     assert proj["mesh"] == {"data": 32, "pipeline": 1, "fsdp": 2, "tensor": 2}
