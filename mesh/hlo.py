@@ -1,4 +1,5 @@
-"""Collectives of an optimized HLO module: op, bytes (nccl-tests S), mesh axes spanned, executions per step.
+"""Collectives of an optimized HLO module: op, bytes (nccl-tests S), mesh axes spanned, executions per step
+and the conditional branches they sit in.
 
 Reads `jax.jit(f).lower(...).compile().as_text()`. Replica groups hold logical device ids, i.e.
 positions in `mesh.devices.flat` (checked in tests/test_hlo.py by compiling on a permuted mesh).
@@ -21,8 +22,8 @@ DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16
 _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([<=\d,]*)\]")  # f32[8,4], f32[<=8,4] (dynamic bound)
-_CALLEE = re.compile(r"\b(?:to_apply|calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
-_CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_CALLEE = re.compile(r"\b(?:to_apply|calls|body|condition)=%?([\w.\-]+)")  # conditionals: _branch_list
+_CALLEE_LIST = re.compile(r"\bcalled_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 
 
@@ -183,34 +184,101 @@ def _parse(hlo_text: str):
     return comps, entry
 
 
+def _branch_list(attrs: str) -> list[str]:
+    """A conditional's branch computations in index order. The predicate form lists `false` first,
+    since lax.cond's index 0 is its false branch."""
+    m = re.search(r"\bbranch_computations=\{([^}]*)\}", attrs)
+    if m:
+        return [c.strip().lstrip("%") for c in m.group(1).split(",") if c.strip()]
+    pred = [re.search(rf"\b{k}_computation=%?([\w.\-]+)", attrs) for k in ("false", "true")]
+    return [b.group(1) for b in pred if b]
+
+
+def _calls(comps):
+    """Every call edge: (caller, instruction name, opcode, attrs, callee, branch index or None)."""
+    for comp, instrs in comps.items():
+        for name, _, opcode, attrs in instrs:
+            if opcode in ("async-done", "async-update"):
+                continue  # they name the same async computation as their -start
+            if opcode == "conditional":
+                for i, callee in enumerate(_branch_list(attrs)):
+                    yield comp, name, opcode, attrs, callee, i
+                continue
+            for callee in _CALLEE.findall(attrs) + [c.strip().lstrip("%") for grp in _CALLEE_LIST.findall(attrs)
+                                                     for c in grp.split(",") if c.strip()]:
+                if callee in comps:
+                    yield comp, name, opcode, attrs, callee, None
+
+
 def _executions(comps, entry) -> tuple[dict[str, int], dict[str, bool]]:
     """Executions per step of every computation reachable from the entry, through while bodies
     (x known_trip_count), calls, fusions, async computations and conditional branches (each counted
-    once; `exact` turns False under a conditional or a loop without a known trip count)."""
+    as if taken on every execution of its conditional: an upper bound), and whether every enclosing
+    loop has a known trip count."""
     edges: dict[str, list[tuple[str, int, bool]]] = {c: [] for c in comps}
-    for comp, instrs in comps.items():
-        for _, _, opcode, attrs in instrs:
-            if opcode in ("async-done", "async-update"):
-                continue  # they name the same async computation as their -start
+    for comp, _, opcode, attrs, callee, _ in _calls(comps):
+        mult, known = 1, True
+        if opcode == "while":
             trip = _TRIP.search(attrs)
-            for callee in _CALLEE.findall(attrs) + [c.strip().lstrip("%") for grp in _CALLEE_LIST.findall(attrs)
-                                                     for c in grp.split(",") if c.strip()]:
-                if callee not in comps:
-                    continue
-                mult, exact = 1, opcode != "conditional"
-                if opcode == "while":
-                    mult, exact = (int(trip.group(1)), True) if trip else (1, False)
-                    if re.search(rf"\bcondition=%?{re.escape(callee)}\b", attrs):
-                        mult += 1
-                edges[comp].append((callee, mult, exact))
+            mult, known = (int(trip.group(1)), True) if trip else (1, False)
+            if re.search(rf"\bcondition=%?{re.escape(callee)}\b", attrs):
+                mult += 1
+        edges[comp].append((callee, mult, known))
     count: dict[str, int] = {c: 0 for c in comps}
-    exact: dict[str, bool] = {c: True for c in comps}
+    trips_known: dict[str, bool] = {c: True for c in comps}
     count[entry] = 1
     for comp in _topological(edges, entry):
         for callee, mult, ok in edges[comp]:
             count[callee] += count[comp] * mult
-            exact[callee] = exact[callee] and exact[comp] and ok
-    return count, exact
+            trips_known[callee] = trips_known[callee] and trips_known[comp] and ok
+    return count, trips_known
+
+
+def _op_name(attrs: str) -> str:
+    m = re.search(r'\bop_name="([^"]*)"', attrs)
+    return m.group(1) if m else ""
+
+
+def _jax_branch_tags(cond_attrs: str, branch_instrs) -> set[int]:
+    """The lax.switch indices JAX's name stack gives a branch's instructions: JAX lowers branch i of a
+    `cond` named N under N/branch_i_fun, and XLA keeps that metadata through its passes."""
+    prefix = _op_name(cond_attrs)
+    if not prefix:
+        return set()
+    tag = re.compile(re.escape(prefix) + r"/branch_(\d+)_fun(?:/|$)")
+    return {int(m.group(1)) for *_, attrs in branch_instrs for m in [tag.match(_op_name(attrs))] if m}
+
+
+def _branch_paths(comps, entry, count) -> dict[str, list[dict] | None]:
+    """Per computation, the conditional branches it runs in, outermost first ([] for none).
+
+    A branch's index is its position in the conditional's branch list, which is the index XLA's
+    conditional selects by, and for a lax.switch the switch index as long as no pass rewrote the
+    index operand; JAX's name stack (branch_i_fun) confirms it, and where the two disagree the index
+    is None. A computation reached along several different paths gets None: its branch cannot be told.
+    """
+    callers: dict[str, list[tuple[str, dict | None]]] = {c: [] for c in comps}
+    for comp, name, opcode, attrs, callee, index in _calls(comps):
+        if callee not in comps or not count[comp]:
+            continue
+        step = None
+        if opcode == "conditional":
+            tags = _jax_branch_tags(attrs, comps[callee])
+            step = {"conditional": name, "index": index if not tags or tags == {index} else None,
+                    "branches": len(_branch_list(attrs)), "count": count[comp]}
+        callers[callee].append((comp, step))
+    memo: dict[str, set] = {entry: {()}}
+
+    def paths(comp) -> set:
+        if comp not in memo:
+            memo[comp] = {p + ((tuple(step.items()),) if step else ()) for caller, step in callers[comp]
+                          for p in paths(caller)}
+        return memo[comp]
+    out: dict[str, list[dict] | None] = {}
+    for comp in comps:
+        found = paths(comp) if count[comp] else set()
+        out[comp] = [dict(s) for s in next(iter(found))] if len(found) == 1 else ([] if not found else None)
+    return out
 
 
 def _topological(edges, root) -> list[str]:
@@ -235,12 +303,18 @@ def collectives(hlo_text: str, mesh) -> list[dict]:
     the nccl-tests S (full buffer for all-reduce, all-to-all and permute, gathered output for
     all-gather, full input for reduce-scatter; tuples summed); axes: mesh axes its groups span, in mesh
     order ([] when every group is one device); group_size; count: executions per step (product of the
-    known_trip_count of every enclosing while, through nested calls); exact: False when a loop trip
-    count is unknown or it sits in a conditional branch; scalar: an all-reduce of single elements
+    known_trip_count of every enclosing while, through nested calls), an upper bound under a
+    conditional, whose branches are each counted as taken on every execution; trips_known: False when
+    an enclosing loop has no known trip count; branch: the conditional branches it sits in, outermost
+    first, each {conditional: instruction name, index: branch index (the lax.switch index; None if
+    XLA's numbering contradicts JAX's), branches: how many the conditional has, count: executions of
+    the conditional per step}, [] outside any conditional, None when reached along several paths;
+    exact: trips_known and branch == [] (count is then exact); scalar: an all-reduce of single elements
     (loss, norms); name: the HLO instruction name.
     """
     comps, entry = _parse(hlo_text)
-    count, exact = _executions(comps, entry)
+    count, trips_known = _executions(comps, entry)
+    branch = _branch_paths(comps, entry, count)
     n = mesh.devices.size
     out = []
     for comp, instrs in comps.items():
@@ -265,7 +339,9 @@ def collectives(hlo_text: str, mesh) -> list[dict]:
             axes = axes_of_groups(groups, mesh)
             out.append({"op": op, "shape": leaves[0][1] if leaves else [], "dtype": leaves[0][0] if leaves else "",
                         "shapes": [[dt, dims] for dt, dims in leaves], "bytes": int(nbytes), "axes": axes,
-                        "group_size": int(size) if axes else 1, "count": count[comp], "exact": exact[comp],
+                        "group_size": int(size) if axes else 1, "count": count[comp],
+                        "trips_known": trips_known[comp], "branch": branch[comp],
+                        "exact": trips_known[comp] and branch[comp] == [],
                         "scalar": op == "all_reduce" and all(math.prod(d) == 1 for _, d in leaves),
                         "name": name})
     return out

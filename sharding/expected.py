@@ -5,10 +5,12 @@ FSDP / ZeRO-3: the weights are all-gathered over `fsdp` in the forward pass and 
 pass (the memory-saving choice of ZeRO-3), and their gradients reduce-scattered once.
 Megatron tensor parallelism: per block, one activation all-reduce after attention and one after the MLP,
 each mirrored in the backward pass, plus the embedding (forward) and the head's input gradient (backward);
-full rematerialization repeats the two forward ones.
+full rematerialization repeats the attention one (see _activation_all_reduces).
 Pipeline (sharding/pipeline.py): the lockstep executor sends one activation and one gradient per time slot,
-2(vm+p-1) slots a step; each backward cell recomputes its forward (tensor all-reduces as under full remat);
-FSDP weights are gathered once per step (pipeline.FSDP_GATHER), not in the forward and again in the backward.
+2(vm+p-1) slots a step; each backward cell recomputes its forward; FSDP weights are gathered once per step
+(pipeline.FSDP_GATHER), not in the forward and again in the backward; the embedding and head, replicated on
+every stage, have their gradients summed over `pipeline` too. Stages differ (only the first embeds, only
+the last runs the head), so per device means the mean over the stages, as the audit counts.
 """
 from __future__ import annotations
 
@@ -25,9 +27,13 @@ import models
 @dataclasses.dataclass(frozen=True)
 class Expected:
     purpose: str
-    op: str       # as in mesh.hlo records
-    axis: str     # one mesh axis
-    bytes: float  # sum over the step of S x executions
+    op: str                    # as in mesh.hlo records
+    axes: tuple[str, ...]      # mesh axes of one collective, in mesh order (a str for one axis)
+    bytes: float               # sum over the step of S x executions, per device
+
+    def __post_init__(self):
+        if isinstance(self.axes, str):
+            object.__setattr__(self, "axes", (self.axes,))
 
 
 def _axes_of(spec: P) -> set[str]:
@@ -41,6 +47,48 @@ def _shard_bytes(leaf, spec: P, sizes: Mapping[str, int], drop: str | None = Non
     """Bytes of one device's piece of `leaf` under `spec`, optionally as if `drop` did not split it."""
     ways = math.prod(sizes[a] for a in _axes_of(spec) if a != drop)
     return math.prod(leaf.shape) * leaf.dtype.itemsize / ways
+
+
+def _on_every_stage(spec: P) -> bool:
+    """A weight replicated over `pipeline`: the embedding, final norm and head (the layer stack is split)."""
+    return "pipeline" not in _axes_of(spec)
+
+
+def _stage_replicated_gradients(leaves, specs, sizes: Mapping[str, int], batch_axes) -> list[Expected]:
+    """The embedding, final norm and head are held by every stage, but only the first stage (embedding)
+    and the last (head) produce their gradients, so the replicas must be summed over `pipeline` as well
+    as over the batch axes that do not shard them: one all-reduce over both (sharding/pipeline.py)."""
+    by_axes: dict[tuple[str, ...], float] = {}
+    for leaf, spec in zip(leaves, specs):
+        if _on_every_stage(spec):
+            axes = tuple(a for a in sizes if a == "pipeline" or (a in batch_axes and a not in _axes_of(spec)))
+            by_axes[axes] = by_axes.get(axes, 0.0) + _shard_bytes(leaf, spec, sizes)
+    return [Expected("embedding/head gradient all-reduce (on every stage)", "all_reduce", axes, nbytes)
+            for axes, nbytes in by_axes.items()]
+
+
+def _activation_all_reduces(cfg: models.GPTConfig, chunks: int, stages: int) -> float:
+    """Megatron's activation all-reduces per device per step, in units of the replica's whole batch of
+    activations [rows, seq, d_model] (the microbatches of a pipeline add up to one such unit).
+
+    Per layer: forward 2 (after attention, after the MLP) and backward 2 (the input gradients of the
+    column-parallel attention and MLP); full remat recomputes the attention one only, since the MLP one
+    makes nothing but the layer's output, which the layer's backward never reads (XLA drops it). Plus
+    the embedding's vocab-parallel lookup (forward) and the head's input gradient (backward). The
+    vocab-parallel loss's [rows, seq] reductions are 1/d_model of a unit each and left out.
+    Pipelined over `chunks` model chunks (sharding/pipeline.py): each backward cell recomputes its
+    chunk's forward, 2 more per layer. Its output is dead there (the gradient arrives from the next
+    stage), which XLA sees when a chunk is one layer, with no layer loop around it: the chunk's last
+    all-reduce goes (both forward ones under full remat, whose primal pass computes only the output),
+    except on the last chunk, whose output feeds the head. The embedding runs twice on the first stage
+    (forward cell, and again in the backward cell), the head's input gradient once on the last stage:
+    3 per step over the stages, averaged like everything else since the audit reports the mean device.
+    """
+    per_layer = 4 + (cfg.remat == "full")
+    if not chunks:
+        return per_layer * cfg.n_layers + 2
+    dead = (chunks - 1) * (2 if cfg.remat == "full" else 1) if cfg.n_layers == chunks else 0
+    return ((per_layer + 2) * cfg.n_layers - dead + 3) / stages
 
 
 def expected_traffic(cfg: models.GPTConfig, abstract_params: Any, param_specs: Any, rules: Mapping,
@@ -57,8 +105,8 @@ def expected_traffic(cfg: models.GPTConfig, abstract_params: Any, param_specs: A
         for leaf, spec in zip(leaves, specs):
             if axis in _axes_of(spec):  # sharded over the batch axis: FSDP gathers and reduce-scatters
                 gathered += _shard_bytes(leaf, spec, sizes, drop=axis)
-            else:                       # replicated over it: plain data-parallel all-reduce of its shard
-                grads += _shard_bytes(leaf, spec, sizes)
+            elif not (pipelined and _on_every_stage(spec)):  # those are summed over pipeline too, below
+                grads += _shard_bytes(leaf, spec, sizes)    # plain data-parallel all-reduce of its shard
         if grads:
             out.append(Expected("gradient all-reduce", "all_reduce", axis, grads))
         if gathered:
@@ -67,14 +115,15 @@ def expected_traffic(cfg: models.GPTConfig, abstract_params: Any, param_specs: A
             else:
                 out.append(Expected("weight all-gather (forward + backward)", "all_gather", axis, 2 * gathered))
             out.append(Expected("gradient reduce-scatter", "reduce_scatter", axis, gathered))
+    if pipelined:
+        out += _stage_replicated_gradients(leaves, specs, sizes, batch_axes)
     tensor = sizes.get("tensor", 1)
     if tensor > 1 and any("tensor" in _axes_of(s) for s in specs):
         ways = math.prod(sizes[a] for a in batch_axes)
-        stages = sizes.get("pipeline", 1)
         act = global_batch // ways * cfg.seq_len * cfg.d_model * jax.numpy.dtype(cfg.compute_dtype).itemsize
-        per_layer = (6 if cfg.remat == "full" else 4) + (2 if pipelined else 0)
+        chunks = sizes["pipeline"] * pipeline.get("virtual_stages", 1) if pipelined else 0
         out.append(Expected("activation all-reduce (Megatron)", "all_reduce", "tensor",
-                            (per_layer * cfg.n_layers // stages + 2) * act))
+                            _activation_all_reduces(cfg, chunks, sizes.get("pipeline", 1)) * act))
     if pipelined:
         ways = math.prod(sizes[a] for a in batch_axes)
         micro = global_batch // ways // pipeline["microbatches"]

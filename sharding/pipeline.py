@@ -114,6 +114,16 @@ def slot_program(schedule: schedules.Schedule, train: bool) -> dict[str, np.ndar
     return program
 
 
+def branch_slot_counts(schedule: schedules.Schedule, train: bool = True) -> np.ndarray:
+    """int [p, NUM_BRANCHES]: in how many slots each stage runs each `lax.switch` branch of the executor.
+
+    Read from the executor's own slot program, so an audit can weigh the collectives of each branch by
+    how often a device really runs it, where the compiled loop only says the switch runs every slot.
+    """
+    branch = slot_program(schedule, train)["branch"]
+    return np.stack([np.bincount(column, minlength=stages.NUM_BRANCHES) for column in branch.T])
+
+
 def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule,
           train: bool = True) -> Callable:
     """fn(params, tokens [B, seq+1]) -> (loss, grads) (train) or loss: the pipelined model on `mesh`.
@@ -153,6 +163,7 @@ def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule
     program = slot_program(schedule, train)
     act_entries, grad_entries = (int(n) for n in program.pop("sizes"))
     fns = stages.branches(cfg, constrain, manual, 1.0 / m)
+    assert len(fns) == stages.NUM_BRANCHES, len(fns)  # branch_slot_counts and the audit index by these
     ring = v > 1  # only interleaving sends from the last stage back to the first
     to_next = [(d, (d + 1) % p) for d in range(p if ring else p - 1)]
     to_prev = [((d + 1) % p, d) for d in range(p if ring else p - 1)]

@@ -15,6 +15,7 @@ from models import gpt
 
 # Branch indices: the action kind crossed with the chunk's place in the model (first, middle, last).
 IDLE, FWD_FIRST, FWD_MID, FWD_LAST, BWD_FIRST, BWD_MID, BWD_LAST = range(7)
+NUM_BRANCHES = BWD_LAST + 1
 TOP_KEYS = ("embed", "final_norm", "head")  # the parameters outside the layer stack
 
 # One cell's inputs: (chunk layers [Lc, ...], top params, tokens [b, seq+1], x_in [b, seq, D], g_in [b, seq, D]).

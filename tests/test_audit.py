@@ -22,9 +22,10 @@ LAYOUTS = {
 }
 
 
-def _audit(strategy, mesh):
+def _audit(strategy, mesh, pipeline=None):
     config = tiny_config(**mesh)
     config.sharding.strategy = strategy
+    config.pipeline.update(pipeline or {})
     trainer = Trainer.build(config)
     compiled, log = audit_lib.compile_logged(trainer.compile)
     rep = report.build(trainer.plan, trainer.mesh, compiled)
@@ -46,6 +47,23 @@ def test_audit_matches_the_construction(strategy):
     proj = result["projection"]
     assert proj["devices"] == 128 == math.prod(proj["mesh"].values())
     assert proj["comm_us"] > 0 and proj["compute_us"] > 0
+
+
+@pytest.mark.parametrize("schedule,virtual_stages", [("1f1b", 1), ("interleaved", 2)])
+def test_pipelined_audit_is_exact(schedule, virtual_stages):
+    """3D layout: the tensor all-reduces inside the slot switch's branches count as often as each stage
+    runs their branch (not every slot), the embedding/head gradients' all-reduce over (data, pipeline)
+    is expected, and every row is exact and within 5%."""
+    mesh = {"pipeline": 2, "data": 2, "tensor": 2}
+    result = _audit("fsdp_tensor", mesh, {"schedule": schedule, "virtual_stages": virtual_stages})
+    rows = {r["purpose"]: r for r in result["rows"] if r["purpose"] != "scalars (loss, norms)"}
+    assert sorted(rows) == sorted(["gradient all-reduce", "embedding/head gradient all-reduce (on every stage)",
+                                   "activation all-reduce (Megatron)", "stage activations and gradients"])
+    assert rows["embedding/head gradient all-reduce (on every stage)"]["axes"] == ["data", "pipeline"]
+    for row in result["rows"]:
+        assert row["exact"], row
+        assert row["ratio"] is None or abs(row["ratio"] - 1) <= 0.05, row
+    assert result["involuntary_rematerializations"] == 0
 
 
 def test_projection_puts_data_across_hosts_and_tensor_inside():
@@ -71,3 +89,20 @@ def test_unexpected_collectives_are_flagged():
     rows = {r["purpose"]: r for r in audit_lib.attribute(records, expected, {"data": 2, "tensor": 2})}
     assert rows["gradient all-reduce"]["ratio"] == 2.0 and "2.00x" in rows["gradient all-reduce"]["notes"][0]
     assert rows["unexpected"]["notes"] == ["resharding all-to-all"]
+
+
+def test_branch_records_count_by_the_mean_stage():
+    """Slot switch of 3 branches over 10 slots: stage 0 runs branch 1 in 4 slots, stage 1 in none, so a
+    collective there runs 2 times per device on average; a record of another conditional keeps its bound."""
+    switch = {"conditional": "c", "index": 1, "branches": 3, "count": 10}
+    other = dict(switch, conditional="d", branches=2)
+    records = [{"op": "all_reduce", "axes": ["tensor"], "bytes": 100, "count": 10, "scalar": False, "exact": False,
+                "trips_known": True, "branch": [switch]},
+               {"op": "all_reduce", "axes": ["data"], "bytes": 8, "count": 10, "scalar": False, "exact": False,
+                "trips_known": True, "branch": [other]}]
+    weighed = audit_lib.weigh_branches(records, [[6, 4, 0], [10, 0, 0]], slots=10)
+    assert (weighed[0]["count"], weighed[0]["exact"]) == (2.0, True) and weighed[1] == records[1]
+    expected = [Expected("activation", "all_reduce", "tensor", 200.0), Expected("grads", "all_reduce", "data", 80.0)]
+    rows = {r["purpose"]: r for r in audit_lib.attribute(weighed, expected, {"data": 2, "tensor": 2})}
+    assert rows["activation"]["exact"] and rows["activation"]["ratio"] == 1.0
+    assert not rows["grads"]["exact"] and "count not exact" in rows["grads"]["notes"][0]

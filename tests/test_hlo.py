@@ -1,4 +1,6 @@
 """HLO collective records on compiled programs with known collectives: op, bytes, axes and loop counts."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,3 +201,77 @@ def test_unknown_syntax_is_a_one_line_error():
         replica_groups("replica_groups=<<weird>>", 8)
     with pytest.raises(ValueError, match="no ENTRY computation"):
         collectives("garbage", make_mesh(SIZES))
+
+
+def _switch_in_scan_hlo(mesh):
+    """A scan of 5 trips over a 3-way switch: branch 2 reduces over data, and branch 1 holds a 2-way
+    switch whose branch 0 permutes over tensor. Branch 0 is idle."""
+    def f(x, idx):
+        inner = [lambda c: jax.lax.ppermute(c, "tensor", [(0, 1), (1, 0)]), lambda c: c + 1.0]
+        branches = [lambda c, i: c * 0.0,
+                    lambda c, i: jax.lax.switch(i[1], inner, c),
+                    lambda c, i: jax.lax.psum(jnp.sin(c), "data")]
+
+        def body(c, i):
+            return jax.lax.switch(i[0], branches, c, i), None
+        c, _ = jax.lax.scan(body, x, idx)
+        return c
+    sm = jax.shard_map(f, mesh=mesh, in_specs=(P(ALL), P()), out_specs=P(ALL), check_vma=False)
+    return jax.jit(sm).lower(jnp.zeros((64, 4)), jnp.zeros((5, 2), jnp.int32)).compile().as_text()
+
+
+def test_collectives_in_switch_branches_name_their_branch():
+    mesh = make_mesh(SIZES)
+    text = _switch_in_scan_hlo(mesh)
+    three_way = re.findall(r"%?([\w.\-]+) = .* conditional\(.*branch_computations=\{[^,}]*,[^,}]*,[^,}]*\}", text)
+    assert len(three_way) == 1, text
+    recs = collectives(text, mesh)
+    ar, perm = _only(recs, "all_reduce"), _only(recs, "collective_permute")
+    # count stays the upper bound (every trip of the scan), so the records are not exact
+    assert (ar["axes"], ar["count"], ar["exact"], ar["trips_known"]) == (["data"], 5, False, True)
+    assert ar["branch"] == [{"conditional": three_way[0], "index": 2, "branches": 3, "count": 5}]
+    assert (perm["axes"], perm["count"], perm["exact"]) == (["tensor"], 5, False)
+    assert [b["index"] for b in perm["branch"]] == [1, 0] and perm["branch"][0]["conditional"] == three_way[0]
+    assert perm["branch"][1]["branches"] == 2 and perm["branch"][1]["count"] == 5
+
+
+def test_branch_index_contradicted_by_jax_names_is_unknown():
+    """Branch numbers are positions in branch_computations, checked against JAX's name stack
+    (`cond/branch_i_fun`): reversing the list in the text makes them disagree, so the index is None."""
+    mesh = make_mesh(SIZES)
+    text = _switch_in_scan_hlo(mesh)
+    reversed_text = re.sub(r"branch_computations=\{([^}]*)\}",
+                           lambda m: "branch_computations={" + ", ".join(m.group(1).split(", ")[::-1]) + "}", text)
+    ar = _only(collectives(reversed_text, mesh), "all_reduce")
+    assert ar["branch"][0]["index"] is None
+
+
+PRED_STYLE = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%on_true (x: f32[8,4]) -> f32[8,4] {
+  %x = f32[8,4]{1,0} parameter(0)
+  ROOT %ar = f32[8,4]{1,0} all-reduce(%x), replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add
+}
+
+%on_false (x: f32[8,4]) -> f32[8,4] {
+  ROOT %x = f32[8,4]{1,0} parameter(0)
+}
+
+ENTRY %main (p: pred[], x: f32[8,4]) -> f32[8,4] {
+  %p = pred[] parameter(0)
+  %x = f32[8,4]{1,0} parameter(1)
+  ROOT %c = f32[8,4]{1,0} conditional(%p, %x, %x), true_computation=%on_true, false_computation=%on_false
+}
+"""
+
+
+def test_predicate_conditional_true_branch_is_index_one():
+    """lax.cond's index 0 is the false branch, so a predicate conditional's true branch is index 1."""
+    ar = _only(collectives(PRED_STYLE, make_mesh(SIZES)), "all_reduce")
+    assert ar["branch"] == [{"conditional": "c", "index": 1, "branches": 2, "count": 1}] and not ar["exact"]

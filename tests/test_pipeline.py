@@ -8,6 +8,8 @@ import pytest
 
 from mesh import hlo
 from sharding import pipeline as pipeline_lib
+from sharding import pipeline_stages as stages
+from sharding import schedules
 from tests.helpers import first_grads, rel_norm, run_steps, tiny_config
 from train.config import USER_ERRORS, resolve
 from train.trainer import Trainer
@@ -98,6 +100,22 @@ def test_collectives_per_step(layout):
     for r in in_loop:
         assert (r["op"], r["axes"]) in (("collective_permute", ["pipeline"]), ("all_reduce", ["tensor"])), r
     assert not [r for r in records if r["dtype"].startswith("s")], "an integer (token) array was communicated"
+
+
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 4, 4, 1), ("1f1b", 2, 4, 1), ("interleaved", 2, 4, 2),
+                                         ("interleaved", 4, 8, 2)])
+def test_branch_slot_counts(name, p, m, v):
+    """Per stage: every slot runs one branch; each microbatch's forward and backward run once per chunk, the
+    embedding cells (first) on stage 0 only, the head cells (last) on stage p-1 only; idle = the bubble."""
+    counts = pipeline_lib.branch_slot_counts(schedules.build(name, p, m, v))
+    slots = 2 * (v * m + p - 1)
+    assert counts.shape == (p, stages.NUM_BRANCHES) and (counts.sum(axis=1) == slots).all()
+    np.testing.assert_array_equal(counts[:, stages.IDLE], 2 * (p - 1))
+    for first, mid, last in ((stages.FWD_FIRST, stages.FWD_MID, stages.FWD_LAST),
+                             (stages.BWD_FIRST, stages.BWD_MID, stages.BWD_LAST)):
+        np.testing.assert_array_equal(counts[:, first], [m] + [0] * (p - 1))
+        np.testing.assert_array_equal(counts[:, last], [0] * (p - 1) + [m])
+        np.testing.assert_array_equal(counts[:, first] + counts[:, mid] + counts[:, last], v * m)
 
 
 def _bad(changes: dict, layout=(("pipeline", 4), ("data", 2))):

@@ -10,8 +10,10 @@ import tempfile
 from typing import Any
 
 import jax
+import numpy as np
 
 from mesh import cost, topology as topology_lib
+from sharding import pipeline as pipeline_lib
 from sharding.expected import expected_traffic
 from train.config import ConfigError
 
@@ -51,41 +53,71 @@ def compile_logged(compile_fn) -> tuple[Any, str]:
     return compiled, text
 
 
+def weigh_branches(records: list[dict], slot_counts, slots: int) -> list[dict]:
+    """Records of the pipeline's slot switch counted by how often a device really runs their branch.
+
+    mesh.hlo counts a collective inside a `lax.switch` branch on every trip of the slot loop (an upper
+    bound). `slot_counts` (int [stages, branches], sharding.pipeline.branch_slot_counts) says in how many
+    of the `slots` trips each stage runs each branch; a record's count becomes its count per trip times
+    the mean over stages. The mean, not the busiest stage, because rows are per-device bytes that sum
+    over the devices to the axis's traffic, the figure the expectations state and the projection costs;
+    stages differ only in the embedding's (first stage) and the head's (last stage) collectives, the
+    layers' being the same on every stage.
+    A record belongs to the slot switch when its conditional has that many branches and runs a multiple
+    of `slots` times a step (gradient accumulation repeats the loop); anything else (an unrolled slot
+    loop, a conditional nested in a cell) keeps its upper bound and its row says so.
+    """
+    slot_counts = np.asarray(slot_counts)
+    share = slot_counts.mean(axis=0) / slots  # per branch: the fraction of trips a device runs it
+    out = []
+    for r in records:
+        outer = (r.get("branch") or [None])[0]
+        if (outer and len(r["branch"]) == 1 and outer["index"] is not None and outer["count"] % slots == 0
+                and outer["branches"] == slot_counts.shape[1]):
+            r = dict(r, count=r["count"] * float(share[outer["index"]]), exact=r.get("trips_known", True))
+        out.append(r)
+    return out
+
+
 def attribute(records: list[dict], expected: list, sizes: dict[str, int]) -> list[dict]:
     """One row per expected collective and per unexpected one, with found bytes and flags.
 
-    An all-reduce over (data, fsdp) where the layout reduce-scatters over fsdp and all-reduces over
-    data counts as both: S towards the fsdp reduce-scatter, S / |fsdp| towards the data all-reduce.
+    A record counts towards the row of its op and exact axes. Otherwise, an all-reduce over (data, fsdp)
+    where the layout reduce-scatters over fsdp and all-reduces over data counts as both: S towards the
+    fsdp reduce-scatter, S / |fsdp| towards the data all-reduce. A row is exact when every record in it
+    has an exact count (not an upper bound).
     """
-    rows = {(e.op, (e.axis,)): {"purpose": e.purpose, "op": e.op, "axes": [e.axis], "expected_bytes": e.bytes,
-                                "found_bytes": 0.0, "found_ops": set(), "notes": []} for e in expected}
+    rows = {(e.op, e.axes): {"purpose": e.purpose, "op": e.op, "axes": list(e.axes), "expected_bytes": e.bytes,
+                             "found_bytes": 0.0, "found_ops": set(), "exact": True, "notes": []} for e in expected}
     scalars = {"purpose": "scalars (loss, norms)", "op": "all_reduce", "axes": [], "expected_bytes": None,
-               "found_bytes": 0.0, "found_ops": set(), "notes": []}
+               "found_bytes": 0.0, "found_ops": set(), "exact": True, "notes": []}
 
-    def add(key, nbytes, found_op):
-        row = rows.setdefault(key, {"purpose": "unexpected", "op": key[0], "axes": list(key[1]),
-                                    "expected_bytes": 0.0, "found_bytes": 0.0, "found_ops": set(), "notes": []})
+    def add(key, nbytes, found_op, exact):
+        row = rows.setdefault(key, {"purpose": "unexpected", "op": key[0], "axes": list(key[1]), "expected_bytes": 0.0,
+                                    "found_bytes": 0.0, "found_ops": set(), "exact": True, "notes": []})
         row["found_bytes"] += nbytes
         row["found_ops"].add(found_op)
+        row["exact"] = row["exact"] and exact
 
     for r in records:
         if not r["axes"]:
             continue
-        total = r["bytes"] * r["count"]
+        total, exact, key = r["bytes"] * r["count"], r.get("exact", True), (r["op"], tuple(r["axes"]))
         if r["scalar"]:
             scalars["found_bytes"] += total
             scalars["axes"] = sorted(set(scalars["axes"]) | set(r["axes"]))
+            scalars["exact"] = scalars["exact"] and exact
             continue
-        if r["op"] != "all_reduce":
-            add((r["op"], tuple(r["axes"])), total, r["op"])
+        if r["op"] != "all_reduce" or key in rows:
+            add(key, total, r["op"], exact)
             continue
         scattered = [a for a in r["axes"] if ("reduce_scatter", (a,)) in rows]
         rest = tuple(a for a in r["axes"] if a not in scattered)
         if len(scattered) == 1:
-            add(("reduce_scatter", (scattered[0],)), total, "all_reduce")
+            add(("reduce_scatter", (scattered[0],)), total, "all_reduce", exact)
             total /= sizes[scattered[0]]
         if rest:
-            add(("all_reduce", rest), total, "all_reduce")
+            add(("all_reduce", rest), total, "all_reduce", exact)
     out = []
     for row in list(rows.values()) + ([scalars] if scalars["found_bytes"] else []):
         exp, found = row["expected_bytes"], row["found_bytes"]
@@ -97,6 +129,9 @@ def attribute(records: list[dict], expected: list, sizes: dict[str, int]) -> lis
                                 + (" (repeated gathers)" if row["op"] == "all_gather" and found > exp else ""))
         if row["op"] == "reduce_scatter" and "all_reduce" in row["found_ops"]:
             row["notes"].append("all-reduce + slice where a reduce-scatter would do (2x bus traffic)")
+        if not row["exact"]:
+            row["notes"].append("count not exact (conditional branches counted on every trip, or a loop of "
+                                "unknown trip count)")
         row["found_ops"] = sorted(row["found_ops"])
         out.append(row)
     return out
@@ -131,12 +166,16 @@ def audit(trainer, report: dict, xla_log: str, topology: str, hosts: int, mfu: f
     expected = expected_traffic(plan.model, layout.abstract_state["params"], layout.param_specs, plan.rules,
                                 plan.mesh_sizes, plan.global_batch,
                                 {"microbatches": pipe.microbatches, "virtual_stages": pipe.virtual_stages})
-    rows = attribute(report["collectives"], expected, plan.mesh_sizes)
+    records = report["collectives"]
+    if plan.pipeline:
+        schedule = plan.pipeline.build()
+        records = weigh_branches(records, pipeline_lib.branch_slot_counts(schedule), schedule.num_slots)
+    rows = attribute(records, expected, plan.mesh_sizes)
     remats = xla_log.count(REMAT_WARNING)
     result = {"rows": rows, "involuntary_rematerializations": remats}
     if topology:
         devices = math.prod(plan.mesh_sizes.values())
-        result["projection"] = project(report["collectives"], plan.mesh_sizes, topology, hosts,
+        result["projection"] = project(records, plan.mesh_sizes, topology, hosts,
                                        report["flops_per_step"] / devices, mfu)
     return result
 
