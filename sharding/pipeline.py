@@ -66,7 +66,8 @@ def manual_axes(rules: Rules, mesh_sizes: Mapping[str, int]) -> tuple[str, ...]:
     """`pipeline` and the axes that split the batch (data, fsdp): the pipeline region handles these by
     hand. The batch axes must be manual: left automatic, XLA gathered the whole batch onto every stage at
     the region's entry. Everything else (tensor) stays automatic, so XLA's partitioner places Megatron's
-    tensor-parallel collectives inside each stage's computation, as in the unpipelined model."""
+    tensor-parallel collectives inside each stage's computation, as in the unpipelined model; only the FSDP
+    gather and reduce-scatter run with tensor manual too (_on_local_shards), on each tensor shard."""
     batch = [a for a in rules.get("batch", ()) if mesh_sizes.get(a, 1) > 1 and a != PIPELINE]
     return (PIPELINE, *batch)
 
@@ -156,6 +157,7 @@ def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule
     param_in = jax.tree.map(lambda s: _only(s, manual), full_specs, is_leaf=lambda x: isinstance(x, P))
     batch_in = _only(sharding_specs.mesh_spec(P("batch", None), rules, None, sizes), manual)
     auto_rules = {k: tuple(a for a in axes if a not in manual) for k, axes in rules.items()}
+    automatic = tuple(a for a in mesh.axis_names if a not in manual and sizes[a] > 1)
 
     def constrain(x, names):  # activation hints for the automatic (tensor) axes only
         return jax.lax.with_sharding_constraint(x, sharding_specs.mesh_spec(P(*names), auto_rules, x.shape, sizes))
@@ -169,14 +171,22 @@ def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule
     to_prev = [((d + 1) % p, d) for d in range(p if ring else p - 1)]
 
     def gather(x, spec):  # FSDP: the whole stage's weights, once per step
-        for dim, axes in _axes_of(_only(spec, manual, drop=(PIPELINE,))):
-            x = jax.lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
-        return x
+        sharded = _axes_of(_only(spec, manual, drop=(PIPELINE,)))
+
+        def fn(x):
+            for dim, axes in sharded:
+                x = jax.lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+            return x
+        return _on_local_shards(fn, x, spec, automatic) if sharded else x
 
     def reduce(g, spec, is_layer):  # once per step: scatter back to the FSDP shards, then sum over the rest
         sharded = _axes_of(_only(spec, manual, drop=(PIPELINE,)))
-        for dim, axes in sharded:  # first, so the all-reduce below moves a shard rather than the whole stage
-            g = jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=dim, tiled=True)
+
+        def scatter(g):  # first, so the all-reduce below moves a shard rather than the whole stage
+            for dim, axes in sharded:
+                g = jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=dim, tiled=True)
+            return g
+        g = _on_local_shards(scatter, g, spec, automatic) if sharded else g
         in_spec = {a for _, axes in sharded for a in axes}
         # Embedding and head gradients exist on the first and last stage only; every stage holds a replica.
         summed = tuple(a for a in batch_axes if a not in in_spec) + (() if is_layer else (PIPELINE,))
@@ -184,7 +194,7 @@ def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule
 
     def region(params, tokens):
         d = jax.lax.axis_index(PIPELINE)
-        params = jax.tree.map(gather, params, param_in)
+        params = jax.tree.map(gather, params, full_specs)  # full specs: the gather keeps the tensor split
         params = stages.make_varying(params, manual)
         stack = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), params["layers"])
         top = {k: params[k] for k in stages.TOP_KEYS}
@@ -220,12 +230,31 @@ def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule
         if not train:
             return loss
         grads = dict(carry["g_top"], layers=jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry["g_stack"]))
-        grads = {k: jax.tree.map(lambda g, s: reduce(g, s, k == "layers"), grads[k], param_in[k]) for k in grads}
+        grads = {k: jax.tree.map(lambda g, s: reduce(g, s, k == "layers"), grads[k], full_specs[k]) for k in grads}
         return loss, grads
 
     out_specs = (P(), param_in) if train else P()
     return jax.shard_map(region, mesh=mesh, in_specs=(param_in, batch_in), out_specs=out_specs,
                          axis_names=set(manual), check_vma=True)
+
+
+def _on_local_shards(fn: Callable, x: jax.Array, spec: P, automatic: tuple[str, ...]) -> jax.Array:
+    """`fn` (the FSDP gather or reduce-scatter over manual axes) on each device's shard of the automatic
+    axes (tensor) that `spec` splits, by a nested shard_map that makes them manual too.
+
+    Called directly in the region, XLA's partitioner replicates the operand of a manual all-gather or
+    reduce-scatter over the automatic axes (Shardy keeps the tensor sharding on it, but the partitioner
+    all-gathers over `tensor`, runs the collective on the whole tensor-parallel weight and slices the
+    result back), which doubles the fsdp bytes and adds a tensor all-gather of every weight and gradient.
+    A dimension split over both kinds of axis keeps that path, since its local block is not contiguous.
+    """
+    auto_spec = _only(spec, automatic)
+    entries = [(e,) if isinstance(e, str) else tuple(e or ()) for e in spec]
+    mixed = any(set(e) & set(automatic) and set(e) - set(automatic) for e in entries)
+    if not _axes_of(auto_spec) or mixed:
+        return fn(x)
+    return jax.shard_map(fn, in_specs=auto_spec, out_specs=auto_spec, axis_names=set(automatic),
+                         check_vma=True)(x)
 
 
 def _store(buffer: jax.Array, message: jax.Array, entry: jax.Array) -> jax.Array:
