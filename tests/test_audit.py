@@ -106,3 +106,19 @@ def test_branch_records_count_by_the_mean_stage():
     rows = {r["purpose"]: r for r in audit_lib.attribute(weighed, expected, {"data": 2, "tensor": 2})}
     assert rows["activation"]["exact"] and rows["activation"]["ratio"] == 1.0
     assert not rows["grads"]["exact"] and "count not exact" in rows["grads"]["notes"][0]
+
+
+def test_pipelined_fsdp_tensor_audit_is_exact():
+    """pipeline x fsdp x tensor: the FSDP weights are gathered and their gradients reduce-scattered once per
+    step over fsdp alone, on each tensor shard: no tensor all-gather of weights or gradients at the region's
+    edges, and the fsdp bytes are those of the tensor-sharded weights (not twice that)."""
+    mesh = {"pipeline": 2, "fsdp": 2, "tensor": 2}
+    result = _audit("fsdp_tensor", mesh, {"schedule": "1f1b"})
+    rows = {r["purpose"]: r for r in result["rows"] if r["purpose"] != "scalars (loss, norms)"}
+    assert sorted(rows) == sorted(["weight all-gather (once per step, pipeline)", "gradient reduce-scatter",
+                                   "embedding/head gradient all-reduce (on every stage)",
+                                   "activation all-reduce (Megatron)", "stage activations and gradients"])
+    for row in result["rows"]:
+        assert row["exact"], row
+        assert row["ratio"] is None or abs(row["ratio"] - 1) <= 0.05, row
+    assert result["involuntary_rematerializations"] == 0

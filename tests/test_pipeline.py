@@ -19,6 +19,8 @@ LAYOUTS = [(("pipeline", 4), ("data", 2)),
            (("pipeline", 2), ("data", 2), ("tensor", 2)),
            (("pipeline", 2), ("fsdp", 2), ("data", 2))]
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
+# FSDP and tensor inside the pipeline: the gather and reduce-scatter run per tensor shard (a nested shard_map).
+FSDP_TENSOR = (("pipeline", 2), ("fsdp", 2), ("tensor", 2))
 
 
 def _config(layout, schedule="1f1b", virtual_stages=1, microbatches=4, batch=16):
@@ -60,6 +62,10 @@ def test_schedule_matches_single_device(layout, schedule, virtual_stages):
     if layout == LAYOUTS[0] and schedule == "interleaved":  # the pipelined eval step, on permuted layers
         np.testing.assert_allclose(float(trainer.eval_step(state["params"], trainer.batch(0, "eval"))), ref_eval,
                                    rtol=1e-5)
+
+
+def test_fsdp_tensor_layout_matches_single_device():
+    test_schedule_matches_single_device(FSDP_TENSOR, "1f1b", 1)
 
 
 def test_layer_order_round_trip():
