@@ -68,7 +68,7 @@ class Checkpoints:
 
     def __init__(self, directory: str | pathlib.Path, *, keep: int = 3, keep_period: int = 0,
                  read_only: bool = False, async_save: bool = True):
-        self.directory = pathlib.Path(directory)
+        self.directory = pathlib.Path(directory).expanduser().absolute()  # Orbax needs absolute paths
         _one_writer_per_array()
         # read_only: a manager that is never asked to save, so it writes nothing (Orbax's own read_only
         # mode would log a warning on every run that merely peeks at its checkpoints).

@@ -1,8 +1,9 @@
 """`python -m train` end to end: outputs, their schema, --compile_only, and learning on the stdlib corpus."""
 import json
 import math
+import os
 
-from tests.helpers import run_cli
+from tests.helpers import ROOT, run_cli
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu"}
 
@@ -27,7 +28,8 @@ def test_compile_only_writes_the_report_and_nothing_else(tmp_path):
 
 def test_training_run_learns_and_writes_its_outputs(tmp_path):
     workdir = tmp_path / "run"
-    result = run_cli("--config=experiments/tiny.py", f"--workdir={workdir}", "--config.train.steps=50",
+    relative = os.path.relpath(workdir, ROOT)  # as `make train` passes it; Orbax itself wants absolute paths
+    result = run_cli("--config=experiments/tiny.py", f"--workdir={relative}", "--config.train.steps=50",
                      "--config.train.log_every=10", "--config.train.eval_every=25", "--config.mesh.data=4",
                      "--config.mesh.tensor=2", "--config.train.profile_steps=3:4")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -45,3 +47,4 @@ def test_training_run_learns_and_writes_its_outputs(tmp_path):
     assert list((workdir / "tensorboard").iterdir())
     assert list((workdir / "profile").rglob("*.xplane.pb"))
     assert "done: loss" in result.stdout
+    assert (workdir / "checkpoints" / "50").is_dir()  # the final step is always saved
