@@ -2,7 +2,8 @@
 
 Data parallel: one all-reduce of the gradients over the axes that split the batch but not the weight.
 FSDP / ZeRO-3: the weights are all-gathered over `fsdp` in the forward pass and again in the backward
-pass (the memory-saving choice of ZeRO-3), and their gradients reduce-scattered once.
+pass (the memory-saving choice of ZeRO-3), except the embedding table, whose lookup needs no weight in
+the backward pass; their gradients are reduce-scattered once.
 Megatron tensor parallelism: per block, one activation all-reduce after attention and one after the MLP,
 each mirrored in the backward pass, plus the embedding (forward) and the head's input gradient (backward);
 full rematerialization repeats the attention one (see _activation_all_reduces).
@@ -95,25 +96,27 @@ def expected_traffic(cfg: models.GPTConfig, abstract_params: Any, param_specs: A
                      sizes: Mapping[str, int], global_batch: int,
                      pipeline: Mapping[str, int] | None = None) -> list[Expected]:
     """What the layout requires; `pipeline` = {microbatches, virtual_stages} when mesh.pipeline > 1."""
-    leaves = jax.tree.leaves(abstract_params)
+    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(abstract_params)[0])
+    lookup = [jax.tree_util.keystr(path) == "['embed']" for path in paths]  # the embedding table
     specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
     batch_axes = [a for a in rules.get("batch", ()) if sizes.get(a, 1) > 1]
     pipelined = bool(pipeline) and sizes.get("pipeline", 1) > 1
     out: list[Expected] = []
     for axis in batch_axes:
-        grads = gathered = 0.0
-        for leaf, spec in zip(leaves, specs):
+        grads = gathered = gathers = 0.0
+        for leaf, spec, is_lookup in zip(leaves, specs, lookup):
             if axis in _axes_of(spec):  # sharded over the batch axis: FSDP gathers and reduce-scatters
-                gathered += _shard_bytes(leaf, spec, sizes, drop=axis)
+                full = _shard_bytes(leaf, spec, sizes, drop=axis)
+                gathered += full
+                gathers += full if (pipelined or is_lookup) else 2 * full
             elif not (pipelined and _on_every_stage(spec)):  # those are summed over pipeline too, below
                 grads += _shard_bytes(leaf, spec, sizes)    # plain data-parallel all-reduce of its shard
         if grads:
             out.append(Expected("gradient all-reduce", "all_reduce", axis, grads))
         if gathered:
-            if pipelined:
-                out.append(Expected("weight all-gather (once per step, pipeline)", "all_gather", axis, gathered))
-            else:
-                out.append(Expected("weight all-gather (forward + backward)", "all_gather", axis, 2 * gathered))
+            purpose = "weight all-gather (once per step, pipeline)" if pipelined else \
+                "weight all-gather (forward + backward)"
+            out.append(Expected(purpose, "all_gather", axis, gathers))
             out.append(Expected("gradient reduce-scatter", "reduce_scatter", axis, gathered))
     if pipelined:
         out += _stage_replicated_gradients(leaves, specs, sizes, batch_axes)
