@@ -121,9 +121,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
     """Validate `config` for `num_devices` devices; raises one of USER_ERRORS."""
     model = models.from_dict(config.model.to_dict())
     mesh_sizes = resolve_axis_sizes(config.mesh.to_dict(), num_devices)
-    rules = sharding_rules.resolve(config.sharding.strategy, config.sharding.rules.to_dict()
-                                   if hasattr(config.sharding.rules, "to_dict") else config.sharding.rules,
-                                   mesh_sizes)
+    rules = sharding_rules.resolve(config.sharding.strategy, config.sharding.rules.to_dict(), mesh_sizes)
     t = config.train
     _positive(t, "train", ("steps", "global_batch_size", "log_every", "grad_accum_steps"))
     _positive(t, "train", ("eval_every", "eval_batches"), allow_zero=("eval_every", "eval_batches"))
