@@ -2,7 +2,9 @@
 from train.config import base_config
 
 
-def get_config():
+def get_config(variant: str = ""):
+    if variant:
+        raise ValueError(f"experiments/tiny.py:{variant}: this experiment has no variants")
     c = base_config()
     c.model.preset = "tiny"
     c.mesh.data = -1

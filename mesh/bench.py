@@ -209,8 +209,15 @@ def main(argv):
     if F.num_cpu_devices:
         use_cpu_devices(F.num_cpu_devices)  # before anything touches a JAX backend
     import jax
-    sizes = parse_mesh(F.mesh)
-    mesh = make_mesh(sizes)
+    try:
+        sizes = parse_mesh(F.mesh)
+        mesh = make_mesh(sizes)
+        if not any(s > 1 for s in sizes.values()):
+            raise ValueError(f"--mesh={F.mesh}: no axis larger than 1, nothing to sweep")
+        topo = topology.get_topology(F.topology, F.hosts or None) if not (F.fit and F.topology == "local") else None
+    except ValueError as e:  # MeshConfigError included: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     full = dict(zip(mesh.axis_names, mesh.devices.shape))
     print(f"# devices: {mesh.devices.size} x {jax.devices()[0].platform}, mesh {F.mesh}, iters {F.iters}")
     records = sweep(mesh, byte_sizes(F.min_bytes, F.max_bytes), F.collectives, F.iters, F.warmup)
@@ -225,8 +232,7 @@ def main(argv):
             print(f"# fit {a:>8}: overhead {lv.overhead_us:8.2f} us  alpha {lv.latency_us:8.2f} us/step  "
                   f"bandwidth {lv.bandwidth_gbps:8.3f} GB/s")
         print(f"# fit median relative error: {err:.1%} over {len(records)} rows -> {F.topology_out}")
-    topo = topology.get_topology(F.topology_out if F.fit and F.topology == "local" else F.topology,
-                                 F.hosts or None)
+    topo = topo or topology.get_topology(F.topology_out, F.hosts or None)
     predict(records, full, topo)
     print(f"# predicted on topology {topo.name} ({topo.hosts} x {topo.devices_per_host})")
     print(table(records))

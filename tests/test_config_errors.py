@@ -32,6 +32,7 @@ def _bad_configs():
         "missing_file": (with_(mesh__data=8, data__source="tokens", data__path="/nonexistent/train.bin"),
                          "data.path='/nonexistent/train.bin'"),
         "warmup": (with_(mesh__data=8, optimizer__warmup_steps=50), "optimizer.warmup_steps=50"),
+        "profile": (with_(mesh__data=8, train__profile_steps="5:30"), "train.profile_steps='5:30': LAST is past"),
     }
 
 
@@ -64,3 +65,11 @@ def test_unwritable_workdir(tmp_path):
     with pytest.raises(USER_ERRORS, match="--workdir="):
         loop.prepare_workdir(str(blocker / "run"))
     assert blocker.read_text() == "not a directory"
+
+
+def test_default_experiment_variants():
+    from experiments import default
+    assert default.get_config().mesh.pipeline == 2
+    assert default.get_config("fsdp_tensor").mesh.fsdp == 2 and default.get_config("data_parallel").mesh.data == 8
+    with pytest.raises(ValueError, match="unknown variant"):
+        default.get_config("bogus")

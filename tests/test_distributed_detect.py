@@ -39,3 +39,10 @@ def test_flags_env_slurm_and_mpi(monkeypatch):
 def test_incomplete_flags_are_an_error(args):
     with pytest.raises(ValueError, match="--coordinator_address"):
         detect(*args)
+
+
+def test_env_without_process_id_is_an_error(monkeypatch):
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:99")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    with pytest.raises(ValueError, match="JAX_PROCESS_ID"):
+        detect()

@@ -26,8 +26,14 @@ def test_gradient_accumulation_matches_one_big_batch():
     ref_losses, _ = single_device_reference(5)
     config = tiny_config(data=4, fsdp=2)
     config.train.grad_accum_steps = 2
-    losses, _ = run_steps(Trainer.build(config), 5)
+    trainer = Trainer.build(config)
+    losses, state = run_steps(trainer, 5)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    # Evaluation goes through the same slices, and averages to the whole batch's loss.
+    whole = Trainer.build(tiny_config(data=4, fsdp=2))
+    batch = trainer.batch(0, split="eval")
+    np.testing.assert_allclose(trainer.eval_step(state["params"], batch), whole.eval_step(state["params"], batch),
+                               rtol=1e-5)
 
 
 def test_optimizer_state_sharding_keeps_the_numbers():

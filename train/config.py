@@ -44,7 +44,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer = dict(lr=3e-3, warmup_steps=10, decay_steps=0, min_lr_ratio=0.1, weight_decay=0.1,
                        b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0)
     c.data = dict(source="text", path="", token_dtype="uint16", eval_percent=5, cache_dir="")
-    c.checkpoint = dict(every_steps=0, every_minutes=0.0, keep=3, keep_period=0, restore_from="",
+    c.checkpoint = dict(every_steps=0, every_minutes=10.0, keep=3, keep_period=0, restore_from="",
                         restore_params_only=False)
     c.train.update(on_nonfinite="stop", step_timeout_s=1800.0)  # fault tolerance: see train/resume.py
     # Faults on purpose, for tests of the fault handling (0 = off): never set them in a real run.
@@ -85,7 +85,7 @@ def _positive(section: Any, prefix: str, keys: tuple[str, ...], allow_zero: tupl
             raise ConfigError(f"{prefix}.{key}={value!r}: must be a positive number")
 
 
-def _profile_range(text: str) -> tuple[int, int] | None:
+def _profile_range(text: str, steps: int) -> tuple[int, int] | None:
     if not text:
         return None
     try:
@@ -94,6 +94,8 @@ def _profile_range(text: str) -> tuple[int, int] | None:
         raise ConfigError(f"train.profile_steps={text!r}: use FIRST:LAST, e.g. '10:12'") from None
     if not 1 <= first <= last:
         raise ConfigError(f"train.profile_steps={text!r}: need 1 <= FIRST <= LAST")
+    if last > steps:
+        raise ConfigError(f"train.profile_steps={text!r}: LAST is past train.steps={steps}; lower it")
     return first, last
 
 
@@ -144,4 +146,4 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
         raise ConfigError(f"model.vocab_size={model.vocab_size}: byte-level text needs at least 256")
     return Plan(model=model, mesh_sizes=mesh_sizes, rules=rules, global_batch=t.global_batch_size,
                 grad_accum=t.grad_accum_steps, steps=t.steps, decay_steps=decay_steps,
-                profile_steps=_profile_range(t.profile_steps), pipeline=pipeline)
+                profile_steps=_profile_range(t.profile_steps, t.steps), pipeline=pipeline)

@@ -59,7 +59,8 @@ def _text_files(path: str) -> tuple[pathlib.Path, list[pathlib.Path]]:
     if root.is_file():
         return root.parent, [root]
     if root.is_dir():
-        files = sorted(p for p in root.rglob("*") if p.is_file())
+        files = sorted(p for p in root.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(root).parts))  # no .git/
         if files:
             return root, files
     raise ConfigError(f"data.path={path!r}: no such text file or non-empty directory")
@@ -67,9 +68,9 @@ def _text_files(path: str) -> tuple[pathlib.Path, list[pathlib.Path]]:
 
 def _prepare_text(path: str, eval_percent: int, cache_setting: str) -> tuple[np.ndarray, np.ndarray]:
     """Bytes of every file, split into train/eval by a hash of each file's path; cached on disk, keyed
-    by a hash of the file list (paths and sizes), since the corpus differs between Pythons."""
+    by a hash of the file list (paths, sizes, modification times), since the corpus differs between Pythons."""
     root, files = _text_files(path)
-    listing = "\n".join(f"{p.relative_to(root)}\t{p.stat().st_size}" for p in files)
+    listing = "\n".join(f"{p.relative_to(root)}\t{p.stat().st_size}\t{p.stat().st_mtime_ns}" for p in files)
     key = hashlib.sha256(f"{root}\n{eval_percent}\n{listing}".encode()).hexdigest()[:16]
     cache = _cache_dir(cache_setting) / f"text-{key}.npz"
     if cache.exists():

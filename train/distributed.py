@@ -33,7 +33,11 @@ def detect(coordinator_address: str = "", num_processes: int = 1, process_id: in
         return Cluster(coordinator_address, num_processes, process_id, "flags")
     env_n = _int_env("JAX_NUM_PROCESSES")
     if os.environ.get("JAX_COORDINATOR_ADDRESS") and env_n and env_n > 1:
-        return Cluster(os.environ["JAX_COORDINATOR_ADDRESS"], env_n, _int_env("JAX_PROCESS_ID") or 0, "env")
+        env_id = _int_env("JAX_PROCESS_ID")
+        if env_id is None or env_id >= env_n:
+            raise ValueError(f"JAX_PROCESS_ID={os.environ.get('JAX_PROCESS_ID', '')!r}: with JAX_NUM_PROCESSES="
+                             f"{env_n} every process needs its index 0..{env_n - 1}")
+        return Cluster(os.environ["JAX_COORDINATOR_ADDRESS"], env_n, env_id, "env")
     # srun sets SLURM_STEP_NUM_TASKS for the step it launches; a batch script or salloc shell does not
     # run inside such a step, so a plain `python -m train` there stays single-process.
     if (_int_env("SLURM_STEP_NUM_TASKS") or 1) > 1:

@@ -44,7 +44,10 @@ def start(num_processes: int, num_cpu_devices: int, train_args: list[str]) -> li
     for i in range(num_processes):
         cmd = [sys.executable, "-m", "train", *train_args, f"--coordinator_address={address}",
                f"--num_processes={num_processes}", f"--process_id={i}", f"--num_cpu_devices={num_cpu_devices}"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        # A session of its own: a terminal's Ctrl-C reaches the process once, forwarded by the launcher,
+        # not also directly (a second SIGINT would abort it before its preemption save).
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+                                start_new_session=True)
         for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             threading.Thread(target=_forward, args=(stream, f"[p{i}] ", out), daemon=True).start()
         procs.append(proc)

@@ -225,12 +225,14 @@ def _loop(config, trainer: Trainer, compiled, rep, path: pathlib.Path, begin: re
 
     state = begin.state
     profile = plan.profile_steps
+    tracing = False
     pending = None
     step = begin.step
     for index in range(begin.step, plan.steps):
         step = index + 1  # the number of completed updates once this step is done
-        if profile and step == profile[0]:
+        if profile and profile[0] <= step <= profile[1] and not tracing:  # also when resumed mid-range
             jax.profiler.start_trace(str(path / "profile"))
+            tracing = True
         state, metrics = compiled(state, trainer.batch(index))
         flags = agree.post((signals.requested.is_set(), saver.time_due()))
         if fi.step_delay_s:
@@ -241,9 +243,10 @@ def _loop(config, trainer: Trainer, compiled, rep, path: pathlib.Path, begin: re
             finish_step(*pending)
         pending = (step, metrics, flags)
         saver.poll()  # a background save that failed is raised here, on the main thread
-        if profile and step == profile[1]:
+        if tracing and step == profile[1]:
             jax.block_until_ready(state)
             jax.profiler.stop_trace()
+            tracing = False
         eval_due = bool(config.train.eval_every and step % config.train.eval_every == 0 and config.train.eval_batches)
         save_due = _save_due(saver, decided, step, plan.steps)
         if save_due:
@@ -264,6 +267,8 @@ def _loop(config, trainer: Trainer, compiled, rep, path: pathlib.Path, begin: re
             dog.kick(f"checkpoint at step {step}")
             t_prev = time.perf_counter()  # blocked save time is accounted separately
         if decided["stop"] and step < plan.steps:  # at the last step the run is done anyway
+            if tracing:  # keep the part of the trace that was taken
+                jax.profiler.stop_trace()
             saver.wait()
             raise exit_codes.Stop(exit_codes.REQUEUE, f"preempted: saved checkpoint {saver.ckpts.step_dir(step)}; "
                                                       f"run the same command again to resume (exit status 75)")

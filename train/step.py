@@ -22,28 +22,27 @@ def model_loss_and_grad(cfg: models.GPTConfig, constrain) -> LossAndGrad:
     return jax.value_and_grad(lambda params, tokens: models.loss(params, tokens, cfg, constrain))
 
 
-def accumulate(loss_and_grad: LossAndGrad, accum: int, batch_sharding: NamedSharding) -> LossAndGrad:
-    """Average loss and gradients over `accum` equal slices of the batch, one after another.
+def _slices(tokens_BxL: jax.Array, accum: int, batch_sharding: NamedSharding) -> jax.Array:
+    """[accum, B/accum, L]: slice k takes rows k, k+accum, k+2*accum, ...; each device's contiguous block
+    of rows holds a part of every slice, so splitting the batch moves no data between devices."""
+    B, L = tokens_BxL.shape
+    micro_AxBxL = jnp.swapaxes(tokens_BxL.reshape(B // accum, accum, L), 0, 1)
+    return jax.lax.with_sharding_constraint(micro_AxBxL, NamedSharding(batch_sharding.mesh,
+                                                                       P(None, *batch_sharding.spec)))
 
-    Slice k takes rows k, k+accum, k+2*accum, ...: each device's contiguous block of rows holds a
-    part of every slice, so splitting the batch moves no data between devices.
-    """
+
+def accumulate(loss_and_grad: LossAndGrad, accum: int, batch_sharding: NamedSharding) -> LossAndGrad:
+    """Average loss and gradients over `accum` equal slices of the batch (`_slices`), one after another."""
     if accum == 1:
         return loss_and_grad
-    spec = batch_sharding.spec
 
     def fn(params, tokens_BxL):
-        B, L = tokens_BxL.shape
-        micro_AxBxL = jnp.swapaxes(tokens_BxL.reshape(B // accum, accum, L), 0, 1)
-        micro_AxBxL = jax.lax.with_sharding_constraint(
-            micro_AxBxL, NamedSharding(batch_sharding.mesh, P(None, *spec)))
-
         def body(carry, tokens):
             loss, grads = loss_and_grad(params, tokens)
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (loss, grads), _ = jax.lax.scan(body, zeros, micro_AxBxL)
+        (loss, grads), _ = jax.lax.scan(body, zeros, _slices(tokens_BxL, accum, batch_sharding))
         return jax.tree.map(lambda x: x / accum, (loss, grads))
 
     return fn
@@ -93,10 +92,18 @@ def guard_options(config) -> dict:
             "nan_at_step": int(config.fault_injection.nan_at_step)}
 
 
-def make_eval_step(cfg: models.GPTConfig, layout: Layout, loss_fn: Callable | None = None):
-    """jit(params, batch) -> mean loss, forward only (`loss_fn`, e.g. a pipeline's, or the plain model)."""
+def make_eval_step(cfg: models.GPTConfig, layout: Layout, loss_fn: Callable | None = None, accum: int = 1):
+    """jit(params, batch) -> mean loss, forward only (`loss_fn`, e.g. a pipeline's, or the plain model),
+    over the same `accum` slices as training, so evaluation needs no more memory than a train step."""
     constrain = layout.constrain()
     loss_fn = loss_fn or (lambda params, tokens: models.loss(params, tokens, cfg, constrain))
+    if accum > 1:
+        one = loss_fn
+
+        def loss_fn(params, tokens_BxL):
+            total, _ = jax.lax.scan(lambda acc, tokens: (acc + one(params, tokens), None),
+                                    jnp.zeros((), jnp.float32), _slices(tokens_BxL, accum, layout.batch))
+            return total / accum
     return jax.jit(loss_fn,
                    in_shardings=(layout.state["params"], layout.batch),
                    out_shardings=NamedSharding(layout.mesh, P()))

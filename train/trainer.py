@@ -49,7 +49,7 @@ class Trainer:
             eval_loss = None
         loss_and_grad = step_lib.accumulate(loss_and_grad, plan.grad_accum, layout.batch)
         train_step = step_lib.make_train_step(loss_and_grad, tx, schedule, layout, **step_lib.guard_options(config))
-        eval_step = step_lib.make_eval_step(plan.model, layout, eval_loss)
+        eval_step = step_lib.make_eval_step(plan.model, layout, eval_loss, plan.grad_accum)
         return cls(config, plan, mesh, layout, tx, schedule, source, loss_and_grad, train_step, eval_step)
 
     def init_state(self) -> state_lib.State:
