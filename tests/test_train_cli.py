@@ -23,7 +23,7 @@ def test_compile_only_writes_the_report_and_nothing_else(tmp_path):
     assert {"all_reduce", "all_gather"} <= ops
     for record in report["collectives"]:
         assert set(record) >= {"op", "shape", "dtype", "bytes", "axes", "count"}
-    assert not (workdir / "metrics.jsonl").exists()
+    assert not (workdir / "metrics.jsonl").exists() and not (workdir / "config.json").exists()
 
 
 def test_training_run_learns_and_writes_its_outputs(tmp_path):

@@ -100,6 +100,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
             print(audit_lib.format_table(rep["audit"]), flush=True)
     if is_main:
         report_lib.write(rep, path)
+    if is_main and not compile_only:  # a what-if compile leaves the run's own config.json alone
         resolved = {"config": config.to_dict(), "model": vars(plan.model) | {"param_count": rep["param_count"]},
                     "mesh": rep["mesh"], "versions": versions()}
         (path / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
