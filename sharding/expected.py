@@ -23,6 +23,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 import models
+from sharding.specs import entry_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Expected:
 def _axes_of(spec: P) -> set[str]:
     out: set[str] = set()
     for entry in spec:
-        out.update((entry,) if isinstance(entry, str) else (entry or ()))
+        out.update(entry_axes(entry))
     return out
 
 

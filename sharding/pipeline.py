@@ -76,13 +76,13 @@ def _only(spec: P, axes: tuple[str, ...], drop: tuple[str, ...] = ()) -> P:
     """`spec` restricted to the mesh axes in `axes` (minus `drop`)."""
     out = []
     for entry in spec:
-        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else (entry or ())) if a in axes and a not in drop)
+        kept = tuple(a for a in sharding_specs.entry_axes(entry) if a in axes and a not in drop)
         out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return P(*out)
 
 
 def _axes_of(spec: P) -> list[tuple[int, tuple[str, ...]]]:
-    return [(dim, (e,) if isinstance(e, str) else tuple(e)) for dim, e in enumerate(spec) if e]
+    return [(dim, sharding_specs.entry_axes(e)) for dim, e in enumerate(spec) if e]
 
 
 # ----------------------------------------------------------------------------- the slot program
@@ -249,7 +249,7 @@ def _on_local_shards(fn: Callable, x: jax.Array, spec: P, automatic: tuple[str, 
     A dimension split over both kinds of axis keeps that path, since its local block is not contiguous.
     """
     auto_spec = _only(spec, automatic)
-    entries = [(e,) if isinstance(e, str) else tuple(e or ()) for e in spec]
+    entries = [sharding_specs.entry_axes(e) for e in spec]
     mixed = any(set(e) & set(automatic) and set(e) - set(automatic) for e in entries)
     if not _axes_of(auto_spec) or mixed:
         return fn(x)

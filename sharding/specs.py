@@ -57,6 +57,11 @@ def param_specs(abstract: Any, logical: Any, rules: Rules, mesh_sizes: Mapping[s
         abstract, logical)
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry: None -> (), 'a' -> ('a',), ('a', 'b') -> ('a', 'b')."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def add_axis(spec: P, shape: tuple[int, ...], axis: str, mesh_sizes: Mapping[str, int]) -> P:
     """Also split an array over `axis` (ZeRO-1/2 optimizer-state sharding over `data`).
 
@@ -64,20 +69,17 @@ def add_axis(spec: P, shape: tuple[int, ...], axis: str, mesh_sizes: Mapping[str
     """
     size = mesh_sizes.get(axis, 1)
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    if size == 1 or any(axis in ((e,) if isinstance(e, str) else (e or ())) for e in entries):
+    if size == 1 or any(axis in entry_axes(e) for e in entries):
         return spec
-
-    def current(e) -> tuple[str, ...]:
-        return () if e is None else (e,) if isinstance(e, str) else tuple(e)
 
     best = None
     for dim, entry in enumerate(entries):
-        ways = math.prod(mesh_sizes[a] for a in current(entry)) * size
+        ways = math.prod(mesh_sizes[a] for a in entry_axes(entry)) * size
         if shape[dim] % ways == 0 and (best is None or shape[dim] // ways > shape[best] // ways):
             best = dim
     if best is None:
         return spec
-    axes = current(entries[best]) + (axis,)
+    axes = entry_axes(entries[best]) + (axis,)
     entries[best] = axes[0] if len(axes) == 1 else axes
     while entries and entries[-1] is None:
         entries.pop()
