@@ -5,9 +5,10 @@ import os
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "experiments/default.py", "Experiment config file.")
+from train import cli
+
+_CONFIG = cli.config_file("config", "experiments/default.py", "Experiment config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: metrics, reports, checkpoints.", required=True)
 _NUM_CPU_DEVICES = flags.DEFINE_integer("num_cpu_devices", 8, "Virtual devices when the platform is CPU.")
 _COMPILE_ONLY = flags.DEFINE_boolean("compile_only", False, "Compile the step, write compile_report.json, exit.")
@@ -64,4 +65,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
+    cli.run(main)

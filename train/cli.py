@@ -1,0 +1,118 @@
+"""The command line of every `python -m train.*` tool fails the way the config does: one line
+`error: ...` on stderr naming the flag or setting (with ml_collections' suggestion), exit status 2.
+
+Use it in place of absl's app.run and config_flags.DEFINE_config_file:
+
+    _CONFIG = cli.config_file("config", "experiments/default.py", "Experiment config file.")
+    ...
+    if __name__ == "__main__":
+        cli.run(main)   # main(argv) -> exit status (None means 0)
+
+It covers a misspelled override (`--config.model.presett=x`), an override of the wrong type, a missing
+or failing config file, an unknown flag, a missing required flag, absl's UsageError and the settings
+errors of train/config.py (USER_ERRORS), all raised before main does any work.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any, Callable, NoReturn
+
+from absl import app, flags
+from ml_collections import config_flags
+
+USER_ERROR = 2  # train/exit_codes.USER_ERROR, without importing jax to print a flag error
+_CONFIG_FLAGS: list[Any] = []
+
+
+def fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(USER_ERROR)
+
+
+def _last_line(text: str) -> str:
+    """Errors wrapped by absl or ml_collections carry a traceback or a list of attempts: keep the cause."""
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else str(text)
+    return re.sub(r"^\w+(Error|Exception): ", "", last) if "Traceback" in str(text) else last
+
+
+def _override_arg(name: str, key: str, argv: list[str]) -> str:
+    """The command-line argument that overrides config key `key` (the first that mentions it)."""
+    for arg in argv:
+        flag = arg.lstrip("-").split("=", 1)[0]
+        if flag.startswith(f"{name}.") and key in flag.split(".")[1:]:
+            return flag
+    return f"{name}.{key}"
+
+
+def key_error_message(name: str, error: BaseException, argv: list[str]) -> str:
+    """`--config.model.presett=x` -> '--config.model.presett: no such setting "presett"; did you mean "preset"?'."""
+    text = str(error.args[0] if error.args else error).strip("'\"")
+    text = text.replace("\\n", "\n").replace("\\'", "'")
+    lines = [line.strip().strip("'\"") for line in text.splitlines() if line.strip()]
+    key = lines[0].strip("'\"") if lines else "?"
+    hint = re.search(r'Did you mean "([^"]+)"', text)
+    suggestion = f'; did you mean "{hint.group(1)}"?' if hint else "; see train/config.py base_config for every key"
+    return f'--{_override_arg(name, key, argv)}: no such setting "{key}"{suggestion}'
+
+
+def _config_load_message(name: str, error: BaseException) -> str:
+    cause = getattr(error, "_error", error)
+    path = getattr(flags.FLAGS[name], "config_filename", "") if name in flags.FLAGS else ""
+    if "No such file" in str(cause) or "empty string" in str(cause):
+        return f"--{name}={path}: no such config file; give an experiment file such as experiments/default.py"
+    return f"--{name}={path}: {_last_line(str(cause))}"
+
+
+def config_file(name: str, default: str, help_text: str) -> Any:
+    """config_flags.DEFINE_config_file, whose override errors (raised while defining, when the command line
+    names no config file) become one line and exit 2."""
+    try:
+        holder = config_flags.DEFINE_config_file(name, default, help_text)
+    except (KeyError, AttributeError) as e:
+        fail(key_error_message(name, e, sys.argv))
+    except (ValueError, TypeError, OSError) as e:
+        fail(f"--{name}: {_last_line(str(e))}")
+    _CONFIG_FLAGS.append((name, holder))
+    return holder
+
+
+def flag_error_message(error: flags.Error) -> str:
+    text = _last_line(str(error)) if "Traceback" in str(error) else " ".join(str(error).split())
+    required = re.match(r"flag --(\w+)=None: Flag --\w+ must have a value other than None", text)
+    if required:
+        return f"--{required.group(1)} is required; pass --{required.group(1)}=VALUE"
+    return re.sub(r"^flag ", "", text)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser, with every error as one line and exit 2; the config files are loaded here too."""
+    try:
+        rest = flags.FLAGS(argv)
+    except flags.Error as e:
+        fail(flag_error_message(e))
+    except (KeyError, AttributeError) as e:
+        name = next((n for n, _ in _CONFIG_FLAGS if any(a.lstrip("-").startswith(f"{n}.") for a in argv)), "config")
+        fail(key_error_message(name, e, argv))
+    for name, holder in _CONFIG_FLAGS:
+        try:
+            holder.value.keys()  # a config that failed to load raises its stored error on first access
+        except OSError as e:
+            fail(_config_load_message(name, e))
+    return rest
+
+
+def run(main: Callable[[list[str]], int | None]) -> NoReturn:
+    """app.run(main) with one-line, exit-2 errors for flags, config files and settings (USER_ERRORS)."""
+
+    def guarded(argv: list[str]) -> int:
+        from train.config import USER_ERRORS  # imported here: a flag error prints before jax loads
+        try:
+            return main(argv) or 0
+        except app.UsageError as e:
+            fail(str(e))
+        except USER_ERRORS as e:
+            fail(str(e))
+
+    app.run(lambda argv: sys.exit(guarded(argv)), flags_parser=parse_flags)
