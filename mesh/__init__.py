@@ -1,5 +1,6 @@
 """Devices to a named mesh: axis sizes, device order, virtual CPU devices; the interconnect topology,
-collectives over mesh axes, their cost model and the HLO collective parser (imports nothing of ours)."""
+collectives over mesh axes, their cost model, the HLO collective parser and the chips' datasheet peaks
+(imports nothing of ours)."""
 from mesh import collectives, cost, hlo, topology
 from mesh.cost import bus_factor, predict_us, record_us
 from mesh.layout import AXES, MeshConfigError, axis_sizes, make_mesh, resolve_axis_sizes, use_cpu_devices

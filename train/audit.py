@@ -12,16 +12,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from mesh import cost, topology as topology_lib
+from mesh import chips, cost, topology as topology_lib
 from sharding import pipeline as pipeline_lib
 from sharding.expected import expected_traffic
 from train.config import ConfigError
 
 REMAT_WARNING = "Involuntary full rematerialization"
 TOLERANCE = 0.05
-# Dense bf16 peak per device of each preset's accelerator (datasheets: NVIDIA H100 SXM 989 TFLOP/s,
-# A100 SXM 312; Google Cloud TPU v5p 459, v5e 197), for the compute side of the projection.
-PEAK_TFLOPS = {"dgx-h100": 989.0, "dgx-a100": 312.0, "tpu-v5p": 459.0, "tpu-v5e": 197.0}
+# The accelerator of each topology preset, as JAX names it: its bf16 peak (mesh/chips.py) gives the
+# compute side of the projection.
+PRESET_DEVICE_KIND = {"dgx-h100": "NVIDIA H100 80GB HBM3", "dgx-a100": "NVIDIA A100-SXM4-80GB",
+                      "tpu-v5p": "TPU v5", "tpu-v5e": "TPU v5 lite"}
 
 
 @contextlib.contextmanager
@@ -151,7 +152,7 @@ def project(records: list[dict], sizes: dict[str, int], topology_name: str, host
                           f"({others} devices per replica); change --hosts or the mesh")
     target = {**sizes, "data": topo.num_devices // others}
     per_axis = cost.time_by_axes(records, target, topo)
-    peak = PEAK_TFLOPS.get(topology_name, 0.0) * 1e12
+    peak = chips.peak_flops(PRESET_DEVICE_KIND.get(topology_name, ""), "bfloat16") or 0.0
     compute_us = flops_per_device / (peak * mfu) * 1e6 if peak else None
     return {"topology": topology_name, "hosts": hosts, "devices": topo.num_devices, "mesh": target,
             "warnings": topology_lib.placement_warnings(target, topo),

@@ -1,7 +1,8 @@
 """What a device can do: peak FLOP/s (for MFU) and memory capacity (for the fits-in-memory check).
 
-GPUs: dense peak from the vendors' datasheets. CPUs: a large matmul measured once and cached, since
-no datasheet describes a virtual device; virtual CPU devices share the machine, so each gets its share.
+GPUs and TPUs: the datasheet table of mesh/chips.py, by device_kind. CPUs: a large matmul measured once
+and cached, since no datasheet describes a virtual device; virtual CPU devices share the machine, so each
+gets its share.
 """
 from __future__ import annotations
 
@@ -13,14 +14,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-# Dense (no sparsity) peak TFLOP/s per GPU: (bf16/fp16 tensor core, fp32 without TF32).
-# H100/H200 SXM: NVIDIA H100 datasheet (989 bf16, 67 fp32); H200 shares the H100 compute die.
-# A100 SXM: NVIDIA A100 datasheet (312 bf16, 19.5 fp32). L40S: datasheet (362 bf16, 91.6 fp32).
-# B200: NVIDIA DGX B200 datasheet, 72 PFLOPs dense FP8 per 8 GPUs -> 2250 bf16 dense per GPU; fp32 75.
-GPU_PEAK_TFLOPS = {
-    "H200": (989.0, 67.0), "H100": (989.0, 67.0), "A100": (312.0, 19.5),
-    "L40S": (362.0, 91.6), "B200": (2250.0, 75.0),
-}
+from mesh import chips
+
+GiB = 1 << 30  # the unit of every memory figure the project prints
 
 
 def _cache_file() -> pathlib.Path:
@@ -46,11 +42,8 @@ def peak_flops_per_device(compute_dtype: str, override_tflops: float = 0.0) -> f
     if override_tflops > 0:
         return override_tflops * 1e12
     device = jax.devices()[0]
-    if device.platform == "gpu":
-        for name, (half, single) in GPU_PEAK_TFLOPS.items():
-            if name in device.device_kind:
-                return (half if compute_dtype in ("bfloat16", "float16") else single) * 1e12
-        return 0.0  # unknown GPU: MFU is reported as 0 unless --peak_tflops is given
+    if device.platform != "cpu":
+        return chips.peak_flops(device.device_kind, compute_dtype) or 0.0  # unknown: MFU 0 unless --peak_tflops
     cache = _cache_file()
     key = f"{jax.__version__}:{os.cpu_count()}"
     try:

@@ -17,6 +17,7 @@ import numpy as np
 
 import checkpoint
 from train import audit as audit_lib, exit_codes, hardware, preemption, report as report_lib, resume
+from train.hardware import GiB
 from train.config import ConfigError
 from train.goodput import Goodput
 from train.metrics import MetricsLog
@@ -24,7 +25,6 @@ from train.saver import Saver
 from train.trainer import Trainer
 from train.watchdog import Watchdog
 
-GiB = 1 << 30
 
 
 def prepare_workdir(workdir: str) -> pathlib.Path:

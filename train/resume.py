@@ -20,10 +20,10 @@ import checkpoint
 from checkpoint import meta as meta_lib
 from checkpoint import plain
 from train.config import ConfigError
+from train.hardware import GiB
 from train.trainer import Trainer
 
 NONFINITE_POLICIES = ("stop", "skip")
-GiB = 1 << 30
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
