@@ -44,11 +44,12 @@ def measure(d_model: int, n_layers: int, root: str) -> list[tuple[str, str]]:
     import jax
     import checkpoint
     from checkpoint import integrity
-    from train import resume
+    from train import checkpoint_format as ckpt_format
     med = statistics.median
     n = _REPEATS.value
     trainer = build(d_model, n_layers, {"fsdp": jax.device_count()})
-    tree = jax.block_until_ready(resume.to_tree(random_state(trainer), resume.rng_of(0, trainer.mesh)))
+    rng = ckpt_format.rng_of(0, trainer.mesh)
+    tree = jax.block_until_ready(ckpt_format.to_tree(trainer, random_state(trainer), rng))
     mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)) / 1e6
     runs = checkpoint.Checkpoints(f"{root}/async", keep=n + 1)
     runs.save(1, tree, {})  # a process's first save compiles the checksum program: not timed
@@ -88,11 +89,11 @@ def measure(d_model: int, n_layers: int, root: str) -> list[tuple[str, str]]:
 def _restores(ckpts, trainer) -> list[float]:
     import jax
     import checkpoint
-    from train import resume
+    from train import checkpoint_format as ckpt_format
     times = []
     for _ in range(_REPEATS.value):
         t0 = time.perf_counter()
-        jax.block_until_ready(checkpoint.restore_newest(ckpts, resume.target(trainer)).tree)
+        jax.block_until_ready(checkpoint.restore_newest(ckpts, ckpt_format.target(trainer)).tree)
         times.append(time.perf_counter() - t0)
     return times
 

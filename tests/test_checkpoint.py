@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import checkpoint
 from checkpoint import integrity, meta as meta_lib, plain
 from tests.helpers import tiny_config
-from train import preemption, resume
+from train import checkpoint_format as ckpt_format, preemption, resume
 from train.goodput import Goodput
 from train.trainer import Trainer
 
@@ -26,7 +26,7 @@ def trained():
     state = trainer.init_state()
     for index in range(2):
         state, _ = trainer.train_step(state, trainer.batch(index))
-    return trainer, state, resume.rng_of(0, trainer.mesh)
+    return trainer, state, ckpt_format.rng_of(0, trainer.mesh)
 
 
 def numpy_tree(tree):
@@ -60,15 +60,15 @@ def test_checksums_ignore_layout_and_catch_flips_and_swaps():
 
 def test_compatibility_check_names_the_first_difference(trained):
     trainer, state, rng = trained
-    tree = resume.to_tree(state, rng)
+    tree = ckpt_format.to_tree(trainer, state, rng)
     meta = meta_lib.build(tree, {})
-    meta_lib.check_compatible(meta, resume.target(trainer), "ckpt")
-    target = resume.target(trainer)
+    meta_lib.check_compatible(meta, ckpt_format.target(trainer), "ckpt")
+    target = ckpt_format.target(trainer)
     target["params"]["embed"] = jax.ShapeDtypeStruct((256, 64), np.float32)
     with pytest.raises(checkpoint.IncompatibleCheckpoint, match=r"params/embed: checkpoint float32\(256, 128\), "
                                                                 r"config float32\(256, 64\)"):
         meta_lib.check_compatible(meta, target, "ckpt")
-    meta_lib.check_compatible(meta, {"params": resume.target(trainer)["params"]}, "ckpt", prefix="params/")
+    meta_lib.check_compatible(meta, {"params": ckpt_format.target(trainer)["params"]}, "ckpt", prefix="params/")
     changes = meta_lib.config_changes({"train": {"steps": 8, "seed": 0}}, {"train": {"steps": 12, "seed": 0}})
     assert changes == ["train.steps: 8 -> 12"]
 
@@ -76,9 +76,9 @@ def test_compatibility_check_names_the_first_difference(trained):
 def test_save_restore_onto_another_mesh_then_fall_back_past_damage(tmp_path, trained):
     trainer, state, rng = trained
     ckpts = checkpoint.Checkpoints(tmp_path / "checkpoints")
-    ckpts.save(1, resume.to_tree(state, rng), {"note": "one"})
+    ckpts.save(1, ckpt_format.to_tree(trainer, state, rng), {"note": "one"})
     state2, _ = trainer.train_step(jax.tree.map(lambda x: x.copy(), state), trainer.batch(2))
-    ckpts.save(2, resume.to_tree(state2, rng), {"note": "two"})
+    ckpts.save(2, ckpt_format.to_tree(trainer, state2, rng), {"note": "two"})
     [r.step for r in ckpts.wait()]
     assert ckpts.steps() == [1, 2]
     # A plain Orbax client reads the state item with no project code: nested dicts of arrays.
@@ -86,9 +86,9 @@ def test_save_restore_onto_another_mesh_then_fall_back_past_damage(tmp_path, tra
     assert set(raw) == {"params", "opt_state", "step", "rng"} and int(raw["step"]) == 3
     # Restore straight into a 2x2x2 layout: same values, target shardings.
     other = Trainer.build(tiny_config(data=2, fsdp=2, tensor=2))
-    restored = checkpoint.restore_newest(ckpts, resume.target(other))
+    restored = checkpoint.restore_newest(ckpts, ckpt_format.target(other))
     assert restored.step == 2 and restored.meta["note"] == "two"
-    expected = numpy_tree(resume.to_tree(state2, rng))
+    expected = numpy_tree(ckpt_format.to_tree(trainer, state2, rng))
     for name, value in plain.flatten(restored.tree).items():
         np.testing.assert_array_equal(np.asarray(value), plain.flatten(expected)[name])
     spec = plain.flatten(restored.tree)["params/layers/w_in"].sharding.spec
@@ -101,7 +101,7 @@ def test_save_restore_onto_another_mesh_then_fall_back_past_damage(tmp_path, tra
         data[offset] ^= 0xFF
     largest.write_bytes(bytes(data))
     warnings = []
-    restored = checkpoint.restore_newest(ckpts, resume.target(trainer), warn=warnings.append)
+    restored = checkpoint.restore_newest(ckpts, ckpt_format.target(trainer), warn=warnings.append)
     assert restored.step == 1 and ckpts.steps() == [1]
     assert "checkpoints/2 is damaged" in warnings[0]
     aside = list((tmp_path / "checkpoints.set_aside").iterdir())
@@ -109,13 +109,13 @@ def test_save_restore_onto_another_mesh_then_fall_back_past_damage(tmp_path, tra
     # Nothing restores any more, but set-aside checkpoints exist: never silently start from step 0.
     (tmp_path / "checkpoints" / "1" / "meta" / "metadata").write_text("{not json")
     with pytest.raises(checkpoint.NoRestorableCheckpoint, match="refusing to start again from step 0"):
-        checkpoint.restore_newest(ckpts, resume.target(trainer), warn=warnings.append)
+        checkpoint.restore_newest(ckpts, ckpt_format.target(trainer), warn=warnings.append)
 
 
 def test_restore_params_only_starts_a_fresh_optimizer(tmp_path, trained):
     trainer, state, rng = trained
     source = checkpoint.Checkpoints(tmp_path / "src" / "checkpoints")
-    source.save(2, resume.to_tree(state, rng), {})
+    source.save(2, ckpt_format.to_tree(trainer, state, rng), {})
     source.wait()
     config = tiny_config(data=8)
     config.checkpoint.update(restore_from=f"{tmp_path / 'src'}:2", restore_params_only=True)

@@ -13,12 +13,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-
 import checkpoint
 from checkpoint import meta as meta_lib
-from checkpoint import plain
+from train import checkpoint_format as ckpt_format
 from train.config import ConfigError
 from train.hardware import GiB
 from train.trainer import Trainer
@@ -43,28 +40,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError("checkpoint.restore_params_only=True needs checkpoint.restore_from=PATH[:STEP]")
 
 
-def rng_of(seed: int, mesh: jax.sharding.Mesh) -> jax.Array:
-    """The run's root RNG key data (replicated): with the step, it fixes every batch and random draw."""
-    return jax.device_put(jax.random.key_data(jax.random.key(seed)), NamedSharding(mesh, P()))
-
-
-def target(trainer: Trainer) -> dict[str, Any]:
-    """The checkpoint's plain tree as ShapeDtypeStructs in this run's shardings: what a restore fills."""
-    rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
-    rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=NamedSharding(trainer.mesh, P()))
-    return plain.to_plain({**trainer.layout.abstract_state, "rng": rng})
-
-
-def to_tree(state: dict[str, Any], rng: jax.Array) -> dict[str, Any]:
-    return plain.to_plain({**state, "rng": rng})
-
-
-def from_tree(tree: dict[str, Any], trainer: Trainer) -> dict[str, Any]:
-    """A restored plain tree (layers in logical order) -> this run's state, in its in-memory layer order."""
-    logical = plain.from_plain({k: tree[k] for k in ("params", "opt_state", "step")}, trainer.layout.abstract_state)
-    return trainer.from_logical(logical)
-
-
 def _newest_meta(ckpts: checkpoint.Checkpoints) -> tuple[int, dict[str, Any]] | None:
     for step in reversed(ckpts.steps()):
         try:
@@ -77,7 +52,7 @@ def _newest_meta(ckpts: checkpoint.Checkpoints) -> tuple[int, dict[str, Any]] | 
 def check_before_compile(config: ml_collections.ConfigDict, trainer: Trainer, workdir: pathlib.Path) -> None:
     """Fail fast, moving nothing: the run's own newest checkpoint (or restore_from's) must hold the arrays
     this config trains, with the same seed; the workdir must have room for a checkpoint."""
-    wanted = target(trainer)
+    wanted = ckpt_format.target(trainer)
     own = checkpoint.Checkpoints(workdir / "checkpoints", read_only=True) if (workdir / "checkpoints").is_dir() else None
     found = _newest_meta(own) if own else None
     if found:
@@ -116,27 +91,27 @@ class Start:
 def start(config: ml_collections.ConfigDict, trainer: Trainer, ckpts: checkpoint.Checkpoints,
           say: Callable[[str], None]) -> Start:
     t0 = time.perf_counter()
-    rng = rng_of(config.train.seed, trainer.mesh)
-    restored = checkpoint.restore_newest(ckpts, target(trainer), warn=say)
+    rng = ckpt_format.rng_of(config.train.seed, trainer.mesh)
+    restored = checkpoint.restore_newest(ckpts, ckpt_format.target(trainer), warn=say)
     if restored:
         changes = meta_lib.config_changes(restored.meta.get("config", {}), config.to_dict())
         if changes:
             say(f"resuming with changed settings: {'; '.join(changes)}")
-        return Start(from_tree(restored.tree, trainer), restored.tree["rng"], restored.step,
+        return Start(ckpt_format.from_tree(trainer, restored.tree), restored.tree["rng"], restored.step,
                      f"resumed from {restored.where}", True, time.perf_counter() - t0)
     spec = config.checkpoint.restore_from
     if not spec:
         return Start(trainer.init_state(), rng, 0, "initialized", False, time.perf_counter() - t0)
     source, step = checkpoint.open_source(spec)
     if config.checkpoint.restore_params_only:
-        got = checkpoint.restore_source(source, step, {"params": target(trainer)["params"]}, True, spec)
-        params = plain.from_plain(got.tree["params"], trainer.layout.abstract_state["params"])
+        got = checkpoint.restore_source(source, step, {"params": ckpt_format.target(trainer)["params"]}, True, spec)
+        params = ckpt_format.params_from_tree(trainer, got.tree["params"])
         opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.layout.state["opt_state"])(params)
         state = {"params": params, "opt_state": opt_state,
                  "step": jax.device_put(jnp.zeros((), jnp.int32), trainer.layout.state["step"])}
         return Start(trainer.from_logical(state), rng, 0, f"params of {got.where}", False, time.perf_counter() - t0)
-    got = checkpoint.restore_source(source, step, target(trainer), False, spec)
-    return Start(from_tree(got.tree, trainer), rng, got.step, f"full state of {got.where}", False,
+    got = checkpoint.restore_source(source, step, ckpt_format.target(trainer), False, spec)
+    return Start(ckpt_format.from_tree(trainer, got.tree), rng, got.step, f"full state of {got.where}", False,
                  time.perf_counter() - t0)
 
 

@@ -15,9 +15,9 @@ import jax
 import ml_collections
 
 import checkpoint
-from checkpoint import integrity, plain
+from checkpoint import plain
 from mesh.layout import axis_sizes
-from train import resume
+from train import checkpoint_format as ckpt_format
 from train.goodput import Goodput
 from train.metrics import MetricsLog
 from train.trainer import Trainer
@@ -75,14 +75,13 @@ class Saver:
         """Compile the checksum program (and the layer reordering, if any) now, not at the first save;
         returns the seconds it took."""
         t0 = time.perf_counter()
-        jax.block_until_ready(integrity.device_checksums(resume.to_tree(self.trainer.to_logical(state), rng))[1])
+        jax.block_until_ready(ckpt_format.to_tree_with_checksums(self.trainer, state, rng)[1])
         return time.perf_counter() - t0
 
     def prepare(self, step: int, state: dict[str, Any], rng: jax.Array) -> None:
         """Dispatch the checksums of `step`'s state while the step still runs, so they cost device time
         after it rather than time on this thread (a dispatch with ready inputs runs inline on CPU)."""
-        tree = resume.to_tree(self.trainer.to_logical(state), rng)
-        self._prepared = (step, tree, integrity.device_checksums(tree))
+        self._prepared = (step, *ckpt_format.to_tree_with_checksums(self.trainer, state, rng))
 
     def save(self, step: int, state: dict[str, Any], rng: jax.Array) -> None:
         """Save `step` (its state must be finite: the loop checked its metrics first), in logical layer
@@ -92,7 +91,7 @@ class Saver:
         if self._prepared and self._prepared[0] == step:
             _, tree, checksums = self._prepared
         else:
-            tree, checksums = resume.to_tree(self.trainer.to_logical(state), rng), None
+            tree, checksums = ckpt_format.to_tree(self.trainer, state, rng), None
         self._prepared = None
         jax.block_until_ready(tree)  # waiting for the step itself is step time, not checkpoint time
         blocked = self.ckpts.save(step, tree, self.run_info, checksums=checksums)

@@ -1,0 +1,53 @@
+"""The checkpoint format in one place: a live state <-> the saved tree, for the saver and resume alike.
+
+The saved tree is {"params", "opt_state", "step", "rng"} as plain nested dicts (checkpoint/plain.py), every
+stacked-layer array in logical layer order, so any pipeline layout restores it; meta carries each array's
+checksum (checkpoint/integrity.py). This layout on disk is the one written since before issue 14
+(tests/fixtures/checkpoint_604b7c2 proves it).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from checkpoint import integrity, plain
+from train.trainer import Trainer
+
+STATE_KEYS = ("params", "opt_state", "step")
+
+
+def rng_of(seed: int, mesh: jax.sharding.Mesh) -> jax.Array:
+    """The run's root RNG key data (replicated): with the step, it fixes every batch and random draw."""
+    return jax.device_put(jax.random.key_data(jax.random.key(seed)), NamedSharding(mesh, P()))
+
+
+def target(trainer: Trainer) -> dict[str, Any]:
+    """The saved tree as ShapeDtypeStructs in this run's shardings: what a restore fills."""
+    rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+    rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=NamedSharding(trainer.mesh, P()))
+    return plain.to_plain({**trainer.layout.abstract_state, "rng": rng})
+
+
+def to_tree(trainer: Trainer, state: dict[str, Any], rng: jax.Array) -> dict[str, Any]:
+    """A live state (in this layout's layer order) and the RNG -> the tree a checkpoint saves."""
+    return plain.to_plain({**trainer.to_logical(state), "rng": rng})
+
+
+def to_tree_with_checksums(trainer: Trainer, state: dict[str, Any], rng: jax.Array) -> tuple[dict[str, Any], Any]:
+    """The saved tree and its checksums, dispatched to the devices (not waited for)."""
+    tree = to_tree(trainer, state, rng)
+    return tree, integrity.device_checksums(tree)
+
+
+def from_tree(trainer: Trainer, tree: dict[str, Any]) -> dict[str, Any]:
+    """A restored tree -> this run's state, in its in-memory layer order (the RNG is tree["rng"])."""
+    logical = plain.from_plain({k: tree[k] for k in STATE_KEYS}, trainer.layout.abstract_state)
+    return trainer.from_logical(logical)
+
+
+def params_from_tree(trainer: Trainer, params_tree: dict[str, Any]) -> dict[str, Any]:
+    """The restored "params" subtree -> this run's params, for a params-only (fine-tuning) start."""
+    return plain.from_plain(params_tree, trainer.layout.abstract_state["params"])
