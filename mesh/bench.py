@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 from absl import app, flags
 
 from mesh import cost, topology
-from mesh.layout import AXES, MeshConfigError, make_mesh, use_cpu_devices
+from mesh.layout import AXES, MeshConfigError, axis_sizes, make_mesh, use_cpu_devices
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute")
 RECORD_KEYS = ("collective", "axis", "group_size", "bytes", "time_us", "algbw_gbps", "busbw_gbps", "predicted_us")
@@ -31,7 +31,7 @@ flags.DEFINE_integer("iters", 20, "timed calls per row (the median is reported)"
 flags.DEFINE_integer("warmup", 3, "untimed calls per row after compiling")
 flags.DEFINE_string("json", None, "write one JSON record per row to this file")
 flags.DEFINE_bool("fit", False, "fit alpha and beta per mesh axis and write them to --topology_out")
-flags.DEFINE_string("topology_out", str(topology.LOCAL_FILE), "where --fit writes the fitted topology")
+flags.DEFINE_string("topology_out", str(topology.local_file()), "where --fit writes the fitted topology")
 flags.DEFINE_string("plot", None, "draw busbw against size into this PNG")
 flags.DEFINE_string("topology", "local", "topology for the predicted column: a preset name or a .json file")
 flags.DEFINE_integer("hosts", 0, "hosts of the --topology preset (0: its default)")
@@ -68,7 +68,7 @@ def _program(mesh, collective: str, axis: str, nbytes: int):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from mesh import collectives as C
-    n = dict(zip(mesh.axis_names, mesh.devices.shape))[axis]
+    n = axis_sizes(mesh)[axis]
     elems = max(n, (nbytes // 4) // n * n)  # divisible by n so scatters and all-to-alls split evenly
     local = elems // n if collective == "all_gather" else elems
     fn = {"all_reduce": lambda x: C.all_reduce(x, axis), "all_gather": lambda x: C.all_gather(x, axis),
@@ -218,7 +218,7 @@ def main(argv):
     except ValueError as e:  # MeshConfigError included: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    full = dict(zip(mesh.axis_names, mesh.devices.shape))
+    full = axis_sizes(mesh)
     print(f"# devices: {mesh.devices.size} x {jax.devices()[0].platform}, mesh {F.mesh}, iters {F.iters}")
     records = sweep(mesh, byte_sizes(F.min_bytes, F.max_bytes), F.collectives, F.iters, F.warmup)
     if F.fit:

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mesh.layout import axis_sizes
+
 _REDUCERS = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
 
 
@@ -166,4 +168,4 @@ def reference(name: str):
 def group_size(mesh, axis) -> int:
     """Size of the (possibly multi-axis) group `axis` on `mesh`, outside shard_map."""
     names = axis if isinstance(axis, tuple) else (axis,)
-    return math.prod(dict(zip(mesh.axis_names, mesh.devices.shape))[a] for a in names)
+    return math.prod(axis_sizes(mesh)[a] for a in names)

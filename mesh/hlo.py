@@ -12,6 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
+from mesh.layout import axis_sizes
+
 OPS = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
        "all-to-all": "all_to_all", "collective-permute": "collective_permute"}
 # Async pairs: the -start carries the attributes and is counted; the -done is skipped.
@@ -331,7 +333,7 @@ def collectives(hlo_text: str, mesh) -> list[dict]:
                 pairs = _pairs(attrs)
                 groups = [list(p) for p in pairs if p[0] != p[1]]
                 spanned = axes_of_groups(groups, mesh)
-                size = math.prod(dict(zip(mesh.axis_names, mesh.devices.shape))[a] for a in spanned)
+                size = math.prod(axis_sizes(mesh)[a] for a in spanned)
             else:
                 groups = replica_groups(attrs, n) or [list(range(n))]
                 size = max(len(g) for g in groups)

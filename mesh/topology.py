@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import warnings
 from typing import Mapping, Sequence
@@ -15,7 +16,15 @@ from typing import Mapping, Sequence
 import numpy as np
 
 FAMILIES = ("switch", "ring", "torus2d", "torus3d", "hypercube", "fat_tree")
-LOCAL_FILE = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "topologies" / "local.json"
+# The `local` topology (fitted by `python -m mesh.bench --fit`) is found by a documented lookup:
+# $SPMDTRAIN_LOCAL_TOPOLOGY when set, else this package's data file mesh/topologies/local.json.
+# Any other file is named explicitly: --topology=PATH.json.
+LOCAL_FILE = pathlib.Path(__file__).resolve().parent / "topologies" / "local.json"
+LOCAL_ENV = "SPMDTRAIN_LOCAL_TOPOLOGY"
+
+
+def local_file() -> pathlib.Path:
+    return pathlib.Path(os.environ[LOCAL_ENV]).expanduser() if os.environ.get(LOCAL_ENV) else LOCAL_FILE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,14 +145,14 @@ PRESETS = {
     "dgx-a100": lambda hosts: _dgx("dgx-a100", NVLINK3, IB_HDR, hosts),
     "tpu-v5p": _tpu_v5p,
     "tpu-v5e": _tpu_v5e,
-    "local": None,  # read from LOCAL_FILE, written by `python -m mesh.bench --fit`
+    "local": None,  # read from local_file(), written by `python -m mesh.bench --fit`
 }
 
 
 def get_topology(name: str, hosts: int | None = None) -> Topology:
     """A preset by name (`dgx-h100`, `dgx-a100`, `tpu-v5p`, `tpu-v5e`, `local`) or a JSON file path."""
     if name == "local":
-        topo = load_topology(LOCAL_FILE)
+        topo = load_topology(local_file())
     elif name in PRESETS:
         topo = PRESETS[name](1)
     elif name.endswith(".json") or pathlib.Path(name).is_file():
@@ -185,7 +194,7 @@ def topology_from_dict(d: Mapping, source: str = "topology") -> Topology:
 def load_topology(path: str | pathlib.Path) -> Topology:
     path = pathlib.Path(path)
     if not path.is_file():
-        hint = " (run `python -m mesh.bench --fit` to create it)" if path == LOCAL_FILE else ""
+        hint = " (run `python -m mesh.bench --fit` to create it)" if path == local_file() else ""
         raise ValueError(f"--topology={path}: no such file{hint}")
     try:
         data = json.loads(path.read_text())
@@ -214,7 +223,8 @@ def _sizes_and_order(mesh_or_sizes, device_order):
         order = np.arange(n) if device_order is None else np.asarray(device_order)
     else:  # a jax Mesh: physical index = rank of (process_index, id), i.e. process-major
         mesh = mesh_or_sizes
-        sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+        from mesh.layout import axis_sizes  # here: mesh.layout imports this module
+        sizes = axis_sizes(mesh)
         flat = list(mesh.devices.flat)
         rank = {k: i for i, k in enumerate(sorted((d.process_index, d.id) for d in flat))}
         order = (np.array([rank[(d.process_index, d.id)] for d in flat]) if device_order is None

@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import models
+from mesh.layout import axis_sizes
 from sharding import pipeline_stages as stages
 from sharding import schedule_buffers, schedules
 from sharding import specs as sharding_specs
@@ -81,10 +82,6 @@ def _only(spec: P, axes: tuple[str, ...], drop: tuple[str, ...] = ()) -> P:
     return P(*out)
 
 
-def _axes_of(spec: P) -> list[tuple[int, tuple[str, ...]]]:
-    return [(dim, sharding_specs.entry_axes(e)) for dim, e in enumerate(spec) if e]
-
-
 # ----------------------------------------------------------------------------- the slot program
 
 def slot_program(schedule: schedules.Schedule, train: bool) -> dict[str, np.ndarray]:
@@ -145,7 +142,7 @@ def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule
     over the batch axes once per step, after the loop.
     """
     p, v, m = schedule.stages, schedule.virtual_stages, schedule.microbatches
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    sizes = axis_sizes(mesh)
     assert sizes[PIPELINE] == p, (sizes, p)
     assert p * v >= 2 and cfg.n_layers % (p * v) == 0, (cfg.n_layers, p, v)
     manual = manual_axes(rules, sizes)
@@ -171,7 +168,7 @@ def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule
     to_prev = [((d + 1) % p, d) for d in range(p if ring else p - 1)]
 
     def gather(x, spec):  # FSDP: the whole stage's weights, once per step
-        sharded = _axes_of(_only(spec, manual, drop=(PIPELINE,)))
+        sharded = sharding_specs.sharded_dims(_only(spec, manual, drop=(PIPELINE,)))
 
         def fn(x):
             for dim, axes in sharded:
@@ -180,7 +177,7 @@ def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule
         return _on_local_shards(fn, x, spec, automatic) if sharded else x
 
     def reduce(g, spec, is_layer):  # once per step: scatter back to the FSDP shards, then sum over the rest
-        sharded = _axes_of(_only(spec, manual, drop=(PIPELINE,)))
+        sharded = sharding_specs.sharded_dims(_only(spec, manual, drop=(PIPELINE,)))
 
         def scatter(g):  # first, so the all-reduce below moves a shard rather than the whole stage
             for dim, axes in sharded:
@@ -251,7 +248,7 @@ def _on_local_shards(fn: Callable, x: jax.Array, spec: P, automatic: tuple[str, 
     auto_spec = _only(spec, automatic)
     entries = [sharding_specs.entry_axes(e) for e in spec]
     mixed = any(set(e) & set(automatic) and set(e) - set(automatic) for e in entries)
-    if not _axes_of(auto_spec) or mixed:
+    if not sharding_specs.sharded_dims(auto_spec) or mixed:
         return fn(x)
     return jax.shard_map(fn, in_specs=auto_spec, out_specs=auto_spec, axis_names=set(automatic),
                          check_vma=True)(x)

@@ -13,6 +13,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mesh.layout import axis_sizes
 from sharding.rules import Rules, ShardingConfigError
 
 
@@ -62,6 +63,11 @@ def entry_axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def sharded_dims(spec: P) -> list[tuple[int, tuple[str, ...]]]:
+    """[(dimension, its mesh axes)] for each dimension `spec` splits."""
+    return [(dim, entry_axes(e)) for dim, e in enumerate(spec) if e]
+
+
 def add_axis(spec: P, shape: tuple[int, ...], axis: str, mesh_sizes: Mapping[str, int]) -> P:
     """Also split an array over `axis` (ZeRO-1/2 optimizer-state sharding over `data`).
 
@@ -108,7 +114,7 @@ def named(mesh: jax.sharding.Mesh, specs: Any) -> Any:
 
 def constrainer(mesh: jax.sharding.Mesh, rules: Rules) -> Callable[[jax.Array, tuple], jax.Array]:
     """The `constrain(x, logical_names)` hook the model calls on its key activations."""
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    sizes = axis_sizes(mesh)
 
     def constrain(x: jax.Array, names: tuple) -> jax.Array:
         spec = mesh_spec(P(*names), rules, x.shape, sizes)

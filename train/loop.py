@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 
 import checkpoint
-from train import audit as audit_lib, exit_codes, hardware, preemption, report as report_lib, resume
+from train import audit as audit_lib, exit_codes, hardware, preemption, report as report_lib, resume, versions
 from train.hardware import GiB
 from train.config import ConfigError
 from train.goodput import Goodput
@@ -47,18 +47,6 @@ def check_memory(memory: dict[str, int]) -> None:
             f"the compiled step needs {memory['peak_bytes'] / GiB:.2f} GiB per device but a device has "
             f"{capacity / GiB:.2f} GiB; shard more (mesh.fsdp, mesh.tensor), set model.remat, lower "
             f"train.global_batch_size or raise train.grad_accum_steps (or set train.memory_check=False)")
-
-
-def versions() -> dict[str, str]:
-    import flax
-    import jaxlib
-    import optax
-    import orbax.checkpoint as ocp
-    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
-            "optax": optax.__version__, "orbax_checkpoint": ocp.__version__,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "platform": jax.devices()[0].platform,
-            "device_kind": jax.devices()[0].device_kind, "device_count": jax.device_count(),
-            "process_count": jax.process_count()}
 
 
 def evaluate(trainer: Trainer, params) -> float:
@@ -102,7 +90,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
         report_lib.write(rep, path)
     if is_main and not compile_only:  # a what-if compile leaves the run's own config.json alone
         resolved = {"config": config.to_dict(), "model": vars(plan.model) | {"param_count": rep["param_count"]},
-                    "mesh": rep["mesh"], "versions": versions()}
+                    "mesh": rep["mesh"], "versions": versions.environment()}
         (path / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
     if compile_only:
         mem = rep["memory_per_device"]

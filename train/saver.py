@@ -4,11 +4,8 @@ it cost (blocked and save seconds into metrics.jsonl and goodput). A failed back
 on the main thread at the next step."""
 from __future__ import annotations
 
-import importlib.metadata
 import json
-import pathlib
 import time
-import tomllib
 from typing import Any
 
 import jax
@@ -17,22 +14,10 @@ import ml_collections
 import checkpoint
 from checkpoint import plain
 from mesh.layout import axis_sizes
-from train import checkpoint_format as ckpt_format
+from train import checkpoint_format as ckpt_format, versions
 from train.goodput import Goodput
 from train.metrics import MetricsLog
 from train.trainer import Trainer
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def project_version() -> str:
-    try:
-        return importlib.metadata.version("spmdtrain")
-    except importlib.metadata.PackageNotFoundError:
-        try:
-            return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-        except (OSError, KeyError, tomllib.TOMLDecodeError):
-            return "unknown"
 
 
 def _spec(spec) -> list:
@@ -41,9 +26,6 @@ def _spec(spec) -> list:
 
 def describe_run(config: ml_collections.ConfigDict, trainer: Trainer) -> dict[str, Any]:
     """Everything about the writer that meta records besides the arrays."""
-    import flax
-    import optax
-    import orbax.checkpoint as ocp
     layout = trainer.layout
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     return {
@@ -51,8 +33,7 @@ def describe_run(config: ml_collections.ConfigDict, trainer: Trainer) -> dict[st
         "mesh": axis_sizes(trainer.mesh), "device_count": jax.device_count(), "process_count": jax.process_count(),
         "logical_axes": {k: _spec(v) for k, v in plain.flatten(layout.logical_axes, is_leaf=is_spec).items()},
         "partition_specs": {k: _spec(s.spec) for k, s in plain.flatten(layout.state).items()},
-        "versions": {"spmdtrain": project_version(), "jax": jax.__version__, "flax": flax.__version__,
-                     "optax": optax.__version__, "orbax_checkpoint": ocp.__version__},
+        "versions": versions.libraries(),
     }
 
 
