@@ -12,6 +12,7 @@ Pipeline (sharding/pipeline.py): the lockstep executor sends one activation and 
 (pipeline.FSDP_GATHER), not in the forward and again in the backward; the embedding and head, replicated on
 every stage, have their gradients summed over `pipeline` too. Stages differ (only the first embeds, only
 the last runs the head), so per device means the mean over the stages, as the audit counts.
+Audit part (what the layout must communicate); train/audit.py maps the parts of `--audit`.
 """
 from __future__ import annotations
 

@@ -1,6 +1,13 @@
 """Communication audit of the compiled step: the collectives XLA emitted (mesh.hlo) against those the
 layout needs by construction (sharding.expected), with anything unexpected flagged, then the predicted
-communication time per axis on a chosen cluster (mesh.cost) against the step's compute time."""
+communication time per axis on a chosen cluster (mesh.cost) against the step's compute time.
+
+The audit's parts stay where the import rule puts them, each naming its part in its docstring:
+mesh/hlo.py (what XLA emitted), sharding/expected.py (what the layout must communicate: it knows the
+model and the strategy), mesh/topology.py and mesh/cost.py (where each axis's traffic travels, what it
+costs), mesh/chips.py (the compute side's peak), train/report.py (the compile report carrying the found
+collectives) and this module, which joins them.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -119,23 +126,25 @@ def attribute(records: list[dict], expected: list, sizes: dict[str, int]) -> lis
             total /= sizes[scattered[0]]
         if rest:
             add(("all_reduce", rest), total, "all_reduce", exact)
-    out = []
-    for row in list(rows.values()) + ([scalars] if scalars["found_bytes"] else []):
-        exp, found = row["expected_bytes"], row["found_bytes"]
-        row["ratio"] = found / exp if exp else None
-        if row["purpose"] == "unexpected":
-            row["notes"].append("resharding all-to-all" if row["op"] == "all_to_all" else "not required by the layout")
-        elif exp is not None and abs(found / exp - 1) > TOLERANCE:
-            row["notes"].append(f"{found / exp:.2f}x the bytes the layout needs"
-                                + (" (repeated gathers)" if row["op"] == "all_gather" and found > exp else ""))
-        if row["op"] == "reduce_scatter" and "all_reduce" in row["found_ops"]:
-            row["notes"].append("all-reduce + slice where a reduce-scatter would do (2x bus traffic)")
-        if not row["exact"]:
-            row["notes"].append("count not exact (conditional branches counted on every trip, or a loop of "
-                                "unknown trip count)")
-        row["found_ops"] = sorted(row["found_ops"])
-        out.append(row)
-    return out
+    return [_annotate(row) for row in list(rows.values()) + ([scalars] if scalars["found_bytes"] else [])]
+
+
+def _annotate(row: dict) -> dict:
+    """Add the ratio found/expected and the notes that explain a mismatch to one row of `attribute`."""
+    exp, found = row["expected_bytes"], row["found_bytes"]
+    row["ratio"] = found / exp if exp else None
+    if row["purpose"] == "unexpected":
+        row["notes"].append("resharding all-to-all" if row["op"] == "all_to_all" else "not required by the layout")
+    elif exp is not None and abs(found / exp - 1) > TOLERANCE:
+        row["notes"].append(f"{found / exp:.2f}x the bytes the layout needs"
+                            + (" (repeated gathers)" if row["op"] == "all_gather" and found > exp else ""))
+    if row["op"] == "reduce_scatter" and "all_reduce" in row["found_ops"]:
+        row["notes"].append("all-reduce + slice where a reduce-scatter would do (2x bus traffic)")
+    if not row["exact"]:
+        row["notes"].append("count not exact (conditional branches counted on every trip, or a loop of "
+                            "unknown trip count)")
+    row["found_ops"] = sorted(row["found_ops"])
+    return row
 
 
 def project(records: list[dict], sizes: dict[str, int], topology_name: str, hosts: int,

@@ -40,7 +40,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.sharding = dict(strategy=sharding_rules.DEFAULT_STRATEGY, rules={}, shard_opt_state=False)
     c.pipeline = dict(schedule="1f1b", microbatches=4, virtual_stages=1)
     c.train = dict(steps=100, global_batch_size=16, seed=0, log_every=10, eval_every=50, eval_batches=4,
-                   grad_accum_steps=1, profile_steps="", memory_check=True)
+                   grad_accum_steps=1, profile_steps="", memory_check=True,
+                   loggers="tensorboard",  # and/or "wandb", comma-separated; metrics.jsonl is always written
+                   actions="")  # user actions registered with train.actions.register, comma-separated
     c.optimizer = dict(lr=3e-3, warmup_steps=10, decay_steps=0, min_lr_ratio=0.1, weight_decay=0.1,
                        b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0)
     c.data = dict(source="text", path="", token_dtype="uint16", eval_percent=5, cache_dir="")
@@ -119,6 +121,18 @@ def _pipeline(section: Any, model: models.GPTConfig, mesh_sizes: dict[str, int],
     return PipelinePlan(name, p, m, v)
 
 
+def _check_names(t: Any) -> None:
+    from train import actions, metrics  # the registry fills as experiment files import
+    for name in actions.names(t.loggers):
+        if name not in metrics.LOGGERS:
+            raise ConfigError(f"train.loggers={t.loggers!r}: unknown logger {name!r}; use {', '.join(metrics.LOGGERS)}")
+    for name in actions.names(t.actions):
+        if name not in actions.REGISTRY:
+            known = ", ".join(sorted(actions.REGISTRY)) or "none registered"
+            raise ConfigError(f"train.actions={t.actions!r}: unknown action {name!r} ({known}); register it with "
+                              f"train.actions.register(name, factory) in the experiment file")
+
+
 def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
     """Validate `config` for `num_devices` devices; raises one of USER_ERRORS."""
     model = models.from_dict(config.model.to_dict())
@@ -144,6 +158,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
         raise ConfigError(f"data.source={config.data.source!r}: use text, tokens or synthetic")
     if config.data.source == "text" and model.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={model.vocab_size}: byte-level text needs at least 256")
+    _check_names(t)
     return Plan(model=model, mesh_sizes=mesh_sizes, rules=rules, global_batch=t.global_batch_size,
                 grad_accum=t.grad_accum_steps, steps=t.steps, decay_steps=decay_steps,
                 profile_steps=_profile_range(t.profile_steps, t.steps), pipeline=pipeline)

@@ -1,5 +1,6 @@
-"""Where a run's numbers go: `metrics.jsonl` (one JSON object per record), TensorBoard event files and
-a live progress line. Only process 0 writes; the others keep quiet."""
+"""Where a run's numbers go: `metrics.jsonl` (one JSON object per record, always: resume cuts it back),
+the loggers of `train.loggers` (TensorBoard event files, Weights & Biases) and a live progress line.
+Only process 0 writes; the others keep quiet."""
 from __future__ import annotations
 
 import json
@@ -18,27 +19,67 @@ def _fmt_duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+LOGGERS = ("tensorboard", "wandb")
+
+
+class TensorBoard:
+    def __init__(self, workdir: pathlib.Path, purge_step: int | None):
+        from tensorboardX import SummaryWriter  # imported late: it is slow to import
+        self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=purge_step)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._tb.close()
+
+
+class WandB:
+    """Weights & Biases: the same scalars, the resolved config, and the compile report as the summary.
+    WANDB_MODE=offline keeps it on disk (under $WANDB_DIR, else the workdir)."""
+
+    def __init__(self, workdir: pathlib.Path, config: dict[str, Any], summary: dict[str, Any]):
+        import os
+
+        import wandb  # imported late: only runs that ask for it pay for it
+        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "spmdtrain"), name=workdir.name,
+                               dir=os.environ.get("WANDB_DIR", str(workdir)), config=config)
+        self._run.summary.update(json.loads(json.dumps(summary, default=str)))
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        self._run.log(values, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 class MetricsLog:
-    def __init__(self, workdir: pathlib.Path, total_steps: int, purge_step: int | None = None):
+    def __init__(self, workdir: pathlib.Path, total_steps: int, purge_step: int | None = None,
+                 loggers: tuple[str, ...] = ("tensorboard",), run_config: dict[str, Any] | None = None,
+                 summary: dict[str, Any] | None = None):
         """`purge_step`: a resumed run's first step; TensorBoard drops events of that step and later
-        that the interrupted run had written."""
+        that the interrupted run had written. `run_config` and `summary` go to W&B."""
         self.enabled = jax.process_index() == 0
         self.total_steps = total_steps
         self.live = sys.stdout.isatty()
-        self._jsonl = self._tb = None
+        self._jsonl = None
+        self._loggers: list[Any] = []
         if self.enabled:
             self._jsonl = open(workdir / "metrics.jsonl", "a", buffering=1)
-            from tensorboardX import SummaryWriter  # imported late: it is slow to import
-            self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=purge_step)
+            if "tensorboard" in loggers:
+                self._loggers.append(TensorBoard(workdir, purge_step))
+            if "wandb" in loggers:
+                self._loggers.append(WandB(workdir, run_config or {}, summary or {}))
 
     def write(self, record: dict[str, Any]) -> None:
         """One record: `step` plus scalars. Written at once, so a crash loses nothing logged."""
         if not self.enabled:
             return
         self._jsonl.write(json.dumps(record) + "\n")
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)):
-                self._tb.add_scalar(key, value, record["step"])
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        for logger in self._loggers:
+            logger.scalars(record["step"], scalars)
 
     def progress(self, step: int, loss: float, tokens_per_s: float, mfu: float, seconds_left: float) -> None:
         if not self.enabled:
@@ -57,4 +98,6 @@ class MetricsLog:
     def close(self) -> None:
         if self._jsonl:
             self._jsonl.close()
-            self._tb.close()
+        for logger in self._loggers:
+            logger.close()
+        self._loggers = []
