@@ -107,12 +107,12 @@ def run(main: Callable[[list[str]], int | None]) -> NoReturn:
     """app.run(main) with one-line, exit-2 errors for flags, config files and settings (USER_ERRORS)."""
 
     def guarded(argv: list[str]) -> int:
-        from train.config import USER_ERRORS  # imported here: a flag error prints before jax loads
         try:
             return main(argv) or 0
-        except app.UsageError as e:
-            fail(str(e))
-        except USER_ERRORS as e:
-            fail(str(e))
+        except Exception as e:  # noqa: BLE001  (anything else is re-raised: a crash keeps its traceback)
+            from train.config import USER_ERRORS  # imported only now: a tool need not load jax to start
+            if isinstance(e, (app.UsageError, *USER_ERRORS)):
+                fail(str(e))
+            raise
 
     app.run(lambda argv: sys.exit(guarded(argv)), flags_parser=parse_flags)

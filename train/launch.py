@@ -18,6 +18,7 @@ import time
 
 from absl import app, flags
 
+from train import cli
 from train.exit_codes import REQUEUE
 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
@@ -112,4 +113,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
+    cli.run(main)
