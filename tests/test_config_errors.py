@@ -73,3 +73,19 @@ def test_default_experiment_variants():
     assert default.get_config("fsdp_tensor").mesh.fsdp == 2 and default.get_config("data_parallel").mesh.data == 8
     with pytest.raises(ValueError, match="unknown variant"):
         default.get_config("bogus")
+
+
+@pytest.mark.parametrize("key,value,fragment", [
+    ("checkpoint.keep", 0, "checkpoint.keep=0: keep at least 1 checkpoint"),
+    ("checkpoint.every_steps", -1, "checkpoint.every_steps=-1: must be a number >= 0 (0 turns it off)"),
+    ("train.on_nonfinite", "ignore", "train.on_nonfinite='ignore': use 'stop' (default) or 'skip'"),
+    ("checkpoint.restore_params_only", True, "checkpoint.restore_params_only=True needs checkpoint.restore_from"),
+])
+def test_fault_tolerance_settings_are_checked_by_resolve(key, value, fragment):
+    from train.config import resolve
+    config = tiny_config(data=8)
+    section, name = key.split(".")
+    config[section][name] = value
+    with pytest.raises(USER_ERRORS) as info:
+        resolve(config, 8)
+    assert str(info.value).startswith(fragment) and "\n" not in str(info.value)

@@ -121,6 +121,26 @@ def _pipeline(section: Any, model: models.GPTConfig, mesh_sizes: dict[str, int],
     return PipelinePlan(name, p, m, v)
 
 
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+def _fault_tolerance(config: ml_collections.ConfigDict) -> None:
+    """Every fault-tolerance setting, as one-line errors naming the setting."""
+    ck, t, fi = config.checkpoint, config.train, config.fault_injection
+    for prefix, section, keys in (("checkpoint", ck, ("every_steps", "keep_period", "every_minutes")),
+                                  ("train", t, ("step_timeout_s",)),
+                                  ("fault_injection", fi, ("nan_at_step", "hang_at_step", "hang_s", "step_delay_s"))):
+        for key in keys:
+            if not isinstance(section[key], (int, float)) or section[key] < 0:
+                raise ConfigError(f"{prefix}.{key}={section[key]!r}: must be a number >= 0 (0 turns it off)")
+    if not isinstance(ck.keep, int) or ck.keep < 1:
+        raise ConfigError(f"checkpoint.keep={ck.keep!r}: keep at least 1 checkpoint")
+    if t.on_nonfinite not in NONFINITE_POLICIES:
+        raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r}: use 'stop' (default) or 'skip'")
+    if ck.restore_params_only and not ck.restore_from:
+        raise ConfigError("checkpoint.restore_params_only=True needs checkpoint.restore_from=PATH[:STEP]")
+
+
 def _check_names(t: Any) -> None:
     from train import actions, metrics  # the registry fills as experiment files import
     for name in actions.names(t.loggers):
@@ -158,6 +178,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
         raise ConfigError(f"data.source={config.data.source!r}: use text, tokens or synthetic")
     if config.data.source == "text" and model.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={model.vocab_size}: byte-level text needs at least 256")
+    _fault_tolerance(config)
     _check_names(t)
     return Plan(model=model, mesh_sizes=mesh_sizes, rules=rules, global_batch=t.global_batch_size,
                 grad_accum=t.grad_accum_steps, steps=t.steps, decay_steps=decay_steps,

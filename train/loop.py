@@ -82,7 +82,6 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, compile_only: bool =
 def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.StopSignals,
          options: Options) -> dict[str, Any]:
     trainer = Trainer.build(config)  # every user error is raised here, before the workdir is touched
-    resume.validate(config)
     path = prepare_workdir(workdir)  # only creates the directory; nothing in it is touched yet
     if not options.compile_only:
         resume.check_before_compile(config, trainer, path)  # checkpoint compatibility: nothing moved yet

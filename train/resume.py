@@ -1,6 +1,6 @@
 """Where a run starts: its own newest intact checkpoint (automatic resume), else `checkpoint.restore_from`
-(another run's checkpoint: full state, or params only for fine-tuning), else a fresh init. Also the checks
-of the fault-tolerance settings, made before anything is compiled or moved."""
+(another run's checkpoint: full state, or params only for fine-tuning), else a fresh init. Also the check
+of a workdir's checkpoints against the config, made before anything is compiled or moved."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,26 +19,6 @@ from train import checkpoint_format as ckpt_format
 from train.config import ConfigError
 from train.hardware import GiB
 from train.trainer import Trainer
-
-NONFINITE_POLICIES = ("stop", "skip")
-
-
-def validate(config: ml_collections.ConfigDict) -> None:
-    """Every fault-tolerance setting, as one-line errors naming the setting."""
-    ck, t, fi = config.checkpoint, config.train, config.fault_injection
-    for prefix, section, keys in (("checkpoint", ck, ("every_steps", "keep_period", "every_minutes")),
-                                  ("train", t, ("step_timeout_s",)),
-                                  ("fault_injection", fi, ("nan_at_step", "hang_at_step", "hang_s", "step_delay_s"))):
-        for key in keys:
-            if not isinstance(section[key], (int, float)) or section[key] < 0:
-                raise ConfigError(f"{prefix}.{key}={section[key]!r}: must be a number >= 0 (0 turns it off)")
-    if not isinstance(ck.keep, int) or ck.keep < 1:
-        raise ConfigError(f"checkpoint.keep={ck.keep!r}: keep at least 1 checkpoint")
-    if t.on_nonfinite not in NONFINITE_POLICIES:
-        raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r}: use 'stop' (default) or 'skip'")
-    if ck.restore_params_only and not ck.restore_from:
-        raise ConfigError("checkpoint.restore_params_only=True needs checkpoint.restore_from=PATH[:STEP]")
-
 
 def _newest_meta(ckpts: checkpoint.Checkpoints) -> tuple[int, dict[str, Any]] | None:
     for step in reversed(ckpts.steps()):
