@@ -4,6 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 WORKDIR ?= runs/default
+# Test files spread over this many processes (pytest-xdist), one file per process at a time so module
+# fixtures and shared compiled steps are built once; most tests wait on one core (XLA compiles serially).
+TEST_WORKERS ?= 2
 
 .PHONY: train test install clean
 
@@ -19,7 +22,7 @@ train: $(STAMP)
 	$(PY) -m train --config=experiments/default.py --workdir=$(WORKDIR)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) runs .cache

@@ -68,12 +68,6 @@ def minimal_step_time(config) -> float:
     return _time_steps(step, (params, tx.init(params)), batch)
 
 
-def compute_dtype(config) -> str:
-    """The dtype the model computes in once its preset and overrides are resolved (what sets the peak)."""
-    import models
-    return models.from_dict(config.model.to_dict()).compute_dtype
-
-
 def framework_row(config, num_devices: int | None, peak_per_device: float) -> dict:
     import jax
 
@@ -106,7 +100,7 @@ def main(argv):
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in _CONFIGS.value:
         base = _config(name, {})
-        peak = hardware.peak_flops_per_device(compute_dtype(base))
+        peak = hardware.peak_flops_per_device(hardware.compute_dtype(base))
         minimal = minimal_step_time(base)
         layouts = [("single device", {}, 1)] + [
             (text.replace(";", ","), {k: int(v) for k, v in (kv.split("=") for kv in text.split(";"))}, None)

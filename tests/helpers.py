@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pathlib
 import subprocess
@@ -48,10 +49,18 @@ def rel_norm(a, b) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def single_device_reference(steps: int = 5):
+def single_device_run(steps: int = 5) -> dict:
+    """The reference every layout is held to: the tiny model on one device, `steps` updates from a fresh
+    state: losses, first-step gradients, final params and the eval loss of the final params."""
     trainer = Trainer.build(tiny_config(), num_devices=1)
-    losses, _ = run_steps(trainer, steps)
-    return losses, first_grads(trainer)
+    losses, state = run_steps(trainer, steps)
+    return {"losses": losses, "grads": first_grads(trainer), "params": state["params"],
+            "eval_loss": float(trainer.eval_step(state["params"], trainer.batch(0, "eval")))}
+
+
+def single_device_reference(steps: int = 5):
+    ref = single_device_run(steps)
+    return ref["losses"], ref["grads"]
 
 
 def run_cli(*args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -59,3 +68,16 @@ def run_cli(*args: str, timeout: float = 240, env: dict | None = None) -> subpro
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def start_cli(module: str, *args: str, **popen) -> subprocess.Popen:
+    """`python -m MODULE ARGS` in the background (e.g. train, or train.launch), text output."""
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, text=True, **popen)
+
+
+def losses(workdir) -> dict[int, float]:
+    """{step: loss} of a run's metrics.jsonl; a step logged twice fails."""
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert len(steps) == len(set(steps)), f"a step is logged twice: {steps}"
+    return {r["step"]: r["loss"] for r in records if "loss" in r}

@@ -11,14 +11,13 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.helpers import ROOT, run_cli
+from tests.helpers import losses, run_cli, start_cli
 from train import exit_codes
 
 STEPS = 12
@@ -37,15 +36,7 @@ def start(workdir, *extra):
     """A run in the background; its output goes to WORKDIR.out (appended)."""
     workdir.mkdir(parents=True, exist_ok=True)
     out = open(workdir.with_suffix(".out"), "a")
-    return subprocess.Popen([sys.executable, "-m", "train", *BASE, f"--workdir={workdir}", *extra], cwd=ROOT,
-                            stdout=out, stderr=subprocess.STDOUT, text=True)
-
-
-def losses(workdir) -> dict[int, float]:
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line]
-    steps = [r["step"] for r in records if "loss" in r]
-    assert len(steps) == len(set(steps)), f"a step is logged twice: {steps}"
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
+    return start_cli("train", *BASE, f"--workdir={workdir}", *extra, stdout=out, stderr=subprocess.STDOUT)
 
 
 def last_step(workdir) -> int:
@@ -271,10 +262,9 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path):
     mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
     workdir.mkdir()
     with open(tmp_path / "launch.out", "w") as out:
-        launch = subprocess.Popen([sys.executable, "-m", "train.launch", "--num_processes=2", "--num_cpu_devices=4",
-                                   "--", *BASE, *mesh, f"--workdir={workdir}", "--config.checkpoint.every_steps=0",
-                                   "--config.fault_injection.step_delay_s=0.3"], cwd=ROOT, stdout=out,
-                                  stderr=subprocess.STDOUT, text=True)
+        launch = start_cli("train.launch", "--num_processes=2", "--num_cpu_devices=4", "--", *BASE, *mesh,
+                           f"--workdir={workdir}", "--config.checkpoint.every_steps=0",
+                           "--config.fault_injection.step_delay_s=0.3", stdout=out, stderr=subprocess.STDOUT)
         wait_for(lambda: last_step(workdir) >= 2, launch, timeout=180)
         victim = subprocess.run(["pgrep", "-f", f"workdir={workdir} .*--process_id=1"], capture_output=True,
                                 text=True).stdout.split()

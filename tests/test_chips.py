@@ -1,10 +1,10 @@
-"""The one peak-FLOP/s table: JAX's device_kind strings find their datasheet entry; benchmarks and MFU use it."""
+"""The one peak-FLOP/s table: JAX's device_kind strings find their datasheet entry; MFU, the audit and
+experiments/bench_train.py look the peak up for the dtype of the resolved model (hardware.compute_dtype)."""
 import pytest
 
-from experiments import bench_train
 from experiments.tiny import get_config
 from mesh import chips
-from train import audit
+from train import audit, hardware
 
 # device_kind strings as JAX reports them, and the datasheet dense peak (TFLOP/s) per dtype.
 KINDS = {
@@ -40,10 +40,10 @@ def test_audit_presets_use_the_table():
     assert chips.peak_flops(audit.PRESET_DEVICE_KIND["tpu-v5p"], "bfloat16") == 459e12
 
 
-def test_benchmark_takes_the_dtype_of_the_resolved_model():
+def test_benchmarks_take_the_dtype_of_the_resolved_model():
     config = get_config()
-    assert bench_train.compute_dtype(config) == "float32"
+    assert hardware.compute_dtype(config) == "float32"
     config.model.preset = "gpt2-125m"  # its preset computes in bfloat16; the raw field stays unset
-    assert config.model.compute_dtype is None and bench_train.compute_dtype(config) == "bfloat16"
+    assert config.model.compute_dtype is None and hardware.compute_dtype(config) == "bfloat16"
     config.model.compute_dtype = "float16"
-    assert bench_train.compute_dtype(config) == "float16"
+    assert hardware.compute_dtype(config) == "float16"

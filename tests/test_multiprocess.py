@@ -3,25 +3,24 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 
-from tests.helpers import ROOT, run_cli
+from tests import helpers
+from tests.helpers import run_cli, start_cli
 
 TRAIN = ["--config=experiments/tiny.py", "--config.data.source=synthetic", "--config.train.log_every=1",
          "--config.train.eval_every=0", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
 
 
 def launch(*args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "train.launch", "--num_processes=2", "--num_cpu_devices=4",
-                             "--", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            **kwargs)
+    return start_cli("train.launch", "--num_processes=2", "--num_cpu_devices=4", "--", *args,
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
 
 
 def losses(workdir) -> list[float]:
-    return [json.loads(l)["loss"] for l in (workdir / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+    return list(helpers.losses(workdir).values())
 
 
 def committed(workdir) -> list[int]:

@@ -10,7 +10,7 @@ from mesh import hlo
 from sharding import pipeline as pipeline_lib
 from sharding import pipeline_stages as stages
 from sharding import schedules
-from tests.helpers import first_grads, rel_norm, run_steps, tiny_config
+from tests.helpers import first_grads, rel_norm, run_steps, single_device_run, tiny_config
 from train.config import USER_ERRORS, resolve
 from train.trainer import Trainer
 
@@ -35,11 +35,9 @@ def _trainer(layout, schedule="1f1b", virtual_stages=1, microbatches=4, batch=16
     return Trainer.build(_config(layout, schedule, virtual_stages, microbatches, batch))
 
 
-@functools.lru_cache(maxsize=None)
 def _reference():
-    trainer = Trainer.build(tiny_config(), num_devices=1)
-    losses, state = run_steps(trainer, STEPS)
-    return losses, first_grads(trainer), state["params"], float(trainer.eval_step(state["params"], trainer.batch(0, "eval")))
+    ref = single_device_run(STEPS)
+    return ref["losses"], ref["grads"], ref["params"], ref["eval_loss"]
 
 
 def _name(layout):

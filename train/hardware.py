@@ -59,6 +59,13 @@ def peak_flops_per_device(compute_dtype: str, override_tflops: float = 0.0) -> f
     return machine / max(jax.local_device_count(), 1)
 
 
+def compute_dtype(config) -> str:
+    """The dtype the model computes in once its preset and overrides are resolved: what sets the peak
+    (a preset's bf16 is not in the raw `model.compute_dtype`, which stays unset)."""
+    import models
+    return models.from_dict(config.model.to_dict()).compute_dtype
+
+
 def memory_per_device() -> int | None:
     """Bytes one device may use: the allocator's limit on GPUs; RAM shared out on CPUs."""
     device = jax.local_devices()[0]
