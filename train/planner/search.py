@@ -10,6 +10,7 @@ import models
 from mesh.layout import AXES
 from mesh import topology as topology_lib
 from sharding import schedules
+from train.config import ConfigError
 from train.planner import memory, timing
 from train.planner.candidate import Candidate, Prediction, mesh_of
 
@@ -19,7 +20,7 @@ REMATS = ("none", "save_dots", "full")
 USABLE_MEMORY = 0.9
 
 
-class PlanError(ValueError):
+class PlanError(ConfigError):
     """A planning request the user can fix; one line naming the setting."""
 
 
