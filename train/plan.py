@@ -72,10 +72,10 @@ def _cadence(config, best, topo, cadence) -> None:
           f"({'measured' if _SAVE.value else f'{state / 1e9:,.2f} GB per device at {HOST_COPY_GBPS} GB/s host copy'}), "
           f"commit ~{commit:.3g} s at {topo.storage_gbps:g} GB/s per host, restart {_RESTART.value:g} s")
     print(f"  best interval (Young/Daly) {tau / 60:,.1f} min ({tau / best.step_time_s:,.0f} steps): goodput "
-          f"{100 * cadence.expected_goodput(tau, save_s, mtbf, _RESTART.value):.1f}%")
+          f"{100 * cadence.expected_goodput(tau, save_s, mtbf, _RESTART.value):.2f}%")
     if configured:
         print(f"  configured interval {configured / 60:,.1f} min: goodput "
-              f"{100 * cadence.expected_goodput(configured, save_s, mtbf, _RESTART.value):.1f}%")
+              f"{100 * cadence.expected_goodput(configured, save_s, mtbf, _RESTART.value):.2f}%")
 
 
 def main(argv: list[str]) -> int:
