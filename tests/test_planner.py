@@ -199,3 +199,14 @@ def test_plan_auto_trains_on_the_printed_layout(tmp_path):
     chosen = next(l for l in done.stdout.splitlines() if l.startswith("plan.auto:"))
     mesh = json.loads((tmp_path / "run" / "compile_report.json").read_text())["mesh"]
     assert chosen.split(": ", 1)[1].split(" | ")[0] == " x ".join(f"{a}={s}" for a, s in mesh.items() if s > 1)
+
+
+def test_mtbf_hours_sets_the_time_interval_capped_by_every_minutes():
+    from checkpoint import SavePolicy
+    policy = SavePolicy(every_minutes=600.0, mtbf_hours=10.0)
+    assert policy.interval_s(None) == 600.0 * 60  # no save measured yet: every_minutes
+    assert policy.interval_s(5.0) == pytest.approx(cadence.optimal_interval_s(5.0, 36000.0))
+    assert policy.time_due(cadence.optimal_interval_s(5.0, 36000.0) + 1, 5.0)
+    assert not policy.time_due(cadence.optimal_interval_s(5.0, 36000.0) - 1, 5.0)
+    assert SavePolicy(every_minutes=1.0, mtbf_hours=10.0).interval_s(5.0) == 60.0  # the cap wins
+    assert SavePolicy(every_minutes=10.0).interval_s(5.0) == 600.0  # mtbf_hours=0: unchanged
