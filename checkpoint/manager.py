@@ -13,7 +13,7 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-from checkpoint import integrity
+from checkpoint import cadence, integrity
 from checkpoint import meta as meta_lib
 from checkpoint.errors import SaveFailed
 from checkpoint.meta_handler import DeferredMeta, MetaRestore, MetaSave
@@ -24,15 +24,26 @@ ITEMS = ("state", "meta")
 @dataclasses.dataclass(frozen=True)
 class SavePolicy:
     """When to save: every `every_steps` steps and/or every `every_minutes` of wall time (0 = never);
-    the caller also saves at the final step and on preemption."""
+    the caller also saves at the final step and on preemption. With `mtbf_hours` (the job's mean time
+    between failures) the time interval is Young/Daly's for the measured save cost, capped by every_minutes."""
     every_steps: int = 0
     every_minutes: float = 0.0
+    mtbf_hours: float = 0.0
 
     def step_due(self, step: int) -> bool:
         return bool(self.every_steps) and step % self.every_steps == 0
 
-    def time_due(self, seconds_since_last_save: float) -> bool:
-        return bool(self.every_minutes) and seconds_since_last_save >= 60.0 * self.every_minutes
+    def interval_s(self, save_cost_s: float | None = None) -> float:
+        """Seconds between time-based saves (0 = none); before a save cost is measured, every_minutes."""
+        cap = 60.0 * self.every_minutes
+        if not self.mtbf_hours or not save_cost_s:
+            return cap
+        best = cadence.optimal_interval_s(save_cost_s, 3600.0 * self.mtbf_hours)
+        return min(best, cap) if cap else best
+
+    def time_due(self, seconds_since_last_save: float, save_cost_s: float | None = None) -> bool:
+        interval = self.interval_s(save_cost_s)
+        return bool(interval) and seconds_since_last_save >= interval
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,7 +67,10 @@ class Topology:
     """`hosts` fast domains of `devices_per_host` devices each (for TPUs a "host" is an ICI slice).
 
     `axes` optionally holds per-mesh-axis levels fitted by `python -m mesh.bench --fit`; they override
-    the generic levels for collectives over exactly that axis.
+    the generic levels for collectives over exactly that axis. What planning needs besides the links:
+    `device_memory_gb` per device (GB = 1e9 bytes), dense `peak_tflops` per dtype name, `storage_gbps`
+    (one host's checkpoint write bandwidth, GB/s), and `matmul_efficiency` {dtype: [[dim, fraction of
+    peak], ...]} measured by `python -m train.plan --calibrate` (0 / empty = unknown).
     """
     name: str
     hosts: int
@@ -75,6 +78,10 @@ class Topology:
     intra: Level
     inter: Level
     axes: Mapping[str, Level] = dataclasses.field(default_factory=dict)
+    device_memory_gb: float = 0.0
+    peak_tflops: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    storage_gbps: float = 0.0
+    matmul_efficiency: Mapping[str, list] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -82,6 +89,9 @@ class Topology:
         if self.intra.dims and math.prod(self.intra.dims) != self.devices_per_host:
             raise ValueError(f"topology {self.name}: intra dims {self.intra.dims} must multiply to "
                              f"devices_per_host={self.devices_per_host}")
+        if self.device_memory_gb < 0 or self.storage_gbps < 0 or any(v <= 0 for v in self.peak_tflops.values()):
+            raise ValueError(f"topology {self.name}: device_memory_gb and storage_gbps must be >= 0 and every "
+                             f"peak_tflops value > 0")
 
     @property
     def num_devices(self) -> int:
@@ -112,8 +122,19 @@ IB_HDR = Level("infiniband-hdr", "fat_tree",
                links=8)
 
 
-def _dgx(name: str, nvlink: Level, ib: Level, hosts: int) -> Topology:
-    return Topology(name, hosts, 8, nvlink, ib)  # 8 GPUs per DGX node (both datasheets)
+# Dense (no sparsity) peak TFLOP/s per dtype and memory per device, from the vendors' datasheets:
+# NVIDIA H100 SXM5 80 GB (989 bf16/fp16, 67 fp32); NVIDIA A100 SXM4 80 GB and 40 GB (312 bf16/fp16,
+# 19.5 fp32). Storage: each DGX has two storage/in-band network ports (DGX H100 datasheet: 2x dual-port
+# ConnectX-7, 400 Gb/s; DGX A100 datasheet: 2x dual-port ConnectX-6, 200 Gb/s), one port of each card
+# counted: 100 GB/s and 50 GB/s per host, an upper bound that a storage system may not sustain.
+H100_PEAK = {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}
+A100_PEAK = {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5}
+
+
+def _dgx(name: str, nvlink: Level, ib: Level, hosts: int, memory_gb: float, peak: Mapping[str, float],
+         storage_gbps: float) -> Topology:
+    return Topology(name, hosts, 8, nvlink, ib,  # 8 GPUs per DGX node (both datasheets)
+                    device_memory_gb=memory_gb, peak_tflops=dict(peak), storage_gbps=storage_gbps)
 
 
 def _tpu_v5p(hosts: int) -> Topology:
@@ -126,7 +147,8 @@ def _tpu_v5p(hosts: int) -> Topology:
                 bandwidth_gbps=6.25,   # same page: 50 Gbps DCN bandwidth per chip
                 latency_us=10.0,       # assumed: data-center network round trip, not on the datasheet
                 links=64)              # one DCN share per chip of the 64-chip slice
-    return Topology("tpu-v5p", hosts, 64, ici, dcn)
+    # same page: 95 GB HBM and 459 bf16 TFLOP/s per chip; storage bandwidth is not on it (0 = unknown)
+    return Topology("tpu-v5p", hosts, 64, ici, dcn, device_memory_gb=95.0, peak_tflops={"bfloat16": 459.0})
 
 
 def _tpu_v5e(hosts: int) -> Topology:
@@ -138,12 +160,14 @@ def _tpu_v5e(hosts: int) -> Topology:
                 bandwidth_gbps=12.5,   # same page: per-host NIC configuration 2 x 100 Gbps, 8 chips per host
                 latency_us=10.0,       # assumed: not on the datasheet
                 links=64)              # 32 hosts per pod x 2 NICs
-    return Topology("tpu-v5e", hosts, 256, ici, dcn)
+    # same page: 16 GB HBM and 197 bf16 TFLOP/s per chip
+    return Topology("tpu-v5e", hosts, 256, ici, dcn, device_memory_gb=16.0, peak_tflops={"bfloat16": 197.0})
 
 
 PRESETS = {
-    "dgx-h100": lambda hosts: _dgx("dgx-h100", NVLINK4, IB_NDR, hosts),
-    "dgx-a100": lambda hosts: _dgx("dgx-a100", NVLINK3, IB_HDR, hosts),
+    "dgx-h100": lambda hosts: _dgx("dgx-h100", NVLINK4, IB_NDR, hosts, 80.0, H100_PEAK, 100.0),
+    "dgx-a100": lambda hosts: _dgx("dgx-a100", NVLINK3, IB_HDR, hosts, 80.0, A100_PEAK, 50.0),
+    "dgx-a100-40gb": lambda hosts: _dgx("dgx-a100-40gb", NVLINK3, IB_HDR, hosts, 40.0, A100_PEAK, 50.0),
     "tpu-v5p": _tpu_v5p,
     "tpu-v5e": _tpu_v5e,
     "local": None,  # read from local_file(), written by `python -m mesh.bench --fit`
@@ -151,7 +175,8 @@ PRESETS = {
 
 
 def get_topology(name: str, hosts: int | None = None) -> Topology:
-    """A preset by name (`dgx-h100`, `dgx-a100`, `tpu-v5p`, `tpu-v5e`, `local`) or a JSON file path."""
+    """A preset by name (`dgx-h100`, `dgx-a100`, `dgx-a100-40gb`, `tpu-v5p`, `tpu-v5e`, `local`) or a JSON
+    file path."""
     if name == "local":
         topo = load_topology(local_file())
     elif name in PRESETS:
@@ -186,10 +211,19 @@ def topology_from_dict(d: Mapping, source: str = "topology") -> Topology:
     for key in ("hosts", "devices_per_host", "intra", "inter"):
         if key not in d:
             raise ValueError(f"{source}: missing '{key}'; a topology needs hosts, devices_per_host, intra, inter")
+    try:
+        planning = dict(device_memory_gb=float(d.get("device_memory_gb", 0.0)),
+                        peak_tflops={str(k): float(v) for k, v in d.get("peak_tflops", {}).items()},
+                        storage_gbps=float(d.get("storage_gbps", 0.0)),
+                        matmul_efficiency={str(k): [[float(x), float(e)] for x, e in v]
+                                           for k, v in d.get("matmul_efficiency", {}).items()})
+    except (TypeError, ValueError, AttributeError):
+        raise ValueError(f"{source}: device_memory_gb and storage_gbps must be numbers, peak_tflops "
+                         f"{{dtype: TFLOP/s}} and matmul_efficiency {{dtype: [[dim, fraction], ...]}}") from None
     return Topology(name=str(d.get("name", pathlib.Path(source).stem)), hosts=int(d["hosts"]),
                     devices_per_host=int(d["devices_per_host"]), intra=level("intra", d["intra"]),
                     inter=level("inter", d["inter"]),
-                    axes={a: level(a, s) for a, s in d.get("axes", {}).items()})
+                    axes={a: level(a, s) for a, s in d.get("axes", {}).items()}, **planning)
 
 
 def load_topology(path: str | pathlib.Path) -> Topology:

@@ -63,10 +63,11 @@ def single_device_reference(steps: int = 5):
     return ref["losses"], ref["grads"]
 
 
-def run_cli(*args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m train ARGS` in a subprocess sharing the tests' compilation cache."""
+def run_cli(*args: str, timeout: float = 240, env: dict | None = None,
+            module: str = "train") -> subprocess.CompletedProcess:
+    """`python -m train ARGS` (or another `module`) in a subprocess sharing the tests' compilation cache."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=full_env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -47,7 +47,10 @@ def base_config() -> ml_collections.ConfigDict:
                        b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0)
     c.data = dict(source="text", path="", token_dtype="uint16", eval_percent=5, cache_dir="")
     c.checkpoint = dict(every_steps=0, every_minutes=10.0, keep=3, keep_period=0, restore_from="",
-                        restore_params_only=False)
+                        restore_params_only=False, mtbf_hours=0.0)
+    # The planner (train/planner): plan.auto takes its best layout for the devices at hand, keeping the
+    # mesh sizes in plan.fixed ("tensor:8,pipeline:4").
+    c.plan = dict(auto=False, fixed="", topology="")
     c.train.update(on_nonfinite="stop", step_timeout_s=1800.0)  # fault tolerance: see train/resume.py
     # Faults on purpose, for tests of the fault handling (0 = off): never set them in a real run.
     c.fault_injection = dict(nan_at_step=0, hang_at_step=0, hang_s=0.0, step_delay_s=0.0)
@@ -161,6 +164,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
     t = config.train
     _positive(t, "train", ("steps", "global_batch_size", "log_every", "grad_accum_steps"))
     _positive(t, "train", ("eval_every", "eval_batches"), allow_zero=("eval_every", "eval_batches"))
+    _positive(config.checkpoint, "checkpoint", ("mtbf_hours",), allow_zero=("mtbf_hours",))
     _positive(config.optimizer, "optimizer", ("lr", "warmup_steps", "decay_steps", "clip_norm"),
               allow_zero=("warmup_steps", "decay_steps", "clip_norm"))
     decay_steps = config.optimizer.decay_steps or t.steps

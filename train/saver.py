@@ -41,7 +41,9 @@ class Saver:
     def __init__(self, ckpts: checkpoint.Checkpoints, config: ml_collections.ConfigDict, trainer: Trainer,
                  log: MetricsLog, goodput: Goodput, last_saved: int):
         self.ckpts, self.trainer = ckpts, trainer
-        self.policy = checkpoint.SavePolicy(config.checkpoint.every_steps, config.checkpoint.every_minutes)
+        self.policy = checkpoint.SavePolicy(config.checkpoint.every_steps, config.checkpoint.every_minutes,
+                                            config.checkpoint.get("mtbf_hours", 0.0))
+        self._blocked: list[float] = []  # measured save costs, for the mtbf_hours interval
         self.run_info = describe_run(config, trainer)
         self.log, self.goodput = log, goodput
         self.last_saved = last_saved
@@ -50,7 +52,8 @@ class Saver:
 
     def time_due(self) -> bool:
         """This process's view; the loop makes it agreed before acting on it."""
-        return self.policy.time_due(time.monotonic() - self._since)
+        cost = sum(self._blocked) / len(self._blocked) if self._blocked else None
+        return self.policy.time_due(time.monotonic() - self._since, cost)
 
     def warm_up(self, state: dict[str, Any], rng: jax.Array) -> float:
         """Compile the checksum program (and the layer reordering, if any) now, not at the first save;
@@ -77,6 +80,7 @@ class Saver:
         jax.block_until_ready(tree)  # waiting for the step itself is step time, not checkpoint time
         blocked = self.ckpts.save(step, tree, self.run_info, checksums=checksums)
         self.goodput.add("checkpoint_blocked_s", blocked)
+        self._blocked.append(blocked)
         self.last_saved, self._since = step, time.monotonic()
 
     def _report(self, records: list[checkpoint.SaveRecord]) -> None:

@@ -16,6 +16,7 @@ from train import data as data_lib
 from train import state as state_lib
 from train import step as step_lib
 from train.config import Plan, resolve
+from train.planner import auto as planner_auto
 
 
 @dataclasses.dataclass
@@ -35,6 +36,7 @@ class Trainer:
     def build(cls, config: ml_collections.ConfigDict, num_devices: int | None = None) -> "Trainer":
         """Validate (raising a one-line user error), then lay out; nothing is compiled or allocated yet."""
         n = num_devices or jax.device_count()
+        config = planner_auto.apply(config, n)  # plan.auto: the planner's layout replaces mesh.* (printed)
         plan = resolve(config, n)
         source = data_lib.load(config.data, plan.model.vocab_size, plan.model.seq_len + 1)
         mesh = make_mesh(plan.mesh_sizes, num_devices=num_devices)

@@ -1,0 +1,55 @@
+"""`--calibrate=FILE`: a square-matmul sweep on this device gives the fraction of peak reached at each size,
+written with the chosen topology into a user topology file (never into the package's presets)."""
+from __future__ import annotations
+
+import datetime
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+
+from mesh import topology as topology_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def matmul_flops(n: int, dtype: str, repeats: int = 5) -> float:
+    """Best FLOP/s of an n x n x n matmul in `dtype` on the first device."""
+    x = jnp.ones((n, n), jnp.dtype(dtype), device=jax.devices()[0])
+    f = jax.jit(lambda a: a @ a)
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n ** 3 / best
+
+
+def sweep(dtype: str, max_n: int) -> list[tuple[int, float]]:
+    return [(n, matmul_flops(n, dtype)) for n in SIZES if n <= max_n]
+
+
+def write(topology: str, path: str, dtype: str) -> pathlib.Path:
+    out = pathlib.Path(path).expanduser().resolve()
+    if ROOT in out.parents and out.parent.name not in ("experiments", "topologies") and "tmp" not in out.parts:
+        raise ValueError(f"--calibrate={path}: write calibrations to a user file outside the package, "
+                         f"e.g. ~/.config/spmdtrain/{topology}.json")
+    topo = topology_lib.get_topology(topology)
+    platform = jax.devices()[0].platform
+    measured = sweep(dtype, 8192 if platform != "cpu" else 1024)
+    peaks = dict(topo.peak_tflops)
+    if dtype not in peaks:
+        if platform != "cpu":
+            raise ValueError(f"--topology={topology}: no peak_tflops for {dtype}; add the datasheet figure first")
+        peaks[dtype] = max(f for _, f in measured) / 1e12  # a CPU has no datasheet peak: its best matmul is it
+    curve = [[float(n), round(f / (peaks[dtype] * 1e12), 4)] for n, f in measured]
+    topo = topology_lib.dataclasses.replace(topo, peak_tflops=peaks,
+                                            matmul_efficiency={**topo.matmul_efficiency, dtype: curve})
+    topology_lib.save_topology(topo, out, provenance={
+        "command": f"python -m train.plan --calibrate={path} --topology={topology}",
+        "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+        "date": datetime.date.today().isoformat()})
+    return out

@@ -1,0 +1,46 @@
+"""The planner's printed answer: a ranked table, where the best layout's time and memory go and why it beats
+the runner-up, the flags that run it, and the checkpoint cadence."""
+from __future__ import annotations
+
+from train.planner.candidate import Prediction
+
+
+def mesh_text(sizes: dict[str, int]) -> str:
+    return " x ".join(f"{a}={s}" for a, s in sizes.items() if s > 1) or "one device"
+
+
+def knobs(p: Prediction) -> str:
+    c = p.candidate
+    pipe = f"{c.schedule} m={c.microbatches} v={c.virtual_stages}" if c.sizes["pipeline"] > 1 else "-"
+    return f"{pipe} | {c.remat} | {'yes' if c.shard_opt_state else 'no'} | {c.grad_accum_steps}"
+
+
+def table(ranked: list[Prediction], top: int) -> str:
+    lines = ["| # | mesh | pipeline | remat | shard opt | accum | GB/device | step s | TFLOP/s/device | MFU | tokens/s |",
+             "|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for i, p in enumerate([p for p in ranked if p.fits][:top], 1):
+        lines.append(f"| {i} | {mesh_text(p.candidate.sizes)} | {knobs(p)} | {p.memory['total'] / 1e9:,.1f} | "
+                     f"{p.step_time_s:.4g} | {p.tflops_per_device:,.1f} | {100 * p.mfu:.1f}% | {p.tokens_per_s:,.0f} |")
+    return "\n".join(lines)
+
+
+def breakdown(best: Prediction, runner_up: Prediction | None) -> str:
+    m = best.memory
+    lines = [f"best: {mesh_text(best.candidate.sizes)}, {knobs(best).replace(' | ', ', ')}",
+             f"  time  {best.step_time_s:.4g} s = compute {best.compute_s:.4g} + exposed communication "
+             f"{best.communication_s:.4g} (of {best.communication_total_s:.4g}) + bubble {best.bubble_s:.4g}",
+             "  memory " + ", ".join(f"{k} {v / 1e9:,.2f}" for k, v in m.items() if k != "total")
+             + f" = {m['total'] / 1e9:,.2f} GB per device"]
+    for purpose, s in sorted(best.comm_by_purpose.items(), key=lambda x: -x[1]):
+        if s > 0:
+            lines.append(f"  comm  {purpose}: {s:.4g} s (not overlapped)")
+    if runner_up is not None:
+        diffs = {"compute": best.compute_s - runner_up.compute_s,
+                 "exposed communication": best.communication_s - runner_up.communication_s,
+                 "bubble": best.bubble_s - runner_up.bubble_s}
+        why = min(diffs, key=diffs.get)
+        lines.append(f"runner-up: {mesh_text(runner_up.candidate.sizes)}, {knobs(runner_up).replace(' | ', ', ')}: "
+                     f"{runner_up.step_time_s:.4g} s; the best saves most on {why} "
+                     f"({-diffs[why]:.3g} s), memory {m['total'] / 1e9:,.1f} vs {runner_up.memory['total'] / 1e9:,.1f} GB")
+    lines.append("run it: python -m train --config=FILE " + " ".join(best.candidate.overrides()))
+    return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""Step time of a candidate: compute at the topology's peak times a matmul efficiency, the communication the
+layout needs (sharding.expected) priced by mesh.cost on the topology, and the schedule table's bubble.
+
+Overlap is credited only where the step overlaps: FSDP's per-layer weight gathers and gradient
+reduce-scatters run inside the layer scan next to other layers' matmuls (XLA's latency-hiding
+scheduler on accelerators); the data-parallel gradient all-reduce waits for the last gradient, Megatron's
+all-reduces sit between dependent matmuls and the lockstep pipeline's sends end each slot: all exposed.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+import models
+from mesh import cost, topology as topology_lib
+from sharding import schedules
+from sharding.expected import expected_traffic
+from train.planner import memory
+from train.planner.candidate import Candidate
+
+# Fraction of peak a matmul reaches, by its smallest dimension, for devices this project has not measured.
+# An assumption (not a measurement, not fitted to any throughput table): small matmuls are bound by
+# memory and launch overhead, large ones approach the tensor-core peak. `--calibrate` replaces it.
+DEFAULT_EFFICIENCY = [[128.0, 0.3], [512.0, 0.55], [2048.0, 0.7], [8192.0, 0.75]]
+OVERLAPPED = {("all_gather", ("fsdp",)), ("reduce_scatter", ("fsdp",))}
+
+
+def efficiency(topo: topology_lib.Topology, dtype: str, dim: float) -> float:
+    """Piecewise linear in log2(dim) through the topology's measured curve for `dtype` (else the default)."""
+    curve = topo.matmul_efficiency.get(dtype) or DEFAULT_EFFICIENCY
+    xs = np.log2([x for x, _ in curve])
+    return float(np.interp(math.log2(max(dim, 1.0)), xs, [e for _, e in curve]))
+
+
+def peak_flops(topo: topology_lib.Topology, dtype: str) -> float:
+    if dtype not in topo.peak_tflops:
+        raise ValueError(f"--topology={topo.name}: no peak_tflops for model.compute_dtype={dtype}; add "
+                         f"\"peak_tflops\": {{\"{dtype}\": TFLOPS}} to the topology file")
+    return topo.peak_tflops[dtype] * 1e12
+
+
+def hardware_flops_per_device(cfg: models.GPTConfig, c: Candidate, global_batch: int) -> float:
+    """Model FLOPs plus recomputed forwards (a third of training FLOPs each): full remat recomputes every
+    layer once; a pipeline's backward cell recomputes its chunk's forward (and full remat inside it again)."""
+    sizes = c.sizes
+    model = models.flops_per_token(cfg) * global_batch * cfg.seq_len / math.prod(sizes.values())
+    extra = (cfg.remat == "full") + (sizes["pipeline"] > 1)
+    # save_dots keeps the projections but recomputes the attention's batched matmuls (their forward FLOPs)
+    attention = 4.0 * cfg.n_layers * cfg.d_model * cfg.seq_len * global_batch * cfg.seq_len / math.prod(sizes.values())
+    return model * (1 + extra / 3) + (attention if cfg.remat == "save_dots" else 0.0)
+
+
+@functools.lru_cache(maxsize=16384)
+def _placement(mesh: tuple[tuple[str, int], ...], axes: tuple[str, ...], topo_key: tuple):
+    topo = _TOPOLOGIES[topo_key]
+    sizes = dict(mesh)
+    order = _order(mesh, topo_key)
+    return topology_lib.placement(sizes, axes, topo, device_order=order)
+
+
+@functools.lru_cache(maxsize=4096)
+def _order(mesh, topo_key):
+    return topology_lib.hybrid_device_order(dict(mesh), _TOPOLOGIES[topo_key])
+
+
+_TOPOLOGIES: dict[tuple, topology_lib.Topology] = {}
+
+
+def _key(topo: topology_lib.Topology) -> tuple:
+    key = (topo.name, topo.hosts, repr(topology_lib.topology_to_dict(topo)))
+    _TOPOLOGIES[key] = topo
+    return key
+
+
+def _count(e, cfg: models.GPTConfig, c: Candidate, layers_per_device: int) -> int:
+    """How many collectives carry a row's bytes (each pays the latency terms once)."""
+    accum = c.grad_accum_steps
+    if e.op == "all_gather":
+        return layers_per_device * (1 if c.sizes["pipeline"] > 1 else 2 * accum)
+    if e.op == "reduce_scatter":
+        return layers_per_device * (1 if c.sizes["pipeline"] > 1 else accum)
+    if e.op == "all_reduce" and e.axes == ("tensor",):
+        return max(1, round(4 * layers_per_device * c.microbatches * accum))
+    if e.op == "collective_permute":
+        return 4 * (c.virtual_stages * c.microbatches + c.sizes["pipeline"] - 1) * accum
+    return 1  # gradients: XLA combines them into one all-reduce
+
+
+def communication(cfg: models.GPTConfig, c: Candidate, global_batch: int, topo: topology_lib.Topology,
+                  counted: bool = True) -> list[tuple[str, str, tuple[str, ...], float]]:
+    """[(purpose, op, axes, seconds)] per expected collective of the layout on `topo`, none overlapped.
+
+    `counted` False prices each row as one collective of all its bytes (as the audit's projection does
+    for a combined record); True splits it into the number of collectives the step issues."""
+    abstract, specs, rules = memory.layout_specs(cfg, c.mesh)
+    sizes = c.sizes
+    pipe = {"microbatches": c.microbatches, "virtual_stages": c.virtual_stages} if sizes["pipeline"] > 1 else None
+    rows = expected_traffic(cfg, abstract, specs, rules, sizes, global_batch, pipe)
+    key = _key(topo)
+    layers = cfg.n_layers // sizes["pipeline"]
+    out = []
+    for e in rows:
+        n = _count(e, cfg, c, layers) if counted else 1
+        repeated = e.op in ("all_gather", "reduce_scatter") and sizes["pipeline"] == 1
+        nbytes = e.bytes * (c.grad_accum_steps if repeated else 1)  # FSDP gathers again in every accumulation step
+        p = _placement(c.mesh, tuple(e.axes), key)
+        one = cost.predict_placement_us(e.op.replace("collective_permute", "permute"), nbytes / n, p, topo)
+        out.append((e.purpose, e.op, tuple(e.axes), n * one * 1e-6))
+    return out
+
+
+def bubble_fraction(c: Candidate) -> float:
+    """Idle share of the schedule table's cells (0 without a pipeline)."""
+    if c.sizes["pipeline"] == 1:
+        return 0.0
+    return schedules.bubble_fraction(memory.schedule_table(c.schedule, c.sizes["pipeline"], c.microbatches,
+                                                           c.virtual_stages))
+
+
+def predict(cfg: models.GPTConfig, c: Candidate, global_batch: int, topo: topology_lib.Topology) -> dict:
+    sizes = c.sizes
+    tokens = memory.rows_per_device(c, global_batch) * cfg.seq_len
+    dim = min(tokens, cfg.d_model / sizes["tensor"])  # rows of a microbatch, or a row-parallel matmul's depth
+    peak = peak_flops(topo, cfg.compute_dtype)
+    compute = hardware_flops_per_device(cfg, c, global_batch) / (peak * efficiency(topo, cfg.compute_dtype, dim))
+    rows = communication(cfg, c, global_batch, topo)
+    total = sum(r[3] for r in rows)
+    hidden = min(sum(r[3] for r in rows if (r[1], r[2]) in OVERLAPPED), compute)
+    f = bubble_fraction(c)
+    bubble = compute * f / (1 - f)
+    step = compute + bubble + total - hidden
+    model_flops = models.flops_per_token(cfg) * global_batch * cfg.seq_len / math.prod(sizes.values())
+    by_purpose: dict[str, float] = {}
+    for purpose, _, axes, s in rows:
+        name = f"{purpose} [{'+'.join(axes)}]"
+        by_purpose[name] = by_purpose.get(name, 0.0) + s
+    return {"compute_s": compute, "communication_s": total - hidden, "communication_total_s": total,
+            "bubble_s": bubble, "step_time_s": step, "tflops_per_device": model_flops / step / 1e12,
+            "mfu": model_flops / step / peak, "tokens_per_s": global_batch * cfg.seq_len / step,
+            "comm_by_purpose": by_purpose}
