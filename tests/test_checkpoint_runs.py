@@ -19,14 +19,23 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests.helpers import ROOT, run_cli
-from train import exit_codes
+from train import exit_codes, prepare
 
 STEPS = 12
-BASE = ["--config=experiments/tiny.py", "--config.data.source=synthetic", "--config.mesh.data=8",
+BASE = ["--config=experiments/tiny.py", "--config.data.source=tokens", "--config.data.path=", "--config.mesh.data=8",
         f"--config.train.steps={STEPS}", "--config.train.log_every=1", "--config.train.eval_every=6",
         "--config.train.eval_batches=1", "--config.optimizer.warmup_steps=2",
         f"--config.optimizer.decay_steps={STEPS}",  # fixed, so runs stopped early share the schedule
         "--config.checkpoint.every_steps=2", "--config.checkpoint.keep=3"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prepared_datadir(tmp_path_factory):
+    """Every run reads a DATADIR made by train.prepare (the bytes of this repository's train/ sources)."""
+    out = tmp_path_factory.mktemp("data") / "train-sources"
+    prepare.prepare([str(ROOT / "train")], str(out), "bytes", val_percent=25)
+    BASE[2] = f"--config.data.path={out}"
+    return out
 
 
 def train(workdir, *extra, timeout=180, env=None):

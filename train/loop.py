@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 
 import checkpoint
-from train import audit as audit_lib, exit_codes, hardware, preemption, report as report_lib, resume
+from train import audit as audit_lib, data as data_lib, exit_codes, hardware, preemption, report as report_lib, resume
 from train.config import ConfigError
 from train.goodput import Goodput
 from train.metrics import MetricsLog
@@ -104,6 +104,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
         resolved = {"config": config.to_dict(), "model": vars(plan.model) | {"param_count": rep["param_count"]},
                     "mesh": rep["mesh"], "versions": versions()}
         (path / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
+        data_lib.copy_tokenizer(plan.data, path)
     if compile_only:
         mem = rep["memory_per_device"]
         if is_main:
@@ -217,7 +218,8 @@ def _loop(config, trainer: Trainer, compiled, rep, path: pathlib.Path, begin: re
             recent = float(np.mean(times[-config.train.log_every:]))
             tps = rep["tokens_per_step"] / recent
             mfu = rep["flops_per_step"] / recent / peak if peak else 0.0
-            record = {"step": step, **values, "step_time_s": recent, "tokens_per_s": tps, "mfu": mfu}
+            record = {"step": step, **values, "step_time_s": recent, "tokens_per_s": tps, "mfu": mfu,
+                      **trainer.source.progress(step, plan.global_batch, plan.model.seq_len + 1)}
             if jax.process_count() > 1:  # every process logs at the same steps, so this gather cannot hang
                 record["host_step_time_s"] = host_step_times(recent)
             log.write(record)
