@@ -172,7 +172,7 @@ def load(data_cfg: Any, vocab_size: int, length: int, spec: datadir.DataSpec | N
         streams = (Stream("text", train, held),)
         cumulative = [order_lib.WEIGHT_ONE]
     else:
-        spec = spec or datadir.resolve(data_cfg, 1)
+        spec = spec or datadir.resolve(data_cfg, None)
         streams = tuple(Stream(s.name, *_open_tokens(s, spec.dtype, data_cfg.eval_percent)) for s in spec.sources)
         cumulative = order_lib.integer_weights([s.weight for s in spec.sources])
     for stream in streams:

@@ -88,8 +88,9 @@ def _names(paths: list[str]) -> list[str]:
     return [n if names.count(n) == 1 else f"{n}{i}" for i, n in enumerate(names)]
 
 
-def resolve(data: Any, global_batch: int) -> DataSpec | None:
-    """Check the data.* settings; the token files a `tokens` source reads (None for other sources)."""
+def resolve(data: Any, global_batch: int | None) -> DataSpec | None:
+    """Check the data.* settings; the token files a `tokens` source reads (None for other sources).
+    `global_batch` (None: not checked) must give every mixture source at least one row per batch."""
     order = data.get("order", "epochs")
     if order not in ORDERS:
         raise DataConfigError(f"data.order={order!r}: use epochs (each window once per epoch) or random")
@@ -111,7 +112,7 @@ def resolve(data: Any, global_batch: int) -> DataSpec | None:
             raise DataConfigError(f"{setting}: the sources were prepared with different tokenizers; prepare them "
                                   f"with the same --tokenizer (e.g. hf:{sources[0].train.parent}/tokenizer.json)")
         for s in sources:
-            if s.weight / total * global_batch < 1:
+            if global_batch and s.weight / total * global_batch < 1:
                 raise DataConfigError(f"{setting}: {s.name}'s weight {s.weight / total:.3f} gives less than one row "
                                       f"of train.global_batch_size={global_batch}; raise the weight or the batch")
     meta = sources[0].meta

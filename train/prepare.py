@@ -152,8 +152,8 @@ class Progress:
     def show(self, final: bool) -> None:
         dt = max(time.perf_counter() - self.t0, 1e-9)
         eta = max(self.total - self.bytes, 0) / max(self.bytes / dt, 1e-9)
-        line = (f"{self.docs:,} docs ({self.docs / dt:,.0f}/s), {self.tokens:,} tokens ({self.tokens / dt:,.0f}/s), "
-                f"{self.bytes / 1e6:,.1f}/{self.total / 1e6:,.1f} MB ({self.bytes / 1e6 / dt:.2f} MB/s)")
+        line = (f"{self.docs:,} docs ({self.docs / dt:,.0f} docs/s), {self.tokens:,} tokens ({self.tokens / dt:,.0f} "
+                f"tokens/s), {self.bytes / 1e6:,.1f}/{self.total / 1e6:,.1f} MB ({self.bytes / 1e6 / dt:.2f} MB/s)")
         print(f"\r{line}, {'done in %.1fs' % dt if final else 'ETA %.0fs' % eta}   ", end="\n" if final else "",
               file=sys.stderr, flush=True)
 
