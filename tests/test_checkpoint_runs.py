@@ -192,6 +192,24 @@ def test_model_shape_change_is_a_config_error_that_moves_nothing(tmp_path, parti
     assert listing(workdir) == before and not (workdir / "checkpoints.set_aside").exists()
 
 
+def test_checkpoint_from_before_data_order_resumes_with_random(tmp_path, reference, partial):
+    """Checkpoints whose meta has no data.order were trained with random windows: they resume that way
+    (the same losses as resuming with data.order=random set), and the new checkpoints record it."""
+    old, explicit = tmp_path / "old", tmp_path / "explicit"
+    for workdir in (old, explicit):
+        shutil.copytree(partial, workdir)
+    for path in (old / "checkpoints").glob("*/meta/metadata"):
+        meta = json.loads(path.read_text())
+        del meta["config"]["data"]["order"]
+        path.write_text(json.dumps(meta))
+    for workdir, extra in ((old, ()), (explicit, ("--config.data.order=random",))):
+        result = train(workdir, *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+    saved = json.loads((old / "checkpoints" / str(STEPS) / "meta" / "metadata").read_text())
+    assert saved["config"]["data"]["order"] == "random"
+    assert losses(old) == losses(explicit) and losses(old)[STEPS] != losses(reference)[STEPS]  # epochs differ
+
+
 def test_resume_on_other_meshes_continues_the_same_losses(tmp_path, reference, partial):
     """Saved on data=8 (step 8), resumed on data=2,fsdp=2,tensor=2 (to 10), on an interleaved pipeline,
     whose in-memory layer order differs (to 11), then on 4 devices (to 12)."""
