@@ -18,6 +18,7 @@ _WORKERS = flags.DEFINE_list("workers", ["1", "2"], "Worker counts to time train
 _TOKENIZERS = flags.DEFINE_list("tokenizers", ["bytes", "train-bpe:8192"], "Tokenizers to time.")
 _STEPS = flags.DEFINE_integer("steps", 20, "Default-experiment steps timed for the input pipeline share.")
 _SKIP_PREPARE = flags.DEFINE_boolean("skip_prepare", False, "Only the input pipeline share.")
+_SKIP_SHARE = flags.DEFINE_boolean("skip_share", False, "Only train.prepare.")
 
 
 def make_corpus(directory: pathlib.Path, megabytes: float) -> pathlib.Path:
@@ -109,9 +110,10 @@ def main(argv):
                     r = time_prepare(corpus, out, tokenizer, workers)
                     print(f"| {tokenizer} | {workers} | {r['mb_s']:.2f} | {r['tokens_s']:,.0f} | {r['tokenize_s']:.1f} "
                           f"| {r['wall_s']:.1f} | {r['peak_rss_mb']:.0f} |", flush=True)
-    print("| input pipeline | batch ms | step ms | share |")
-    print("|---|---:|---:|---:|")
-    input_share(_STEPS.value)
+    if not _SKIP_SHARE.value:
+        print("| input pipeline | batch ms | step ms | share |")
+        print("|---|---:|---:|---:|")
+        input_share(_STEPS.value)
 
 
 if __name__ == "__main__":
