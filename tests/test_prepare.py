@@ -17,7 +17,8 @@ from train.corpus import CorpusError
 from train.prepare import PrepareError
 from train.tokenizer import TokenizerError
 
-TEXTS = [f"Text file {i}: the quick brown fox jumps over the lazy dog, {i * 'ünïcode '}\n" * (3 + i) for i in range(3)]
+TEXTS = [f"Text file {i}: the quick brown fox jumps over the lazy dog, {i * 'ünïcode '}\n" * (3 + i)
+         for i in range(3)]
 JSON_DOCS = [f"json document {i}: lorem ipsum dolor sit amet {i}" for i in range(30)]
 PARQUET_DOCS = [f"parquet row {i}: consectetur adipiscing elit {i % 7}" for i in range(20)]
 
@@ -57,7 +58,8 @@ def test_mixed_corpus_ids_counts_and_rerun(tmp_path, corpus):
         prepare.prepare(corpus, str(out), "bytes", val_percent=0)
     # Its tokenizer.json as hf:PATH gives the same ids; EOS is the one it declares.
     again = prepare.prepare(corpus, str(tmp_path / "hf"), f"hf:{out}", val_percent=0)
-    assert again["eos_id"] == meta["eos_id"] and np.array_equal(np.fromfile(tmp_path / "hf" / "train.bin", "uint16"), train)
+    assert again["eos_id"] == meta["eos_id"]
+    assert np.array_equal(np.fromfile(tmp_path / "hf" / "train.bin", "uint16"), train)
 
 
 def test_bytes_split_by_document_hash_and_workers_agree(tmp_path, corpus):

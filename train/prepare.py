@@ -4,7 +4,6 @@ tokenized in parallel and streamed to disk; DATADIR only ever sees finished file
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import multiprocessing
 import os
@@ -48,16 +47,16 @@ def is_val(text: str, val_percent: float) -> bool:
 
 
 def build_tokenizer(spec: str, files: list[pathlib.Path], text_field: str, sample_mb: float, eos_token: str):
-    """(tokenizer, eos text, a description of its origin for the re-run check)."""
+    """(tokenizer, the text of its end-of-document token)."""
     if spec == "bytes":
-        return tok_lib.bytes_tokenizer(), tok_lib.EOS_TEXT, {"kind": "bytes"}
+        return tok_lib.bytes_tokenizer(), tok_lib.EOS_TEXT
     if spec.startswith("hf:"):
         tok = tok_lib.load_file(spec[3:])
         eos = eos_token or tok_lib.declared_eos(tok)
         if eos is None:
             raise PrepareError(f"--tokenizer={spec}: the tokenizer declares no end-of-document token; "
                                f"give one with --eos_token=TEXT")
-        return tok, eos, {"kind": "hf", "sha256": hashlib.sha256(tok.to_str().encode()).hexdigest()}
+        return tok, eos
     if spec.startswith("train-bpe:"):
         try:
             vocab = int(spec.split(":", 1)[1])
@@ -66,7 +65,7 @@ def build_tokenizer(spec: str, files: list[pathlib.Path], text_field: str, sampl
         if vocab <= 256:  # checked before reading the sample
             tok_lib.train_bpe([], vocab)
         tok = tok_lib.train_bpe(_sample(files, text_field, sample_mb * 1e6), vocab)
-        return tok, tok_lib.EOS_TEXT, {"kind": "train-bpe", "vocab": vocab, "sample_mb": sample_mb}
+        return tok, tok_lib.EOS_TEXT
     raise PrepareError(f"--tokenizer={spec}: use bytes, hf:PATH or train-bpe:VOCAB")
 
 
@@ -207,7 +206,7 @@ def prepare(inputs: list[str], out: str, spec: str, *, text_field: str = "text",
     if spec.startswith("train-bpe:"):
         recipe["bpe_sample_mb"] = bpe_sample_mb
     if spec.startswith("hf:"):
-        recipe["tokenizer_sha256"] = corpus.checksum(tok_lib_path(spec[3:]))
+        recipe["tokenizer_sha256"] = corpus.checksum(_hf_file(spec[3:]))
     out_path = pathlib.Path(out).expanduser()
     if _check_out(out_path, listed, recipe, overwrite):
         return None
@@ -220,7 +219,7 @@ def prepare(inputs: list[str], out: str, spec: str, *, text_field: str = "text",
     return meta
 
 
-def tok_lib_path(path: str) -> pathlib.Path:
+def _hf_file(path: str) -> pathlib.Path:
     p = pathlib.Path(path).expanduser()
     p = p / tok_lib.FILE if p.is_dir() else p
     if not p.is_file():
@@ -230,7 +229,7 @@ def tok_lib_path(path: str) -> pathlib.Path:
 
 def _write(staging: pathlib.Path, files, listed, recipe, text_field, val_percent, num_workers, sample_mb,
            bos_token) -> dict[str, Any]:
-    tok, eos_text, _ = build_tokenizer(recipe["tokenizer"], files, text_field, sample_mb, recipe["eos_token"])
+    tok, eos_text = build_tokenizer(recipe["tokenizer"], files, text_field, sample_mb, recipe["eos_token"])
     eos = tok_lib.token_id(tok, eos_text, "--eos_token")
     bos = tok_lib.token_id(tok, bos_token, "--bos_token") if bos_token else None
     vocab = -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
@@ -280,7 +279,8 @@ def main(argv: list[str]) -> int:
             raise PrepareError("--input and --out are required: --input=PATH[,PATH...] --out=DATADIR")
         meta = prepare(_INPUT.value, _OUT.value, _TOKENIZER.value, text_field=_TEXT_FIELD.value,
                        val_percent=_VAL_PERCENT.value, num_workers=_NUM_WORKERS.value,
-                       bpe_sample_mb=_BPE_SAMPLE_MB.value, eos_token=_EOS.value, bos_token=_BOS.value, overwrite=_OVERWRITE.value)
+                       bpe_sample_mb=_BPE_SAMPLE_MB.value, eos_token=_EOS.value, bos_token=_BOS.value,
+                       overwrite=_OVERWRITE.value)
     except (CorpusError, TokenizerError, PrepareError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return exit_codes.USER_ERROR
