@@ -17,15 +17,24 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.helpers import losses, run_cli, start_cli
-from train import exit_codes
+from tests.helpers import ROOT, losses, run_cli, start_cli
+from train import exit_codes, prepare
 
 STEPS = 12
-BASE = ["--config=experiments/tiny.py", "--config.data.source=synthetic", "--config.mesh.data=8",
+BASE = ["--config=experiments/tiny.py", "--config.data.source=tokens", "--config.data.path=", "--config.mesh.data=8",
         f"--config.train.steps={STEPS}", "--config.train.log_every=1", "--config.train.eval_every=6",
         "--config.train.eval_batches=1", "--config.optimizer.warmup_steps=2",
         f"--config.optimizer.decay_steps={STEPS}",  # fixed, so runs stopped early share the schedule
         "--config.checkpoint.every_steps=2", "--config.checkpoint.keep=3"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prepared_datadir(tmp_path_factory):
+    """Every run reads a DATADIR made by train.prepare (the bytes of this repository's train/ sources)."""
+    out = tmp_path_factory.mktemp("data") / "train-sources"
+    prepare.prepare([str(ROOT / "train")], str(out), "bytes", val_percent=25)
+    BASE[2] = f"--config.data.path={out}"
+    return out
 
 
 def train(workdir, *extra, timeout=180, env=None):
@@ -172,6 +181,24 @@ def test_model_shape_change_is_a_config_error_that_moves_nothing(tmp_path, parti
     assert re.match(r"error: checkpoint .*/checkpoints/8 holds a different model or optimizer shape than the "
                     r"config \(\S+: checkpoint float32\(.*\), config float32\(.*\)", message), message
     assert listing(workdir) == before and not (workdir / "checkpoints.set_aside").exists()
+
+
+def test_checkpoint_from_before_data_order_resumes_with_random(tmp_path, reference, partial):
+    """Checkpoints whose meta has no data.order were trained with random windows: they resume that way
+    (the same losses as resuming with data.order=random set), and the new checkpoints record it."""
+    old, explicit = tmp_path / "old", tmp_path / "explicit"
+    for workdir in (old, explicit):
+        shutil.copytree(partial, workdir)
+    for path in (old / "checkpoints").glob("*/meta/metadata"):
+        meta = json.loads(path.read_text())
+        del meta["config"]["data"]["order"]
+        path.write_text(json.dumps(meta))
+    for workdir, extra in ((old, ()), (explicit, ("--config.data.order=random",))):
+        result = train(workdir, *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+    saved = json.loads((old / "checkpoints" / str(STEPS) / "meta" / "metadata").read_text())
+    assert saved["config"]["data"]["order"] == "random"
+    assert losses(old) == losses(explicit) and losses(old)[STEPS] != losses(reference)[STEPS]  # epochs differ
 
 
 def test_resume_on_other_meshes_continues_the_same_losses(tmp_path, reference, partial):

@@ -31,6 +31,8 @@ def _bad_configs():
         "source": (with_(mesh__data=8, data__source="web"), "data.source='web'"),
         "missing_file": (with_(mesh__data=8, data__source="tokens", data__path="/nonexistent/train.bin"),
                          "data.path='/nonexistent/train.bin'"),
+        "order": (with_(mesh__data=8, data__order="shuffled"), "data.order='shuffled'"),
+        "mixture": (with_(mesh__data=8, data__source="tokens", data__path="a:0.5,b:-1"), "a mixture is DIR:WEIGHT"),
         "warmup": (with_(mesh__data=8, optimizer__warmup_steps=50), "optimizer.warmup_steps=50"),
         "profile": (with_(mesh__data=8, train__profile_steps="5:30"), "train.profile_steps='5:30': LAST is past"),
     }

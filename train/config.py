@@ -19,13 +19,16 @@ from sharding import rules as sharding_rules
 from sharding import schedules
 from sharding.rules import ShardingConfigError
 from sharding.schedules import ScheduleConfigError
+from train import datadir
+from train.datadir import DataConfigError
 
 
 class ConfigError(ValueError):
     """A training setting the user can fix; the message is one line naming the setting."""
 
 
-USER_ERRORS = (ConfigError, MeshConfigError, ModelConfigError, ShardingConfigError, ScheduleConfigError)
+USER_ERRORS = (ConfigError, MeshConfigError, ModelConfigError, ShardingConfigError, ScheduleConfigError,
+               DataConfigError)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -45,7 +48,7 @@ def base_config() -> ml_collections.ConfigDict:
                    actions="")  # user actions registered with train.actions.register, comma-separated
     c.optimizer = dict(lr=3e-3, warmup_steps=10, decay_steps=0, min_lr_ratio=0.1, weight_decay=0.1,
                        b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0)
-    c.data = dict(source="text", path="", token_dtype="uint16", eval_percent=5, cache_dir="")
+    c.data = dict(source="text", path="", token_dtype="uint16", eval_percent=5, cache_dir="", order="epochs")
     c.checkpoint = dict(every_steps=0, every_minutes=10.0, keep=3, keep_period=0, restore_from="",
                         restore_params_only=False, mtbf_hours=0.0)
     # The planner (train/planner): plan.auto takes its best layout for the devices at hand, keeping the
@@ -81,6 +84,7 @@ class Plan:
     decay_steps: int
     profile_steps: tuple[int, int] | None
     pipeline: PipelinePlan | None = None  # None when mesh.pipeline == 1
+    data: datadir.DataSpec | None = None  # the token files of data.source=tokens
 
 
 def _positive(section: Any, prefix: str, keys: tuple[str, ...], allow_zero: tuple[str, ...] = ()) -> None:
@@ -158,7 +162,14 @@ def _check_names(t: Any) -> None:
 
 def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
     """Validate `config` for `num_devices` devices; raises one of USER_ERRORS."""
-    model = models.from_dict(config.model.to_dict())
+    data = datadir.resolve(config.data, config.train.global_batch_size)
+    model_values = config.model.to_dict()
+    if data and data.vocab_size and model_values.get("vocab_size") is None:
+        model_values["vocab_size"] = data.vocab_size  # the model's vocabulary comes from meta.json
+    model = models.from_dict(model_values)
+    if data and data.vocab_size and model.vocab_size < data.vocab_size:
+        raise ConfigError(f"model.vocab_size={model.vocab_size} is smaller than the vocabulary of data.path "
+                          f"({data.vocab_size}, its meta.json); raise it or leave it unset")
     mesh_sizes = resolve_axis_sizes(config.mesh.to_dict(), num_devices)
     rules = sharding_rules.resolve(config.sharding.strategy, config.sharding.rules.to_dict(), mesh_sizes)
     t = config.train
@@ -186,4 +197,4 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
     _check_names(t)
     return Plan(model=model, mesh_sizes=mesh_sizes, rules=rules, global_batch=t.global_batch_size,
                 grad_accum=t.grad_accum_steps, steps=t.steps, decay_steps=decay_steps,
-                profile_steps=_profile_range(t.profile_steps, t.steps), pipeline=pipeline)
+                profile_steps=_profile_range(t.profile_steps, t.steps), pipeline=pipeline, data=data)

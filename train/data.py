@@ -3,14 +3,17 @@ replayed and a resumed run sees exactly the batches it would have seen; each pro
 rows its own devices hold.
 
 Sources: `text` (bytes of a file or directory; by default the running interpreter's standard library),
-`tokens` (a flat uint16/uint32 token file, nanoGPT's train.bin, memory-mapped), `synthetic` (random).
+`tokens` (a DATADIR of train.prepare, a mixture of them, or a flat nanoGPT train.bin; memory-mapped),
+`synthetic` (random). `data.order=epochs` reads every window once per epoch (train/order.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import pathlib
+import shutil
 import sysconfig
 import zlib
 from typing import Any
@@ -18,26 +21,78 @@ from typing import Any
 import jax
 import numpy as np
 
+from train import datadir, order as order_lib
 from train.config import ConfigError
 
 EVAL_STREAM = 1 << 30  # eval batches draw from (seed, EVAL_STREAM + k): never a training step's stream
 
 
 @dataclasses.dataclass(frozen=True)
+class Stream:
+    """One source's token arrays (memory-mapped or cached) and its epoch geometry."""
+    name: str
+    train: np.ndarray
+    eval: np.ndarray
+
+    def windows(self, length: int) -> int:
+        """Windows of `length` tokens starting at multiples of length - 1 (the remainder is dropped)."""
+        return (len(self.train) - 1) // (length - 1)
+
+
+@dataclasses.dataclass(frozen=True)
 class TokenSource:
     name: str
-    train: np.ndarray | None  # 1-D token arrays; None for synthetic
-    eval: np.ndarray | None
+    streams: tuple[Stream, ...]  # empty for synthetic
     vocab_size: int
+    order: str = "epochs"        # or "random": windows at offsets drawn with replacement
+    cumulative: tuple[int, ...] = (order_lib.WEIGHT_ONE,)  # mixture weights (train/order.integer_weights)
+
+    @property
+    def train(self) -> np.ndarray | None:
+        return self.streams[0].train if self.streams else None
+
+    @property
+    def eval(self) -> np.ndarray | None:
+        return self.streams[0].eval if self.streams else None
 
     def rows(self, seed: int, step: int, batch: int, length: int, rows: slice, split: str = "train") -> np.ndarray:
         """Rows `rows` of the [batch, length] token batch of `step`: a pure function of its arguments."""
-        rng = np.random.default_rng([seed, step if split == "train" else EVAL_STREAM + step])
-        if self.train is None:
+        stream_step = step if split == "train" else EVAL_STREAM + step
+        if not self.streams:
+            rng = np.random.default_rng([seed, stream_step])
             return rng.integers(0, self.vocab_size, size=(batch, length), dtype=np.int32)[rows]
-        tokens = self.train if split == "train" else self.eval
-        starts = rng.integers(0, len(tokens) - length, size=batch)[rows]
-        return np.stack([np.asarray(tokens[s:s + length], dtype=np.int32) for s in starts])
+        counts = order_lib.rows_of_step(stream_step, batch, list(self.cumulative))
+        before = order_lib.drawn_before(stream_step, batch, list(self.cumulative))
+        wanted = np.arange(batch)[rows]
+        out = np.empty((len(wanted), length), dtype=np.int32)
+        first = 0
+        for j, (stream, n) in enumerate(zip(self.streams, counts)):
+            mine = (wanted >= first) & (wanted < first + n)
+            if mine.any():
+                tokens = stream.train if split == "train" else stream.eval
+                if split == "train" and self.order == "epochs":
+                    _, window = order_lib.epoch_windows(before[j] + wanted[mine] - first, stream.windows(length),
+                                                        seed, stream=j)
+                    starts = window * (length - 1)
+                else:  # one source: exactly the draws of the releases before mixtures
+                    rng = np.random.default_rng([seed, stream_step] + ([j] if len(self.streams) > 1 else []))
+                    starts = rng.integers(0, len(tokens) - length, size=n)[wanted[mine] - first]
+                out[mine] = np.stack([np.asarray(tokens[s:s + length], dtype=np.int32) for s in starts])
+            first += n
+        return out
+
+    def progress(self, steps_done: int, batch: int, length: int) -> dict[str, float]:
+        """What metrics.jsonl records about the data after `steps_done` steps: `epoch` (windows drawn over
+        windows per epoch), and with a mixture `epoch/<source>` and the realized `share/<source>`."""
+        if not self.streams:
+            return {}
+        drawn = order_lib.drawn_before(steps_done, batch, list(self.cumulative))
+        epochs = [d / s.windows(length) for d, s in zip(drawn, self.streams)]
+        if len(self.streams) == 1:
+            return {"epoch": epochs[0]}
+        total = max(sum(drawn), 1)
+        return {**{f"epoch/{s.name}": e for s, e in zip(self.streams, epochs)},
+                **{f"share/{s.name}": d / total for s, d in zip(self.streams, drawn)}}
 
 
 def _cache_dir(setting: str) -> pathlib.Path:
@@ -67,15 +122,15 @@ def _text_files(path: str) -> tuple[pathlib.Path, list[pathlib.Path]]:
 
 
 def _prepare_text(path: str, eval_percent: int, cache_setting: str) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes of every file, split into train/eval by a hash of each file's path; cached on disk, keyed
-    by a hash of the file list (paths, sizes, modification times), since the corpus differs between Pythons."""
+    """Bytes of every file, split into train/eval by a hash of each file's path; cached on disk as two byte
+    files that are memory-mapped, keyed by a hash of the file list (paths, sizes, modification times)."""
     root, files = _text_files(path)
     listing = "\n".join(f"{p.relative_to(root)}\t{p.stat().st_size}\t{p.stat().st_mtime_ns}" for p in files)
     key = hashlib.sha256(f"{root}\n{eval_percent}\n{listing}".encode()).hexdigest()[:16]
-    cache = _cache_dir(cache_setting) / f"text-{key}.npz"
-    if cache.exists():
-        with np.load(cache) as saved:
-            return saved["train"], saved["eval"]
+    cache = _cache_dir(cache_setting) / f"text-{key}"
+    paths = {k: cache.with_name(f"{cache.name}.{k}.bin") for k in ("train", "eval")}
+    if all(p.exists() for p in paths.values()):
+        return tuple(np.memmap(paths[k], dtype=np.uint8, mode="r") for k in ("train", "eval"))
     parts: dict[str, list[bytes]] = {"train": [], "eval": []}
     for p in files:
         held_out = zlib.crc32(str(p.relative_to(root)).encode()) % 100 < eval_percent
@@ -84,42 +139,63 @@ def _prepare_text(path: str, eval_percent: int, cache_setting: str) -> tuple[np.
         data = b"".join(parts["train"])
         cut = len(data) - max(len(data) * eval_percent // 100, 1)
         parts = {"train": [data[:cut]], "eval": [data[cut:]]}
-    train, held = (np.frombuffer(b"".join(parts[k]), dtype=np.uint8) for k in ("train", "eval"))
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".{os.getpid()}.tmp.npz")
-    np.savez(tmp, train=train, eval=held)
-    os.replace(tmp, cache)  # atomic: concurrent processes may race to write the same cache
-    return train, held
+    for k in ("eval", "train"):  # train last: its presence marks a complete cache
+        tmp = paths[k].with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(b"".join(parts[k]))
+        os.replace(tmp, paths[k])  # atomic: concurrent processes may race to write the same cache
+    return tuple(np.memmap(paths[k], dtype=np.uint8, mode="r") for k in ("train", "eval"))
 
 
-def _prepare_tokens(path: str, dtype: str, eval_percent: int) -> tuple[np.ndarray, np.ndarray]:
-    if not path or not pathlib.Path(path).is_file():
-        raise ConfigError(f"data.path={path!r}: the tokens source needs an existing flat token file (train.bin)")
-    if dtype not in ("uint16", "uint32"):
-        raise ConfigError(f"data.token_dtype={dtype!r}: use uint16 or uint32")
-    train = np.memmap(path, dtype=dtype, mode="r")
-    sibling = pathlib.Path(path).with_name("val.bin")
-    if sibling.is_file() and sibling != pathlib.Path(path):
-        return train, np.memmap(sibling, dtype=dtype, mode="r")
+def _open_tokens(source: datadir.SourceSpec, dtype: str, eval_percent: int) -> tuple[np.ndarray, np.ndarray]:
+    """Memory-mapped train and held-out tokens (val.bin, or the tail of a lone flat file)."""
+    train = np.memmap(source.train, dtype=dtype, mode="r")
+    if source.val is not None:
+        return train, np.memmap(source.val, dtype=dtype, mode="r")
     cut = len(train) - max(len(train) * eval_percent // 100, 1)
     return train[:cut], train[cut:]
 
 
-def load(data_cfg: Any, vocab_size: int, length: int) -> TokenSource:
-    """Open the configured source; `length` is the tokens per row (seq_len + 1)."""
+def largest_id(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
+    """The largest id of a memory-mapped array, read in chunks so RAM stays small."""
+    return max((int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk)), default=-1)
+
+
+def load(data_cfg: Any, vocab_size: int, length: int, spec: datadir.DataSpec | None = None) -> TokenSource:
+    """Open the configured source; `length` is the tokens per row (seq_len + 1); `spec` is the resolved
+    token files (train/datadir.resolve; resolved here when not given)."""
+    order = data_cfg.get("order", "epochs")
     if data_cfg.source == "synthetic":
-        return TokenSource("synthetic", None, None, vocab_size)
+        return TokenSource("synthetic", (), vocab_size, order)
     if data_cfg.source == "text":
         train, held = _prepare_text(data_cfg.path, data_cfg.eval_percent, data_cfg.cache_dir)
+        streams = (Stream("text", train, held),)
+        cumulative = [order_lib.WEIGHT_ONE]
     else:
-        train, held = _prepare_tokens(data_cfg.path, data_cfg.token_dtype, data_cfg.eval_percent)
-    for split, arr in (("training", train), ("held-out", held)):
-        if len(arr) <= length:
-            raise ConfigError(f"data.path={data_cfg.path!r}: the {split} split has {len(arr)} tokens, "
-                              f"fewer than one row of {length}; use more data or a shorter model.seq_len")
-    if int(train[: 1 << 20].max()) >= vocab_size:
-        raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the data's token ids; raise it")
-    return TokenSource(data_cfg.source, train, held, vocab_size)
+        spec = spec or datadir.resolve(data_cfg, None)
+        streams = tuple(Stream(s.name, *_open_tokens(s, spec.dtype, data_cfg.eval_percent)) for s in spec.sources)
+        cumulative = order_lib.integer_weights([s.weight for s in spec.sources])
+    for stream in streams:
+        for split, arr in (("training", stream.train), ("held-out", stream.eval)):
+            if len(arr) <= length:
+                raise ConfigError(f"data.path={data_cfg.path!r}: the {split} split of {stream.name} has {len(arr)} "
+                                  f"tokens, fewer than one row of {length}; use more data (or a larger "
+                                  f"--val_percent) or a shorter model.seq_len")
+        if data_cfg.source == "tokens":
+            top = max(largest_id(stream.train), largest_id(stream.eval))
+            if top >= vocab_size:
+                raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the data's token ids (up to {top} "
+                                  f"in {stream.name}); raise it")
+    return TokenSource(data_cfg.source, streams, vocab_size, order, tuple(cumulative))
+
+
+def copy_tokenizer(spec: datadir.DataSpec | None, workdir: pathlib.Path) -> None:
+    """Put the data's tokenizer.json (and its EOS id) in the workdir, where sampling and export look."""
+    if spec is None or spec.tokenizer is None:
+        return
+    shutil.copyfile(spec.tokenizer, workdir / "tokenizer.json")
+    (workdir / "data_meta.json").write_text(json.dumps({"eos_id": spec.eos_id, "vocab_size": spec.vocab_size,
+                                                        "dtype": spec.dtype}) + "\n")
 
 
 def global_batch(source: TokenSource, sharding: jax.sharding.Sharding, seed: int, step: int,

@@ -17,7 +17,7 @@ import numpy as np
 
 import checkpoint
 from train import actions as actions_lib, audit as audit_lib, exit_codes, hardware, preemption, report as report_lib
-from train import resume, versions
+from train import data as data_lib, resume, versions
 from train.hardware import GiB
 from train.config import ConfigError
 from train.goodput import Goodput
@@ -116,6 +116,7 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
                 "mesh": rep["mesh"], "versions": versions.environment()}
     if is_main and not options.compile_only:  # a what-if compile leaves the run's own config.json alone
         (path / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
+        data_lib.copy_tokenizer(plan.data, path)
     return Compiled(trainer, compiled, rep, options.peak_tflops, resolved)
 
 

@@ -77,6 +77,9 @@ def start(config: ml_collections.ConfigDict, trainer: Trainer, ckpts: checkpoint
         changes = meta_lib.config_changes(restored.meta.get("config", {}), config.to_dict())
         if changes:
             say(f"resuming with changed settings: {'; '.join(changes)}")
+        if "order" not in restored.meta.get("config", {}).get("data", {"order": None}):  # written before data.order
+            config.data.order = "random"  # what it trained with, so the batches replay exactly (and meta says so)
+            trainer.source = dataclasses.replace(trainer.source, order="random")
         return Start(ckpt_format.from_tree(trainer, restored.tree), restored.tree["rng"], restored.step,
                      f"resumed from {restored.where}", True, time.perf_counter() - t0)
     spec = config.checkpoint.restore_from

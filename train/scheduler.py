@@ -117,7 +117,8 @@ class Scheduler:
         recent = float(np.mean(times[-every:]))
         tps = rep["tokens_per_step"] / recent
         mfu = rep["flops_per_step"] / recent / self.s.peak if self.s.peak else 0.0
-        record = {"step": step, **values, "step_time_s": recent, "tokens_per_s": tps, "mfu": mfu}
+        record = {"step": step, **values, "step_time_s": recent, "tokens_per_s": tps, "mfu": mfu,
+                  **self.s.trainer.source.progress(step, self.plan.global_batch, self.plan.model.seq_len + 1)}
         if jax.process_count() > 1:  # every process logs at the same steps, so this gather cannot hang
             record["host_step_time_s"] = host_step_times(recent)
         self.s.log.write(record)

@@ -38,7 +38,7 @@ class Trainer:
         n = num_devices or jax.device_count()
         config = planner_auto.apply(config, n)  # plan.auto: the planner's layout replaces mesh.* (printed)
         plan = resolve(config, n)
-        source = data_lib.load(config.data, plan.model.vocab_size, plan.model.seq_len + 1)
+        source = data_lib.load(config.data, plan.model.vocab_size, plan.model.seq_len + 1, plan.data)
         mesh = make_mesh(plan.mesh_sizes, num_devices=num_devices)
         tx, schedule = state_lib.make_optimizer(config.optimizer, plan.decay_steps)
         layout = state_lib.plan_layout(plan, mesh, tx, config.sharding.shard_opt_state)

@@ -1,0 +1,124 @@
+"""The `data.*` settings resolved before anything is built: which token files a run reads (a prepared
+DATADIR with meta.json, a mixture `DIR_A:0.7,DIR_B:0.3`, or a flat nanoGPT train.bin), their vocabulary,
+dtype and tokenizer. Reads only small JSON files, so config validation can call it."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+ORDERS = ("epochs", "random")
+DTYPES = ("uint16", "uint32")
+
+
+class DataConfigError(ValueError):
+    """A data.* setting or prepared directory the user can fix; one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSpec:
+    name: str                 # for the epoch/<name> and share/<name> metrics
+    train: pathlib.Path
+    val: pathlib.Path | None  # None: hold out the tail of train (flat files without val.bin)
+    weight: float
+    meta: dict[str, Any] | None  # meta.json of a prepared DATADIR
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    sources: tuple[SourceSpec, ...]
+    dtype: str
+    vocab_size: int | None    # from meta.json; None for flat files
+    tokenizer: pathlib.Path | None
+    eos_id: int | None
+
+    @property
+    def is_mixture(self) -> bool:
+        return len(self.sources) > 1
+
+
+def _split_mixture(path: str) -> list[tuple[str, float]]:
+    parts = [p for p in path.split(",") if p]
+    if len(parts) == 1 and ":" not in parts[0]:
+        return [(parts[0], 1.0)]
+    out = []
+    for part in parts:
+        where, _, weight = part.rpartition(":")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = -1.0
+        if not where or not value > 0:
+            raise DataConfigError(f"data.path={path!r}: a mixture is DIR:WEIGHT[,DIR:WEIGHT...] with positive "
+                                  f"weights, e.g. 'data/web:0.7,data/code:0.3'")
+        out.append((where, value))
+    return out
+
+
+def read_meta(directory: pathlib.Path, setting: str) -> dict[str, Any]:
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        assert meta["dtype"] in DTYPES and int(meta["vocab_size"]) > 0
+        return meta
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        raise DataConfigError(f"{setting}: {directory / 'meta.json'} is damaged; run train.prepare again "
+                              f"with --overwrite") from None
+
+
+def _source(where: str, weight: float, setting: str, name: str) -> SourceSpec:
+    p = pathlib.Path(where).expanduser()
+    if p.is_dir():
+        if not (p / "meta.json").is_file():
+            raise DataConfigError(f"{setting}: {p} has no meta.json; prepare it with python -m train.prepare "
+                                  f"--input=... --out={p}")
+        meta = read_meta(p, setting)
+        for f in ("train.bin", "val.bin"):
+            if not (p / f).is_file():
+                raise DataConfigError(f"{setting}: {p / f} is missing; run train.prepare again with --overwrite")
+        return SourceSpec(name, p / "train.bin", p / "val.bin", weight, meta)
+    if p.is_file():
+        sibling = p.with_name("val.bin")
+        return SourceSpec(name, p, sibling if sibling.is_file() and sibling != p else None, weight, None)
+    raise DataConfigError(f"{setting}: no such DATADIR or token file; prepare one with python -m train.prepare")
+
+
+def _names(paths: list[str]) -> list[str]:
+    names = [pathlib.Path(p).name or "data" for p in paths]
+    return [n if names.count(n) == 1 else f"{n}{i}" for i, n in enumerate(names)]
+
+
+def resolve(data: Any, global_batch: int | None) -> DataSpec | None:
+    """Check the data.* settings; the token files a `tokens` source reads (None for other sources).
+    `global_batch` (None: not checked) must give every mixture source at least one row per batch."""
+    order = data.get("order", "epochs")
+    if order not in ORDERS:
+        raise DataConfigError(f"data.order={order!r}: use epochs (each window once per epoch) or random")
+    if data.source != "tokens":
+        if data.source == "text" and "," in str(data.path):
+            raise DataConfigError(f"data.path={data.path!r}: mixtures need data.source=tokens and prepared DATADIRs")
+        return None
+    if not data.path:
+        raise DataConfigError("data.path='': the tokens source needs a DATADIR (python -m train.prepare) or a "
+                              "flat token file (train.bin)")
+    setting = f"data.path={data.path!r}"
+    parts = _split_mixture(str(data.path))
+    sources = tuple(_source(w, x, setting, n) for (w, x), n in zip(parts, _names([w for w, _ in parts])))
+    total = sum(s.weight for s in sources)
+    if len(sources) > 1:
+        if any(s.meta is None for s in sources):
+            raise DataConfigError(f"{setting}: every source of a mixture must be a DATADIR made by train.prepare")
+        if len({s.meta.get("tokenizer_sha256") for s in sources}) > 1:
+            raise DataConfigError(f"{setting}: the sources were prepared with different tokenizers; prepare them "
+                                  f"with the same --tokenizer (e.g. hf:{sources[0].train.parent}/tokenizer.json)")
+        for s in sources:
+            if global_batch and s.weight / total * global_batch < 1:
+                raise DataConfigError(f"{setting}: {s.name}'s weight {s.weight / total:.3f} gives less than one row "
+                                      f"of train.global_batch_size={global_batch}; raise the weight or the batch")
+    meta = sources[0].meta
+    if meta is None:
+        if data.token_dtype not in DTYPES:
+            raise DataConfigError(f"data.token_dtype={data.token_dtype!r}: use uint16 or uint32")
+        return DataSpec(sources, data.token_dtype, None, None, None)
+    return DataSpec(sources, meta["dtype"], int(meta["vocab_size"]), sources[0].train.parent / "tokenizer.json",
+                    meta.get("eos_id"))
