@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+HF_STAMP := $(VENV)/.installed-hf
 WORKDIR ?= runs/default
 
 .PHONY: train test install clean
@@ -18,7 +19,12 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) -m train --config=experiments/default.py --workdir=$(WORKDIR)
 
-test: $(STAMP)
+# The tests compare against transformers: `make test` adds the hf extra.
+$(HF_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,hf]'
+	touch $(HF_STAMP)
+
+test: $(HF_STAMP)
 	$(PY) -m pytest -q tests
 
 clean:
