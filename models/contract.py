@@ -49,6 +49,9 @@ class Family:
     flops_per_token(cfg), param_count(cfg): model FLOPs (6N + attention) and parameters
     lookup_keys(cfg): top keys used only as a lookup (gathered by FSDP in the forward pass only)
     divisibility(cfg): {logical axis: ((setting, size), ...)} that a mesh splitting that axis must divide
+    init_cache(cfg, batch, max_len) -> cache;  decode(params, tokens_BxT, cache, length, cfg, constrain)
+        -> (float32 logits of the last position [B, V], cache): incremental decoding with a KV cache, the
+        T new tokens at positions length..length+T-1 (None: the family cannot sample)
     """
     name: str
     config_cls: type
@@ -64,6 +67,8 @@ class Family:
     lookup_keys: Callable
     divisibility: Callable
     tensor_traffic: TensorTraffic = TensorTraffic()
+    init_cache: Callable | None = None
+    decode: Callable | None = None
 
 
 FAMILIES: dict[str, Family] = {}

@@ -140,6 +140,30 @@ def head_loss(params: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: L
     return cross_entropy(logits(params, x_BxLxD, cfg, constrain), targets_BxL, loss_mask_BxL)
 
 
+# ----------------------------------------------------------------------------- decoding with a KV cache
+
+def init_cache(cfg: LlamaConfig, batch: int, max_len: int) -> dict[str, jax.Array]:
+    """Keys and values of every layer, [layers, B, max_len, G, K] in the compute dtype."""
+    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)}
+
+
+def decode(params: Params, tokens_BxT: jax.Array, cache: dict, length: jax.Array, cfg: LlamaConfig,
+           constrain: Constrain = no_constraint):
+    """Run T new tokens at positions length.., writing their keys and values into the cache: a prefill
+    (T = prompt length, length 0) or one step (T = 1). Returns (last position's logits [B, V], cache)."""
+    positions = length + jnp.arange(tokens_BxT.shape[1])
+    x = gpt.embed(params, tokens_BxT, cfg, constrain)
+
+    def body(x, layer):
+        p, k, v = layer
+        x, (k, v) = block(p, x, cfg, constrain, positions, (k, v, length))
+        return x, (k, v)
+
+    x, (k, v) = jax.lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
+    return logits(params, x[:, -1:], cfg, constrain)[:, 0], {"k": k, "v": v}
+
+
 # ----------------------------------------------------------------------------- sizes
 
 def matmul_params(cfg: LlamaConfig) -> int:
@@ -169,4 +193,5 @@ FAMILY = contract.register(contract.Family(
     name="llama", config_cls=LlamaConfig, presets=LLAMA_PRESETS, init_params=init_params,
     abstract_params=abstract_params, embed=gpt.embed, run_layers=run_layers, head_loss=head_loss, logits=logits,
     flops_per_token=flops_per_token, param_count=param_count,
-    lookup_keys=lambda cfg: () if cfg.tie_embeddings else ("embed",), divisibility=divisibility))
+    lookup_keys=lambda cfg: () if cfg.tie_embeddings else ("embed",), divisibility=divisibility,
+    init_cache=init_cache, decode=decode))

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch", reason="the `hf` extra (transformers, torch
 import models  # noqa: E402
 from checkpoint import RestoreFromError, safetensors_io  # noqa: E402
 from tests.helpers import ROOT, run_steps, tiny_config  # noqa: E402
-from train import export_hf, hf_import  # noqa: E402
+from train import export_hf, generate, hf_import  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(0, 256, (2, 24))
@@ -56,18 +56,41 @@ def test_import_gives_transformers_logits(hf_dir, mesh):
     np.testing.assert_allclose(np.asarray(ours), _hf_logits(hf_dir), atol=1e-4, rtol=0)
 
 
-def test_export_loads_in_transformers_with_our_logits(tmp_path):
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """llama3-tiny (2 layers, tied) trained 2 steps and exported: (model config, params, HF directory)."""
     config = tiny_config()
     config.model.update(preset="llama3-tiny", n_layers=2)
     trainer = Trainer.build(config, num_devices=1)
     _, state = run_steps(trainer, 2)
     params = jax.tree.map(np.asarray, jax.device_get(state["params"]))
-    export_hf.write(tmp_path / "out", trainer.plan.model, params, "float32", None)
-    assert "lm_head.weight" not in safetensors_io.open_tensors(tmp_path / "out" / "model.safetensors")
-    hf = json.loads((tmp_path / "out" / "config.json").read_text())
+    out = tmp_path_factory.mktemp("export") / "out"
+    export_hf.write(out, trainer.plan.model, params, "float32", None)
+    return trainer.plan.model, params, out
+
+
+def test_export_loads_in_transformers_with_our_logits(exported):
+    cfg, params, out = exported
+    assert "lm_head.weight" not in safetensors_io.open_tensors(out / "model.safetensors")
+    hf = json.loads((out / "config.json").read_text())
     assert hf["eos_token_id"] is None and hf["tie_word_embeddings"] is True
-    ours = models.forward(params, TOKENS, trainer.plan.model)
-    np.testing.assert_allclose(np.asarray(ours), _hf_logits(tmp_path / "out"), atol=1e-4, rtol=0)
+    ours = models.forward(params, TOKENS, cfg)
+    np.testing.assert_allclose(np.asarray(ours), _hf_logits(out), atol=1e-4, rtol=0)
+
+
+def test_greedy_decoding_with_the_kv_cache_equals_transformers_generate(exported):
+    cfg, params, out = exported
+    prompt = TOKENS[:1, :8]
+    new, logits = generate.Generator(cfg, generate.Sampling(temperature=0))(params, prompt, 16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor(prompt), max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    theirs = theirs.numpy()[0, 8:]
+    top2 = np.sort(logits[0], axis=-1)[:, -2:]
+    clear = np.nonzero(top2[:, 1] - top2[:, 0] <= 1e-3)[0]
+    n = int(clear[0]) if clear.size else 16  # past a near-tie the two may pick differently, then diverge
+    assert n >= 8
+    np.testing.assert_array_equal(new[0, :n], theirs[:n])
 
 
 def _damaged(hf_dir, tmp_path, change):

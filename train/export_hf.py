@@ -30,8 +30,7 @@ def restore_params(workdir: pathlib.Path, step: int | None):
 
     config = run_config.load(workdir)
     cfg = models.from_dict(config.model.to_dict())
-    spec = f"{workdir / 'checkpoints'}" + (f":{step}" if step is not None else "")
-    source, step = checkpoint.open_source(spec)
+    source, step, spec = run_config.checkpoints(workdir, step)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract, _ = models.abstract_params(cfg)
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
@@ -88,6 +87,8 @@ def write(out: pathlib.Path, cfg, params, dtype: str, tokenizer_dir: pathlib.Pat
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    from absl import logging
+    logging.set_verbosity(logging.WARNING)  # Orbax's info lines would bury the output
     from mesh import use_cpu_devices
     from train import exit_codes
     use_cpu_devices(1)

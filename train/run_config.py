@@ -8,6 +8,7 @@ from typing import Any
 
 import ml_collections
 
+import checkpoint
 from train.config import ConfigError, base_config
 
 
@@ -30,3 +31,12 @@ def load(workdir: pathlib.Path) -> ml_collections.ConfigDict:
     config = base_config()
     _apply(config, saved)
     return config
+
+
+def checkpoints(workdir: pathlib.Path, step: int | None) -> tuple[checkpoint.Checkpoints, int, str]:
+    """(the run's checkpoints, read-only; the step to use, the newest by default; the spec for messages)."""
+    if not (workdir / "checkpoints").is_dir():
+        raise ConfigError(f"--workdir={workdir}: no checkpoints/ there; give the directory of a training run")
+    spec = str(workdir) + (f":{step}" if step is not None else "")
+    source, step = checkpoint.open_source(spec)
+    return source, step, spec
