@@ -97,6 +97,7 @@ def main(argv):
     use_cpu_devices(_NUM_CPU_DEVICES.value)
     import jax
 
+    import models
     from train import hardware
     from train.config import USER_ERRORS
 
@@ -108,7 +109,7 @@ def main(argv):
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in _CONFIGS.value:
         base = _config(name, {})
-        peak = hardware.peak_flops_per_device(base.model.compute_dtype or "float32")
+        peak = hardware.peak_flops_per_device(models.from_dict(base.model.to_dict()).compute_dtype)
         minimal = minimal_step_time(base)
         layouts = [("single device", {}, 1)] + [
             (text.replace(";", ","), {k: int(v) for k, v in (kv.split("=") for kv in text.split(";"))}, None)

@@ -2,12 +2,13 @@
 import nothing of ours. Importing this package registers GPT and Llama."""
 from models import gpt, llama  # noqa: F401  (registers the families)
 from models.config import GPT_PRESETS, GPTConfig, ModelConfigError, from_dict
-from models.contract import (FAMILIES, LAYERS, Family, ModelConfig, TensorTraffic, abstract_params, family_of,
-                             flops_per_token, forward, init_params, loss, param_count, register, top_params)
+from models.contract import (FAMILIES, LAYERS, Family, ModelConfig, TensorTraffic, abstract_params,
+                             family_of, flops_per_token, forward, init_params, loss, param_count, register,
+                             top_params)
 from models.llama_config import LLAMA_PRESETS, LlamaConfig
 
 PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
 
 __all__ = ["FAMILIES", "GPT_PRESETS", "GPTConfig", "LAYERS", "LLAMA_PRESETS", "LlamaConfig", "ModelConfigError",
-           "PRESETS", "Family", "ModelConfig", "TensorTraffic", "abstract_params", "family_of", "flops_per_token", "forward",
-           "from_dict", "init_params", "loss", "param_count", "register", "top_params"]
+           "PRESETS", "Family", "ModelConfig", "TensorTraffic", "abstract_params", "family_of", "flops_per_token",
+           "forward", "from_dict", "init_params", "loss", "param_count", "register", "top_params"]
