@@ -71,3 +71,17 @@ def test_tensor_split_must_divide_kv_heads():
     config = _config((("data", 1), ("tensor", 8)))
     with pytest.raises(config_lib.ConfigError, match=r"^model.n_kv_heads=4 is not divisible by mesh axes tensor=8"):
         config_lib.resolve(config, 8)
+
+
+def test_sample_and_export_name_a_bad_workdir_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+    for module, extra in (("train.sample", ["--prompt=hi"]), ("train.export_hf", [f"--out={tmp_path / 'out'}"])):
+        out = subprocess.run([sys.executable, "-m", module, f"--workdir={tmp_path}", *extra], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().splitlines() == [f"error: --workdir={tmp_path}: no config.json there; give the "
+                                                   f"directory of a training run"], out.stderr
+    assert list(tmp_path.iterdir()) == []
