@@ -55,28 +55,53 @@ def to_hf(params: dict[str, Any], cfg: LlamaConfig) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def layer_from_hf(read: Read, key: str, i: int, cfg: LlamaConfig) -> np.ndarray:
-    """Our per-layer leaf `key` of layer i, from HF tensors."""
-    D, H, G, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+def _slices(index: tuple | None, ndim: int) -> tuple:
+    index = tuple(index or ())
+    return index + (slice(None),) * (ndim - len(index))
+
+
+def _span(s: slice, n: int) -> tuple[int, int]:
+    start, stop, step = s.indices(n)
+    assert step == 1, s
+    return start, stop
+
+
+def layer_from_hf(read: Read, key: str, i: int, cfg: LlamaConfig, index: tuple | None = None) -> np.ndarray:
+    """Our per-layer leaf `key` of layer i (its block `index`, a tuple of slices, or all of it) from HF tensors,
+    reading only the rows that block needs: the device's slice of a sharded import."""
+    H, G, K, R = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
     if key in ("attn_norm", "mlp_norm"):
-        return np.asarray(read(_layer(i, "input_layernorm" if key == "attn_norm" else "post_attention_layernorm")))
-    if key == "wqkv":
-        q = np.asarray(read(_layer(i, "self_attn.q_proj"))).T.reshape(D, G, H // G, K)
-        k, v = (np.asarray(read(_layer(i, f"self_attn.{n}_proj"))).T.reshape(D, G, 1, K) for n in "kv")
-        return np.concatenate([q, k, v], axis=2)
-    if key == "wo":
-        return np.asarray(read(_layer(i, "self_attn.o_proj"))).T.reshape(H, K, D)
-    if key == "w_in":
-        return np.stack([np.asarray(read(_layer(i, f"mlp.{n}_proj"))).T for n in ("gate", "up")], axis=1)
-    if key == "w_down":
-        return np.asarray(read(_layer(i, "mlp.down_proj"))).T
+        (s_d,) = _slices(index, 1)
+        return np.asarray(read(_layer(i, "input_layernorm" if key == "attn_norm" else "post_attention_layernorm"))[s_d])
+    if key == "wqkv":  # [D, G, R+2, K]: q rows of groups g0..g1 are contiguous in q_proj, k/v rows in k/v_proj
+        s_d, s_g, s_r, s_k = _slices(index, 4)
+        g0, g1 = _span(s_g, G)
+        q = np.asarray(read(_layer(i, "self_attn.q_proj"))[g0 * R * K:g1 * R * K, s_d]).T.reshape(-1, g1 - g0, R, K)
+        k, v = (np.asarray(read(_layer(i, f"self_attn.{n}_proj"))[g0 * K:g1 * K, s_d]).T.reshape(-1, g1 - g0, 1, K)
+                for n in "kv")
+        return np.concatenate([q, k, v], axis=2)[:, :, s_r, s_k]
+    if key == "wo":  # [H, K, D] from o_proj [D, H*K]
+        s_h, s_k, s_d = _slices(index, 3)
+        h0, h1 = _span(s_h, H)
+        o = np.asarray(read(_layer(i, "self_attn.o_proj"))[s_d, h0 * K:h1 * K])
+        return o.T.reshape(h1 - h0, K, -1)[:, s_k]
+    if key == "w_in":  # [D, 2, F] from gate_proj / up_proj [F, D]
+        s_d, s_t, s_f = _slices(index, 3)
+        return np.stack([np.asarray(read(_layer(i, f"mlp.{n}_proj"))[s_f, s_d]).T for n in ("gate", "up")],
+                        axis=1)[:, s_t]
+    if key == "w_down":  # [F, D] from down_proj [D, F]
+        s_f, s_d = _slices(index, 2)
+        return np.asarray(read(_layer(i, "mlp.down_proj"))[s_d, s_f]).T
     raise KeyError(key)
 
 
-def top_from_hf(read: Read, key: str) -> np.ndarray:
-    name = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "head": "lm_head.weight"}[key]
-    arr = np.asarray(read(name))
-    return arr.T if key == "head" else arr
+def top_from_hf(read: Read, key: str, index: tuple | None = None) -> np.ndarray:
+    """A top-level leaf (or its block `index`) from HF tensors."""
+    if key == "head":  # [D, V] from lm_head [V, D]
+        s_d, s_v = _slices(index, 2)
+        return np.asarray(read("lm_head.weight")[s_v, s_d]).T
+    name = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight"}[key]
+    return np.asarray(read(name)[_slices(index, 1 if key == "final_norm" else 2)])
 
 
 def hf_config(cfg: LlamaConfig, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:

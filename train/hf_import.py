@@ -1,7 +1,8 @@
 """`checkpoint.restore_from=hf:HFDIR`: a run starts from Hugging Face Llama weights (parameters only, a fresh
 optimizer, step 0). Everything is checked before anything is written: the config.json must map to the run's
 resolved model, every tensor must be there with its shape, and no tensor may be foreign. Each device's slice
-is read from memory-mapped safetensors (checkpoint/safetensors_io.py), layer by layer."""
+is read from memory-mapped safetensors (checkpoint/safetensors_io.py), layer by layer, touching only the rows
+of the HF tensors that slice needs."""
 from __future__ import annotations
 
 import json
@@ -115,9 +116,9 @@ def load_params(spec: str, trainer: Trainer) -> Any:
         def piece(index):
             if keys[0] == models.LAYERS:
                 rows = [int(order[j]) for j in range(cfg.n_layers)[index[0]]]
-                arr = np.stack([llama_hf.layer_from_hf(read, keys[1], i, cfg)[index[1:]] for i in rows])
+                arr = np.stack([llama_hf.layer_from_hf(read, keys[1], i, cfg, index[1:]) for i in rows])
             else:
-                arr = llama_hf.top_from_hf(read, keys[0])[index]
+                arr = llama_hf.top_from_hf(read, keys[0], index)
             return np.asarray(arr, dtype=sds.dtype)
         return jax.make_array_from_callback(sds.shape, sds.sharding, piece)
 
