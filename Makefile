@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+HF_STAMP := $(VENV)/.installed-hf
 WORKDIR ?= runs/default
 # Test files spread over this many processes (pytest-xdist), one file per process at a time so module
 # fixtures and shared compiled steps are built once; most tests wait on one core (XLA compiles serially).
@@ -21,7 +22,12 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) -m train --config=experiments/default.py --workdir=$(WORKDIR)
 
-test: $(STAMP)
+# The tests compare against transformers: `make test` adds the hf extra.
+$(HF_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,hf]'
+	touch $(HF_STAMP)
+
+test: $(HF_STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:

@@ -2,6 +2,7 @@
 jit + optax step of the same model on one device (the framework's overhead).
 
     python -m experiments.bench_train --num_cpu_devices=8 --configs=tiny,default --steps=20
+    python -m experiments.bench_train --configs=llama3-tiny --layouts='data=8,data=2;tensor=4'
 """
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import time
 
 from absl import app, flags
 
-_CONFIGS = flags.DEFINE_list("configs", ["tiny", "default"], "Experiment files in experiments/.")
+_CONFIGS = flags.DEFINE_list("configs", ["tiny", "default"],
+                              "Experiment files in experiments/, or model presets (e.g. llama3-tiny, llama3.2-1b) "
+                              "on experiments/tiny.py's settings.")
 _LAYOUTS = flags.DEFINE_list("layouts", ["data=8", "fsdp=8", "data=2;fsdp=2;tensor=2", "data=2;tensor=4",
                                          "data=2;pipeline=2;tensor=2"],
                              "Meshes, axes separated by ';'.")
@@ -23,7 +26,12 @@ WARMUP = 3
 
 
 def _config(name: str, layout: dict[str, int]):
-    config = importlib.import_module(f"experiments.{name}").get_config()
+    import models
+    if name in models.PRESETS:
+        config = importlib.import_module("experiments.tiny").get_config()
+        config.model.preset = name
+    else:
+        config = importlib.import_module(f"experiments.{name}").get_config()
     config.data.source = _SOURCE.value
     config.mesh.update({"data": 1, "pipeline": 1, "fsdp": 1, "tensor": 1, **layout})
     return config
@@ -89,6 +97,7 @@ def main(argv):
     use_cpu_devices(_NUM_CPU_DEVICES.value)
     import jax
 
+    import models
     from train import hardware
     from train.config import USER_ERRORS
 

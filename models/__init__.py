@@ -1,7 +1,14 @@
-"""The GPT model in Flax NNX; it names logical axes only and imports nothing of ours."""
-from models.config import PRESETS, GPTConfig, ModelConfigError, from_dict
-from models.gpt import (GPT, abstract_params, flops_per_token, forward, init_params, logical_axes, loss,
-                        param_count, param_dict)
+"""Model families behind one contract (models/contract.py), in Flax NNX; they name logical axes only and
+import nothing of ours. Importing this package registers GPT and Llama."""
+from models import gpt, llama  # noqa: F401  (registers the families)
+from models.config import GPT_PRESETS, GPTConfig, ModelConfigError, from_dict
+from models.contract import (FAMILIES, LAYERS, Family, ModelConfig, TensorTraffic, abstract_params,
+                             family_of, flops_per_token, forward, init_params, loss, param_count, register,
+                             top_params)
+from models.llama_config import LLAMA_PRESETS, LlamaConfig
 
-__all__ = ["PRESETS", "GPTConfig", "ModelConfigError", "from_dict", "GPT", "abstract_params",
-           "flops_per_token", "forward", "init_params", "logical_axes", "loss", "param_count", "param_dict"]
+PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
+
+__all__ = ["FAMILIES", "GPT_PRESETS", "GPTConfig", "LAYERS", "LLAMA_PRESETS", "LlamaConfig", "ModelConfigError",
+           "PRESETS", "Family", "ModelConfig", "TensorTraffic", "abstract_params", "family_of", "flops_per_token",
+           "forward", "from_dict", "init_params", "loss", "param_count", "register", "top_params"]

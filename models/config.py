@@ -1,8 +1,9 @@
-"""Model shape and numerics (a frozen dataclass) and the named presets, from a test-sized model to 7B."""
+"""Model configs (one frozen dataclass per family), GPT's presets, and `from_dict`, which picks the family
+from the preset or `model.family` and builds its config with the explicit fields overriding the preset."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -12,8 +13,29 @@ class ModelConfigError(ValueError):
     """A model setting the user can fix; the message is one line naming the setting."""
 
 
+def check_common(cfg: Any, positive: tuple[str, ...]) -> None:
+    """Checks every family shares: positive sizes, dtypes, remat policy, an even head dimension."""
+    for key in positive:
+        if getattr(cfg, key) < 1:
+            raise ModelConfigError(f"model.{key}={getattr(cfg, key)}: must be a positive integer")
+    if cfg.d_model % cfg.n_heads:
+        raise ModelConfigError(
+            f"model.d_model={cfg.d_model} is not divisible by model.n_heads={cfg.n_heads}; change one of them")
+    if cfg.head_dim % 2:
+        raise ModelConfigError(
+            f"model.d_model/model.n_heads={cfg.head_dim}: rotary embeddings need an even head dimension")
+    for key in ("param_dtype", "compute_dtype"):
+        if getattr(cfg, key) not in DTYPES:
+            raise ModelConfigError(f"model.{key}={getattr(cfg, key)!r}: use one of {', '.join(DTYPES)}")
+    if cfg.remat not in REMAT_POLICIES:
+        raise ModelConfigError(f"model.remat={cfg.remat!r}: use one of {', '.join(REMAT_POLICIES)}")
+    if not cfg.norm_eps > 0:
+        raise ModelConfigError(f"model.norm_eps={cfg.norm_eps}: must be a positive number")
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
+    family: ClassVar[str] = "gpt"
     vocab_size: int = 256
     seq_len: int = 64
     d_model: int = 128
@@ -23,6 +45,7 @@ class GPTConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"  # none | full | save_dots
+    norm_eps: float = 1e-6
 
     @property
     def head_dim(self) -> int:
@@ -33,25 +56,12 @@ class GPTConfig:
         return self.d_model * self.mlp_ratio
 
     def validate(self) -> "GPTConfig":
-        for key in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
-            if getattr(self, key) < 1:
-                raise ModelConfigError(f"model.{key}={getattr(self, key)}: must be a positive integer")
-        if self.d_model % self.n_heads:
-            raise ModelConfigError(
-                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; change one of them")
-        if self.head_dim % 2:
-            raise ModelConfigError(
-                f"model.d_model/model.n_heads={self.head_dim}: rotary embeddings need an even head dimension")
-        for key in ("param_dtype", "compute_dtype"):
-            if getattr(self, key) not in DTYPES:
-                raise ModelConfigError(f"model.{key}={getattr(self, key)!r}: use one of {', '.join(DTYPES)}")
-        if self.remat not in REMAT_POLICIES:
-            raise ModelConfigError(f"model.remat={self.remat!r}: use one of {', '.join(REMAT_POLICIES)}")
+        check_common(self, ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"))
         return self
 
 
 # Presets. GPU presets compute in bfloat16 with float32 master weights.
-PRESETS: dict[str, dict[str, Any]] = {
+GPT_PRESETS: dict[str, dict[str, Any]] = {
     # Tests: 1.6M parameters, every width divisible by 8 so every 8-device layout applies.
     "tiny": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=8, n_heads=8, mlp_ratio=4),
     # The CPU default: trains visibly on the byte-level corpus within minutes on 2 cores.
@@ -70,19 +80,38 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def from_dict(values: Mapping[str, Any]) -> GPTConfig:
-    """Build from a config section: `preset` first, then any explicit field overrides it."""
+def family_of_preset(preset: str) -> str:
+    from models.contract import FAMILIES
+    for name, family in FAMILIES.items():
+        if preset in family.presets:
+            return name
+    every = [p for family in FAMILIES.values() for p in family.presets]
+    raise ModelConfigError(f"model.preset={preset!r}: unknown preset; use one of {', '.join(every)}")
+
+
+def from_dict(values: Mapping[str, Any]) -> Any:
+    """Build from a config section: `preset` (which implies the family) first, then any explicit field
+    overrides it. `family` alone (no preset) starts from that family's defaults."""
+    from models.contract import FAMILIES
     values = dict(values)
     preset = values.pop("preset", None) or None
-    fields = {}
+    family = values.pop("family", None) or None
+    if family is not None and family not in FAMILIES:
+        raise ModelConfigError(f"model.family={family!r}: unknown family; use one of {', '.join(FAMILIES)}")
     if preset is not None:
-        if preset not in PRESETS:
-            raise ModelConfigError(f"model.preset={preset!r}: unknown preset; use one of {', '.join(PRESETS)}")
-        fields.update(PRESETS[preset])
-    known = {f.name for f in dataclasses.fields(GPTConfig)}
+        implied = family_of_preset(preset)
+        if family is not None and family != implied:
+            raise ModelConfigError(f"model.family={family!r} but model.preset={preset!r} is a {implied} preset; "
+                                   f"drop one of them")
+        family = implied
+    spec = FAMILIES[family or "gpt"]
+    fields = dict(spec.presets[preset]) if preset is not None else {}
+    known = {f.name for f in dataclasses.fields(spec.config_cls)}
     for key, value in values.items():
+        if value is None:
+            continue
         if key not in known:
-            raise ModelConfigError(f"model.{key}: unknown model setting; use one of {', '.join(sorted(known))}")
-        if value is not None:
-            fields[key] = value
-    return GPTConfig(**fields).validate()
+            raise ModelConfigError(f"model.{key}: not a setting of the {spec.name} family; use one of "
+                                   f"{', '.join(sorted(known))}")
+        fields[key] = value
+    return spec.config_cls(**fields).validate()

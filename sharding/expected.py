@@ -4,9 +4,9 @@ Data parallel: one all-reduce of the gradients over the axes that split the batc
 FSDP / ZeRO-3: the weights are all-gathered over `fsdp` in the forward pass and again in the backward
 pass (the memory-saving choice of ZeRO-3), except the embedding table, whose lookup needs no weight in
 the backward pass; their gradients are reduce-scattered once.
-Megatron tensor parallelism: per block, one activation all-reduce after attention and one after the MLP,
-each mirrored in the backward pass, plus the embedding (forward) and the head's input gradient (backward);
-full rematerialization repeats the attention one (see _activation_all_reduces).
+Megatron tensor parallelism: per block, the family's activation all-reduces (models.TensorTraffic: for GPT and
+Llama one after attention and one after the MLP), each mirrored in the backward pass, plus the embedding
+(forward) and the head's input gradient (backward); full rematerialization repeats the attention one.
 Pipeline (sharding/pipeline.py): the lockstep executor sends one activation and one gradient per time slot,
 2(vm+p-1) slots a step; each backward cell recomputes its forward; FSDP weights are gathered once per step
 (pipeline.FSDP_GATHER), not in the forward and again in the backward; the embedding and head, replicated on
@@ -53,7 +53,7 @@ def _shard_bytes(leaf, spec: P, sizes: Mapping[str, int], drop: str | None = Non
 
 
 def _on_every_stage(spec: P) -> bool:
-    """A weight replicated over `pipeline`: the embedding, final norm and head (the layer stack is split)."""
+    """A weight replicated over `pipeline`: the top parameters (embedding, final norm, head); the stack is split."""
     return "pipeline" not in _axes_of(spec)
 
 
@@ -70,7 +70,7 @@ def _stage_replicated_gradients(leaves, specs, sizes: Mapping[str, int], batch_a
             for axes, nbytes in by_axes.items()]
 
 
-def _activation_all_reduces(cfg: models.GPTConfig, chunks: int, stages: int) -> float:
+def _activation_all_reduces(cfg: Any, chunks: int, stages: int) -> float:
     """Megatron's activation all-reduces per device per step, in units of the replica's whole batch of
     activations [rows, seq, d_model] (the microbatches of a pipeline add up to one such unit).
 
@@ -87,19 +87,23 @@ def _activation_all_reduces(cfg: models.GPTConfig, chunks: int, stages: int) -> 
     (forward cell, and again in the backward cell), the head's input gradient once on the last stage:
     3 per step over the stages, averaged like everything else since the audit reports the mean device.
     """
-    per_layer = 4 + (cfg.remat == "full")
+    t = models.family_of(cfg).tensor_traffic
+    full = cfg.remat == "full"
+    per_layer = 2 * t.forward_per_layer + t.recomputed_by_full_remat * full
     if not chunks:
-        return per_layer * cfg.n_layers + 2
-    dead = (chunks - 1) * (2 if cfg.remat == "full" else 1) if cfg.n_layers == chunks else 0
-    return ((per_layer + 2) * cfg.n_layers - dead + 3) / stages
+        return per_layer * cfg.n_layers + t.embed_forward + t.head_backward
+    dead = (chunks - 1) * (t.forward_per_layer if full else 1) if cfg.n_layers == chunks else 0
+    top = 2 * t.embed_forward + t.head_backward
+    return ((per_layer + t.forward_per_layer) * cfg.n_layers - dead + top) / stages
 
 
-def expected_traffic(cfg: models.GPTConfig, abstract_params: Any, param_specs: Any, rules: Mapping,
+def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Mapping,
                      sizes: Mapping[str, int], global_batch: int,
                      pipeline: Mapping[str, int] | None = None) -> list[Expected]:
     """What the layout requires; `pipeline` = {microbatches, virtual_stages} when mesh.pipeline > 1."""
     paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(abstract_params)[0])
-    lookup = [jax.tree_util.keystr(path) == "['embed']" for path in paths]  # the embedding table
+    lookup_keys = models.family_of(cfg).lookup_keys(cfg)  # tables only looked up: gathered forward only
+    lookup = [len(path) == 1 and getattr(path[0], "key", None) in lookup_keys for path in paths]
     specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
     batch_axes = [a for a in rules.get("batch", ()) if sizes.get(a, 1) > 1]
     pipelined = bool(pipeline) and sizes.get("pipeline", 1) > 1

@@ -45,7 +45,7 @@ def layer_order(n_layers: int, stages_: int, virtual_stages: int) -> np.ndarray:
 def _permute_layers(tree: Any, index: np.ndarray) -> Any:
     """Take `index` along dim 0 of every leaf under a `layers` key (params and their optimizer moments)."""
     def visit(path, x):
-        if any(getattr(k, "key", None) == "layers" for k in path):
+        if any(getattr(k, "key", None) == models.LAYERS for k in path):
             return jnp.take(x, jnp.asarray(index), axis=0)
         return x
     return jax.tree_util.tree_map_with_path(visit, tree)
@@ -122,7 +122,7 @@ def branch_slot_counts(schedule: schedules.Schedule, train: bool = True) -> np.n
     return np.stack([np.bincount(column, minlength=stages.NUM_BRANCHES) for column in branch.T])
 
 
-def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule,
+def build(cfg: Any, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule,
           train: bool = True) -> Callable:
     """fn(params, tokens [B, seq+1]) -> (loss, grads) (train) or loss: the pipelined model on `mesh`.
 
@@ -193,8 +193,8 @@ def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule
         d = jax.lax.axis_index(PIPELINE)
         params = jax.tree.map(gather, params, full_specs)  # full specs: the gather keeps the tensor split
         params = stages.make_varying(params, manual)
-        stack = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), params["layers"])
-        top = {k: params[k] for k in stages.TOP_KEYS}
+        stack = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), params[models.LAYERS])
+        top = models.top_params(params)
         b = tokens.shape[0] // m
         micro = tokens.reshape(m, b, tokens.shape[1])
         dt = jnp.dtype(cfg.compute_dtype)
@@ -226,8 +226,9 @@ def build(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule
         loss = jax.lax.psum(carry["loss"], manual) / replicas
         if not train:
             return loss
-        grads = dict(carry["g_top"], layers=jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry["g_stack"]))
-        grads = {k: jax.tree.map(lambda g, s: reduce(g, s, k == "layers"), grads[k], full_specs[k]) for k in grads}
+        g_layers = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry["g_stack"])
+        grads = {**carry["g_top"], models.LAYERS: g_layers}
+        grads = {k: jax.tree.map(lambda g, s: reduce(g, s, k == models.LAYERS), grads[k], full_specs[k]) for k in grads}
         return loss, grads
 
     out_specs = (P(), param_in) if train else P()
@@ -263,12 +264,12 @@ def _add_at(acc: jax.Array, g: jax.Array, index: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(acc, current + g, index, 0)
 
 
-def loss_and_grad(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules,
+def loss_and_grad(cfg: Any, mesh: jax.sharding.Mesh, rules: Rules,
                   schedule: schedules.Schedule) -> Callable:
     """The LossAndGrad of train.step: (params, tokens [B, seq+1]) -> (mean loss, grads)."""
     return build(cfg, mesh, rules, schedule, train=True)
 
 
-def loss(cfg: models.GPTConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule) -> Callable:
+def loss(cfg: Any, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule) -> Callable:
     """(params, tokens) -> mean loss, forward cells only: evaluation without gathering the layer stack."""
     return build(cfg, mesh, rules, schedule, train=False)

@@ -1,5 +1,6 @@
 """The work of one pipeline cell: a model chunk's forward, or its backward by `jax.vjp` (recomputing the
-chunk's forward from its kept input), with the embedding on the first chunk and the head and loss on the last.
+chunk's forward from its kept input), with the embedding on the first chunk and the head and loss on the last,
+all through the model contract (models/contract.py), so any family pipelines.
 
 The executor picks one of these branches per time slot with `lax.switch`, so all of them share one signature.
 """
@@ -11,14 +12,14 @@ import jax
 import jax.numpy as jnp
 
 import models
-from models import gpt
+from models.contract import Constrain
 
 # Branch indices: the action kind crossed with the chunk's place in the model (first, middle, last).
 IDLE, FWD_FIRST, FWD_MID, FWD_LAST, BWD_FIRST, BWD_MID, BWD_LAST = range(7)
 NUM_BRANCHES = BWD_LAST + 1
-TOP_KEYS = ("embed", "final_norm", "head")  # the parameters outside the layer stack
 
-# One cell's inputs: (chunk layers [Lc, ...], top params, tokens [b, seq+1], x_in [b, seq, D], g_in [b, seq, D]).
+# One cell's inputs: (chunk layers [Lc, ...], top params (all outside the layer stack), tokens [b, seq+1],
+# x_in [b, seq, D], g_in [b, seq, D]).
 # Its outputs: (activation to send on, input gradient to send back, chunk grads, top grads, loss).
 Operands = tuple[Any, Any, jax.Array, jax.Array, jax.Array]
 Outputs = tuple[jax.Array, jax.Array, Any, Any, jax.Array]
@@ -41,7 +42,7 @@ def make_varying(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
-def branches(cfg: models.GPTConfig, constrain: gpt.Constrain, manual: tuple[str, ...],
+def branches(cfg: Any, constrain: Constrain, manual: tuple[str, ...],
              loss_scale: float) -> list[Callable[[Operands], Outputs]]:
     """The seven cell programs, indexed by the constants above.
 
@@ -50,24 +51,30 @@ def branches(cfg: models.GPTConfig, constrain: gpt.Constrain, manual: tuple[str,
     Huang et al. 2019, section 2.3), so a stage holds one input per microbatch in flight rather than all of
     its activations; `cfg.remat` still applies per layer within that recomputation. `loss_scale` (1/m)
     seeds the last chunk's backward, so the microbatch gradients add up to the gradient of the mean loss.
+
+    The first and last cells differentiate with respect to all top parameters, so a head tied to the
+    embedding gets its gradient from both ends; a chunk's auxiliary loss (mixture of experts) is added to
+    the loss of the cell that runs it, and its backward seeded like the main loss.
     """
     cdt = jnp.dtype(cfg.compute_dtype)
+    family = models.family_of(cfg)
 
     def zeros(tree):
         return make_varying(jax.tree.map(jnp.zeros_like, tree), manual)
 
-    def layers(chunk, x):
-        return gpt.run_layers(chunk, x, cfg, constrain)
+    def layers(chunk, x, tokens):  # (x, aux loss varying like the loss, so its seed has its type)
+        y, aux = family.run_layers(chunk, x, tokens[:, :-1], cfg, constrain)
+        return y, make_varying(aux, manual)
 
-    def first(chunk, table, tokens):
-        return layers(chunk, gpt.embed({"embed": table}, tokens[:, :-1], cfg, constrain))
+    def first(chunk, top, tokens):
+        return layers(chunk, family.embed(top, tokens[:, :-1], cfg, constrain), tokens)
 
-    def last(chunk, top_head, x, tokens):
-        logits = gpt.logits(top_head, layers(chunk, x), cfg, constrain)
-        return gpt.cross_entropy(logits, tokens[:, 1:])
+    def mid(chunk, x, tokens):
+        return layers(chunk, x, tokens)
 
-    def head_of(top):
-        return {"final_norm": top["final_norm"], "head": top["head"]}
+    def last(chunk, top, x, tokens):
+        y, aux = layers(chunk, x, tokens)
+        return family.head_loss(top, y, tokens[:, 1:], cfg, constrain) + aux
 
     def idle(ops: Operands) -> Outputs:
         chunk, top, _, x_in, _ = ops
@@ -75,37 +82,38 @@ def branches(cfg: models.GPTConfig, constrain: gpt.Constrain, manual: tuple[str,
 
     def fwd_first(ops):
         chunk, top, tokens, x_in, _ = ops
-        y = first(chunk, top["embed"], tokens).astype(cdt)
-        return y, zeros(x_in), zeros(chunk), zeros(top), zeros(jnp.zeros((), jnp.float32))
+        y, aux = first(chunk, top, tokens)
+        return y.astype(cdt), zeros(x_in), zeros(chunk), zeros(top), make_varying(aux, manual)
 
     def fwd_mid(ops):
-        chunk, top, _, x_in, _ = ops
-        return layers(chunk, x_in), zeros(x_in), zeros(chunk), zeros(top), zeros(jnp.zeros((), jnp.float32))
+        chunk, top, tokens, x_in, _ = ops
+        y, aux = mid(chunk, x_in, tokens)
+        return y, zeros(x_in), zeros(chunk), zeros(top), make_varying(aux, manual)
 
     def fwd_last(ops):  # the loss is read here; the backward recomputes it
         chunk, top, tokens, x_in, _ = ops
-        loss = last(chunk, head_of(top), x_in, tokens)
+        loss = last(chunk, top, x_in, tokens)
         return zeros(x_in), zeros(x_in), zeros(chunk), zeros(top), make_varying(loss, manual)
+
+    def seed():
+        return make_varying(jnp.asarray(loss_scale, jnp.float32), manual)
 
     def bwd_first(ops):
         chunk, top, tokens, x_in, g_in = ops
-        _, pullback = jax.vjp(lambda c, t: first(c, t, tokens), chunk, top["embed"])
-        g_chunk, g_table = pullback(g_in)
-        g_top = {**zeros(top), "embed": g_table}
+        _, pullback = jax.vjp(lambda c, t: first(c, t, tokens), chunk, top)
+        g_chunk, g_top = pullback((g_in, seed()))
         return zeros(x_in), zeros(x_in), g_chunk, g_top, zeros(jnp.zeros((), jnp.float32))
 
     def bwd_mid(ops):
-        chunk, top, _, x_in, g_in = ops
-        _, pullback = jax.vjp(layers, chunk, x_in)
-        g_chunk, g_x = pullback(g_in)
+        chunk, top, tokens, x_in, g_in = ops
+        _, pullback = jax.vjp(lambda c, x: mid(c, x, tokens), chunk, x_in)
+        g_chunk, g_x = pullback((g_in, seed()))
         return zeros(x_in), g_x, g_chunk, zeros(top), zeros(jnp.zeros((), jnp.float32))
 
     def bwd_last(ops):
         chunk, top, tokens, x_in, _ = ops
-        _, pullback = jax.vjp(lambda c, h, x: last(c, h, x, tokens), chunk, head_of(top), x_in)
-        seed = make_varying(jnp.asarray(loss_scale, jnp.float32), manual)
-        g_chunk, g_head, g_x = pullback(seed)
-        g_top = {**zeros(top), **g_head}
+        _, pullback = jax.vjp(lambda c, t, x: last(c, t, x, tokens), chunk, top, x_in)
+        g_chunk, g_top, g_x = pullback(seed())
         return zeros(x_in), g_x, g_chunk, g_top, zeros(jnp.zeros((), jnp.float32))
 
     return [idle, fwd_first, fwd_mid, fwd_last, bwd_first, bwd_mid, bwd_last]

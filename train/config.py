@@ -34,11 +34,16 @@ USER_ERRORS = (ConfigError, MeshConfigError, ModelConfigError, ShardingConfigErr
 def base_config() -> ml_collections.ConfigDict:
     """Every key the system reads, with its default. Experiment files start from this."""
     c = ml_collections.ConfigDict()
-    c.model = dict(preset="tiny", vocab_size=config_dict.placeholder(int), seq_len=config_dict.placeholder(int),
-                   d_model=config_dict.placeholder(int), n_layers=config_dict.placeholder(int),
-                   n_heads=config_dict.placeholder(int), mlp_ratio=config_dict.placeholder(int),
-                   param_dtype=config_dict.placeholder(str), compute_dtype=config_dict.placeholder(str),
-                   remat=config_dict.placeholder(str))
+    # The preset implies the family (gpt or llama); a field left None keeps the preset's value. A field
+    # the family does not have (mlp_ratio on Llama, n_kv_heads on GPT) is an error when set.
+    c.model = dict(preset="tiny", family=config_dict.placeholder(str), vocab_size=config_dict.placeholder(int),
+                   seq_len=config_dict.placeholder(int), d_model=config_dict.placeholder(int),
+                   n_layers=config_dict.placeholder(int), n_heads=config_dict.placeholder(int),
+                   mlp_ratio=config_dict.placeholder(int), n_kv_heads=config_dict.placeholder(int),
+                   d_mlp=config_dict.placeholder(int), norm_eps=config_dict.placeholder(float),
+                   rope_theta=config_dict.placeholder(float), rope_scaling=config_dict.placeholder(str),
+                   tie_embeddings=config_dict.placeholder(bool), param_dtype=config_dict.placeholder(str),
+                   compute_dtype=config_dict.placeholder(str), remat=config_dict.placeholder(str))
     c.mesh = dict(data=-1, pipeline=1, fsdp=1, tensor=1)
     c.sharding = dict(strategy=sharding_rules.DEFAULT_STRATEGY, rules={}, shard_opt_state=False)
     c.pipeline = dict(schedule="1f1b", microbatches=4, virtual_stages=1)
@@ -75,7 +80,7 @@ class PipelinePlan:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Everything resolved from a config before any device work: the contract of the run."""
-    model: models.GPTConfig
+    model: models.ModelConfig
     mesh_sizes: dict[str, int]
     rules: dict[str, tuple[str, ...]]
     global_batch: int
@@ -108,7 +113,7 @@ def _profile_range(text: str, steps: int) -> tuple[int, int] | None:
     return first, last
 
 
-def _pipeline(section: Any, model: models.GPTConfig, mesh_sizes: dict[str, int], batch: int, accum: int,
+def _pipeline(section: Any, model: models.ModelConfig, mesh_sizes: dict[str, int], batch: int, accum: int,
               replicas: int) -> PipelinePlan | None:
     """Check the pipeline settings against the model, the mesh and the batch (`replicas`: the batch's mesh ways)."""
     name, m, v = section.schedule, section.microbatches, section.virtual_stages
@@ -160,6 +165,19 @@ def _check_names(t: Any) -> None:
                               f"train.actions.register(name, factory) in the experiment file")
 
 
+def _check_model_splits(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str, int]) -> None:
+    """Every model size a sharded logical axis has must divide by that axis's mesh ways (e.g. model.n_kv_heads
+    by mesh.tensor), named before anything compiles."""
+    for logical, settings in models.family_of(model).divisibility(model).items():
+        axes = [a for a in rules.get(logical, ()) if mesh_sizes.get(a, 1) > 1]
+        ways = math.prod(mesh_sizes[a] for a in axes)
+        for setting, size in settings:
+            if size % ways:
+                split = " x ".join(f"{a}={mesh_sizes[a]}" for a in axes)
+                raise ConfigError(f"{setting}={size} is not divisible by mesh axes {split} (they split "
+                                  f"`{logical}`); change mesh.* or the model")
+
+
 def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
     """Validate `config` for `num_devices` devices; raises one of USER_ERRORS."""
     data = datadir.resolve(config.data, config.train.global_batch_size)
@@ -172,6 +190,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
                           f"({data.vocab_size}, its meta.json); raise it or leave it unset")
     mesh_sizes = resolve_axis_sizes(config.mesh.to_dict(), num_devices)
     rules = sharding_rules.resolve(config.sharding.strategy, config.sharding.rules.to_dict(), mesh_sizes)
+    _check_model_splits(model, rules, mesh_sizes)
     t = config.train
     _positive(t, "train", ("steps", "global_batch_size", "log_every", "grad_accum_steps"))
     _positive(t, "train", ("eval_every", "eval_batches"), allow_zero=("eval_every", "eval_batches"))

@@ -16,6 +16,7 @@ import ml_collections
 import checkpoint
 from checkpoint import meta as meta_lib
 from train import checkpoint_format as ckpt_format
+from train import hf_import
 from train.config import ConfigError
 from train.hardware import GiB
 from train.trainer import Trainer
@@ -42,6 +43,8 @@ def check_before_compile(config: ml_collections.ConfigDict, trainer: Trainer, wo
         if seed is not None and seed != config.train.seed:
             raise ConfigError(f"train.seed={config.train.seed} but {own.step_dir(step)} was trained with seed {seed}; "
                               f"set it back (a resumed run replays the same data), or use a new --workdir")
+    elif config.checkpoint.restore_from.startswith(hf_import.PREFIX):
+        hf_import.check(config.checkpoint.restore_from, trainer, workdir)
     elif config.checkpoint.restore_from:
         source, step = checkpoint.open_source(config.checkpoint.restore_from)
         try:
@@ -85,6 +88,9 @@ def start(config: ml_collections.ConfigDict, trainer: Trainer, ckpts: checkpoint
     spec = config.checkpoint.restore_from
     if not spec:
         return Start(trainer.init_state(), rng, 0, "initialized", False, time.perf_counter() - t0)
+    if spec.startswith(hf_import.PREFIX):  # Hugging Face weights: params only, fresh optimizer, step 0
+        state, origin = hf_import.load_state(spec, trainer)
+        return Start(state, rng, 0, origin, False, time.perf_counter() - t0)
     source, step = checkpoint.open_source(spec)
     if config.checkpoint.restore_params_only:
         got = checkpoint.restore_source(source, step, {"params": ckpt_format.target(trainer)["params"]}, True, spec)

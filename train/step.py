@@ -17,7 +17,7 @@ from train.state import Layout, State
 LossAndGrad = Callable[[Any, jax.Array], tuple[jax.Array, Any]]
 
 
-def model_loss_and_grad(cfg: models.GPTConfig, constrain) -> LossAndGrad:
+def model_loss_and_grad(cfg: models.ModelConfig, constrain) -> LossAndGrad:
     """Loss and gradients of the unpipelined model on a [batch, seq+1] token batch."""
     return jax.value_and_grad(lambda params, tokens: models.loss(params, tokens, cfg, constrain))
 
@@ -92,7 +92,7 @@ def guard_options(config) -> dict:
             "nan_at_step": int(config.fault_injection.nan_at_step)}
 
 
-def make_eval_step(cfg: models.GPTConfig, layout: Layout, loss_fn: Callable | None = None, accum: int = 1):
+def make_eval_step(cfg: models.ModelConfig, layout: Layout, loss_fn: Callable | None = None, accum: int = 1):
     """jit(params, batch) -> mean loss, forward only (`loss_fn`, e.g. a pipeline's, or the plain model),
     over the same `accum` slices as training, so evaluation needs no more memory than a train step."""
     constrain = layout.constrain()

@@ -1,0 +1,122 @@
+"""The model contract: what every family provides, so sharding/, train/ and checkpoint/ never name one.
+
+A family's parameters are a plain dict: a `layers` entry whose leaves are stacked on a leading `layers`
+axis (run by `lax.scan`; a pipeline stage is a contiguous slice), and "top" entries outside the stack
+(embedding, final norm, head; a family chooses their names). The forward pass is split in three pure
+functions that the plain step, evaluation and the pipeline cells all call: `embed` (first chunk),
+`run_layers` (any chunk) and `head_loss` (last chunk).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+
+Params = dict[str, Any]
+ModelConfig = Any  # a family's frozen config dataclass (GPTConfig, LlamaConfig, ...)
+Constrain = Callable[[jax.Array, tuple], jax.Array]
+LAYERS = "layers"  # the key of the stacked blocks in every family's parameter dict
+
+
+def no_constraint(x: jax.Array, names: tuple) -> jax.Array:
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorTraffic:
+    """Megatron activation all-reduces over `tensor` a family's block does by construction, in units of
+    one [rows, seq, d_model] activation: forward per layer (mirrored once in the backward), how many of
+    them full rematerialization recomputes, and the top's (embedding lookup forward, head input grad backward)."""
+    forward_per_layer: int = 2
+    recomputed_by_full_remat: int = 1
+    embed_forward: int = 1
+    head_backward: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family. Every function takes the family's frozen config `cfg` (which must have the fields
+    vocab_size, seq_len, d_model, n_layers, compute_dtype, remat) and an activation hint `constrain`.
+
+    embed(top, inputs_BxL, cfg, constrain) -> x_BxLxD
+    run_layers(layers, x_BxLxD, inputs_BxL, cfg, constrain) -> (x_BxLxD, aux_loss scalar)
+        `inputs_BxL` lets a family derive positions or document segments per chunk; `aux_loss` is an
+        extra loss term (mixture-of-experts balancing), 0.0 for dense families, added to the loss.
+    head_loss(top, x_BxLxD, targets_BxL, cfg, constrain, loss_mask_BxL=None) -> mean loss over counted targets
+    logits(top, x_BxLxD, cfg, constrain) -> float32 logits_BxLxV
+    init_params(cfg, seed) -> params;  abstract_params(cfg) -> (shapes, logical axes PartitionSpecs)
+    flops_per_token(cfg), param_count(cfg): model FLOPs (6N + attention) and parameters
+    lookup_keys(cfg): top keys used only as a lookup (gathered by FSDP in the forward pass only)
+    divisibility(cfg): {logical axis: ((setting, size), ...)} that a mesh splitting that axis must divide
+    init_cache(cfg, batch, max_len) -> cache;  decode(params, tokens_BxT, cache, length, cfg, constrain)
+        -> (float32 logits of the last position [B, V], cache): incremental decoding with a KV cache, the
+        T new tokens at positions length..length+T-1 (None: the family cannot sample)
+    """
+    name: str
+    config_cls: type
+    presets: Mapping[str, Mapping[str, Any]]
+    init_params: Callable
+    abstract_params: Callable
+    embed: Callable
+    run_layers: Callable
+    head_loss: Callable
+    logits: Callable
+    flops_per_token: Callable
+    param_count: Callable
+    lookup_keys: Callable
+    divisibility: Callable
+    tensor_traffic: TensorTraffic = TensorTraffic()
+    init_cache: Callable | None = None
+    decode: Callable | None = None
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    FAMILIES[family.name] = family
+    return family
+
+
+def family_of(cfg: Any) -> Family:
+    return FAMILIES[cfg.family]
+
+
+def top_params(params: Params) -> Params:
+    """The parameters outside the layer stack."""
+    return {k: v for k, v in params.items() if k != LAYERS}
+
+
+def forward(params: Params, tokens_BxL: jax.Array, cfg: Any, constrain: Constrain = no_constraint) -> jax.Array:
+    """Float32 logits for every position."""
+    fam = family_of(cfg)
+    x = fam.embed(top_params(params), tokens_BxL, cfg, constrain)
+    x, _ = fam.run_layers(params[LAYERS], x, tokens_BxL, cfg, constrain)
+    return fam.logits(top_params(params), x, cfg, constrain)
+
+
+def loss(params: Params, tokens_BxL1: jax.Array, cfg: Any, constrain: Constrain = no_constraint) -> jax.Array:
+    """Language-model loss of a batch of `seq_len + 1` tokens per row (inputs and shifted targets)."""
+    fam = family_of(cfg)
+    inputs, targets = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
+    top = top_params(params)
+    x = fam.embed(top, inputs, cfg, constrain)
+    x, aux = fam.run_layers(params[LAYERS], x, inputs, cfg, constrain)
+    return fam.head_loss(top, x, targets, cfg, constrain) + aux
+
+
+def init_params(cfg: Any, seed: int) -> Params:
+    return family_of(cfg).init_params(cfg, seed)
+
+
+def abstract_params(cfg: Any) -> tuple[Params, dict]:
+    return family_of(cfg).abstract_params(cfg)
+
+
+def flops_per_token(cfg: Any) -> float:
+    return family_of(cfg).flops_per_token(cfg)
+
+
+def param_count(cfg: Any) -> int:
+    return family_of(cfg).param_count(cfg)

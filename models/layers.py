@@ -1,0 +1,77 @@
+"""Building blocks the families share: parameters carrying logical axes, RMSNorm, rotary embeddings,
+rematerialization policies and the masked cross entropy; pure functions of arrays."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from models.contract import Params
+
+
+def param(rngs: nnx.Rngs, shape, axes: tuple, dtype, std: float | None) -> nnx.Param:
+    """A parameter carrying its logical axis names as metadata (`logical_axes`, one per dimension)."""
+    assert len(shape) == len(axes), (shape, axes)
+    value = jnp.ones(shape, dtype) if std is None else std * jax.random.normal(rngs.params(), shape, dtype)
+    return nnx.Param(value, logical_axes=P(*axes))
+
+
+def _nest(flat: dict[tuple, Any]) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(str(key), {})
+        node[str(path[-1])] = value
+    return out
+
+
+def param_dict(model: nnx.Module) -> Params:
+    """The parameters as a plain nested dict of arrays (what jit, pipelines and Orbax see)."""
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def logical_axes(model: nnx.Module) -> dict:
+    """A dict shaped like `param_dict(model)` whose leaves are PartitionSpecs of logical axis names."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return _nest({path: var.get_metadata()["logical_axes"] for path, var in flat})
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x_BxLxHxK: jax.Array, freqs_K2: jax.Array | None = None, positions_L: jax.Array | None = None):
+    """Rotary position embedding (Su et al. 2021), half-split layout; positions 0..L-1 unless given,
+    frequencies 10000^(-2i/K) unless given."""
+    L, K = x_BxLxHxK.shape[1], x_BxLxHxK.shape[3]
+    if freqs_K2 is None:
+        freqs_K2 = 10000.0 ** (-jnp.arange(0, K // 2, dtype=jnp.float32) * 2 / K)
+    if positions_L is None:
+        positions_L = jnp.arange(L, dtype=jnp.float32)
+    angles_LxK2 = positions_L.astype(jnp.float32)[:, None] * freqs_K2[None, :]
+    sin, cos = jnp.sin(angles_LxK2)[None, :, None, :], jnp.cos(angles_LxK2)[None, :, None, :]
+    x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxLxHxK.dtype)
+
+
+def remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    saveable = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[policy]
+    return jax.checkpoint(fn, policy=saveable, prevent_cse=False)
+
+
+def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array, loss_mask_BxL: jax.Array | None = None):
+    """Mean next-token cross entropy in nats, over the targets the mask counts (all without one)."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
+    if loss_mask_BxL is None:
+        return losses.mean()
+    mask = loss_mask_BxL.astype(jnp.float32)
+    return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)

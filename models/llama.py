@@ -1,0 +1,197 @@
+"""The Llama-3 family (Grattafiori et al. 2024) in Flax NNX: pre-norm blocks of RMSNorm, grouped-query
+attention with rotary positions (theta and Llama 3.1's frequency scaling), a SwiGLU MLP, optionally a head
+tied to the embedding. Same stacked-layer layout and contract as models/gpt.py.
+
+Projections that read the same input are stored fused, so a tensor-parallel backward all-reduces one input
+gradient per group rather than one per matrix (3 more all-reduces per layer when stored apart, measured by the
+audit): wqkv [D, G, R+2, K] holds, for each of the G kv heads, its R = H/G query heads, then its key and its
+value (query head g*R + r uses kv head g, as in transformers' repeat_kv); splitting G over `tensor` keeps whole
+groups on a device. w_in [D, 2, F] holds the SwiGLU gate and up projections; wo [H, K, D], w_down [F, D].
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import contract, gpt
+from models.contract import Constrain, Params, no_constraint
+from models.layers import cross_entropy, logical_axes, param, param_dict, remat, rms_norm, rotary
+from models.llama_config import LLAMA_PRESETS, LlamaConfig
+
+
+class Layers(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        L, D, H, G, K, F = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_mlp
+        dt = jnp.dtype(cfg.param_dtype)
+        out_std = 0.02 / math.sqrt(2 * L)
+        self.attn_norm = param(rngs, (L, D), ("layers", "embed"), dt, None)
+        self.wqkv = param(rngs, (L, D, G, H // G + 2, K), ("layers", "embed", "heads", None, "kv"), dt, 0.02)
+        self.wo = param(rngs, (L, H, K, D), ("layers", "heads", "kv", "embed"), dt, out_std)
+        self.mlp_norm = param(rngs, (L, D), ("layers", "embed"), dt, None)
+        self.w_in = param(rngs, (L, D, 2, F), ("layers", "embed", None, "mlp"), dt, 0.02)
+        self.w_down = param(rngs, (L, F, D), ("layers", "mlp", "embed"), dt, out_std)
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.param_dtype)
+        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), dt, 0.02)
+        self.layers = Layers(cfg, rngs)
+        self.final_norm = param(rngs, (cfg.d_model,), ("embed",), dt, None)
+        if not cfg.tie_embeddings:
+            self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dt, 0.02)
+
+
+def init_params(cfg: LlamaConfig, seed: int) -> Params:
+    return param_dict(Llama(cfg, rngs=nnx.Rngs(params=seed)))
+
+
+def abstract_params(cfg: LlamaConfig) -> tuple[Params, dict]:
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(params=0)))
+    return param_dict(model), logical_axes(model)
+
+
+# ----------------------------------------------------------------------------- the forward pass
+
+def rope_frequencies(cfg: LlamaConfig) -> jax.Array:
+    """float32 [K/2]: theta^(-2i/K), with Llama 3.1's scaling when set: wavelengths above
+    context/low_freq_factor are divided by `factor`, those below context/high_freq_factor kept, and the
+    band between interpolated smoothly (the formula of transformers' `_compute_llama3_parameters`)."""
+    K = cfg.head_dim
+    freqs = 1.0 / (cfg.rope_theta ** (jnp.arange(0, K, 2, dtype=jnp.float32) / K))
+    if cfg.rope_scaling is None:
+        return freqs
+    factor, low, high, context = cfg.rope_scaling
+    wavelen = 2 * math.pi / freqs
+    scaled = jnp.where(wavelen > context / low, freqs / factor, freqs)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain,
+              positions_L: jax.Array | None = None, cache: Any = None):
+    """Grouped-query causal attention. With `cache` = (k, v, length) of [B, S, G, K] buffers, the new keys and
+    values are written at `length` and attention runs over the cache (decoding); returns (out, new cache)."""
+    cdt = jnp.dtype(cfg.compute_dtype)
+    freqs = rope_frequencies(cfg)
+    names = ("batch", "seq", "heads", "kv")
+    qkv_BxLxGxRxK = jnp.einsum("bld,dgrk->blgrk", h_BxLxD, p["wqkv"].astype(cdt))
+    B, L, G, R2, K = qkv_BxLxGxRxK.shape
+    q = constrain(qkv_BxLxGxRxK[:, :, :, :-2].reshape(B, L, G * (R2 - 2), K), names)
+    k, v = (constrain(qkv_BxLxGxRxK[:, :, :, i], names) for i in (-2, -1))
+    q, k = rotary(q, freqs, positions_L), rotary(k, freqs, positions_L)
+    if cache is None:
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    else:
+        k_cache, v_cache, length = cache
+        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), length, axis=1)
+        v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), length, axis=1)
+        S = k_cache.shape[1]
+        allowed_LxS = jnp.arange(S)[None, :] <= (length + jnp.arange(L))[:, None]
+        o = jax.nn.dot_product_attention(q, k_cache.astype(cdt), v_cache.astype(cdt), mask=allowed_LxS[None, None])
+        cache = (k_cache, v_cache)
+    o = constrain(o, names)
+    return constrain(jnp.einsum("blhk,hkd->bld", o, p["wo"].astype(cdt)), ("batch", "seq", "embed")), cache
+
+
+def mlp(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain) -> jax.Array:
+    cdt = jnp.dtype(cfg.compute_dtype)
+    gate_up = jnp.einsum("bld,dtf->tblf", h_BxLxD, p["w_in"].astype(cdt))
+    u_BxLxF = constrain(jax.nn.silu(gate_up[0]) * gate_up[1], ("batch", "seq", "mlp"))
+    return jnp.einsum("blf,fd->bld", u_BxLxF, p["w_down"].astype(cdt))
+
+
+def block(p: Params, x_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain = no_constraint,
+          positions_L: jax.Array | None = None, cache: Any = None):
+    """One layer on unstacked weights `p`; returns (x, new cache or None)."""
+    a, cache = attention(p, rms_norm(x_BxLxD, p["attn_norm"], cfg.norm_eps), cfg, constrain, positions_L, cache)
+    x_BxLxD = x_BxLxD + a
+    out = mlp(p, rms_norm(x_BxLxD, p["mlp_norm"], cfg.norm_eps), cfg, constrain)
+    return constrain(x_BxLxD + out, ("batch", "seq", "embed")), cache
+
+
+def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: LlamaConfig,
+               constrain: Constrain = no_constraint):
+    """The scanned, rematerialized stack (or a contiguous slice of it); returns (x, aux loss 0.0)."""
+    body = remat(lambda p, x: block(p, x, cfg, constrain)[0], cfg.remat)
+    x_BxLxD, _ = jax.lax.scan(lambda x, p: (body(p, x), None), x_BxLxD, layers)
+    return x_BxLxD, jnp.zeros((), jnp.float32)
+
+
+def head_matrix(params: Params, cfg: LlamaConfig) -> jax.Array:
+    """[D, V]: the head, or the embedding table transposed when tied."""
+    return params["embed"].T if cfg.tie_embeddings else params["head"]
+
+
+def logits(params: Params, x_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain = no_constraint):
+    h = rms_norm(x_BxLxD, params["final_norm"], cfg.norm_eps)
+    out = jnp.einsum("bld,dv->blv", h, head_matrix(params, cfg).astype(jnp.dtype(cfg.compute_dtype)))
+    return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+
+def head_loss(params: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: LlamaConfig,
+              constrain: Constrain = no_constraint, loss_mask_BxL: jax.Array | None = None):
+    return cross_entropy(logits(params, x_BxLxD, cfg, constrain), targets_BxL, loss_mask_BxL)
+
+
+# ----------------------------------------------------------------------------- decoding with a KV cache
+
+def init_cache(cfg: LlamaConfig, batch: int, max_len: int) -> dict[str, jax.Array]:
+    """Keys and values of every layer, [layers, B, max_len, G, K] in the compute dtype."""
+    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)}
+
+
+def decode(params: Params, tokens_BxT: jax.Array, cache: dict, length: jax.Array, cfg: LlamaConfig,
+           constrain: Constrain = no_constraint):
+    """Run T new tokens at positions length.., writing their keys and values into the cache: a prefill
+    (T = prompt length, length 0) or one step (T = 1). Returns (last position's logits [B, V], cache)."""
+    positions = length + jnp.arange(tokens_BxT.shape[1])
+    x = gpt.embed(params, tokens_BxT, cfg, constrain)
+
+    def body(x, layer):
+        p, k, v = layer
+        x, (k, v) = block(p, x, cfg, constrain, positions, (k, v, length))
+        return x, (k, v)
+
+    x, (k, v) = jax.lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
+    return logits(params, x[:, -1:], cfg, constrain)[:, 0], {"k": k, "v": v}
+
+
+# ----------------------------------------------------------------------------- sizes
+
+def matmul_params(cfg: LlamaConfig) -> int:
+    D, H, G, K, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_mlp
+    per_layer = 2 * D * H * K + 2 * D * G * K + 3 * D * F
+    return cfg.n_layers * per_layer + D * cfg.vocab_size
+
+
+def param_count(cfg: LlamaConfig) -> int:
+    norms = (2 * cfg.n_layers + 1) * cfg.d_model
+    table = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model  # a tied head is the table itself
+    return matmul_params(cfg) + table + norms
+
+
+def flops_per_token(cfg: LlamaConfig) -> float:
+    """6N for the matmul weights plus attention (as GPT; remat not counted)."""
+    return 6.0 * matmul_params(cfg) + gpt.attention_flops_per_token(cfg)
+
+
+def divisibility(cfg: LlamaConfig) -> dict:
+    return {"heads": (("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.n_kv_heads)),
+            "mlp": (("model.d_mlp", cfg.d_mlp),), "vocab": (("model.vocab_size", cfg.vocab_size),),
+            "embed": (("model.d_model", cfg.d_model),)}
+
+
+FAMILY = contract.register(contract.Family(
+    name="llama", config_cls=LlamaConfig, presets=LLAMA_PRESETS, init_params=init_params,
+    abstract_params=abstract_params, embed=gpt.embed, run_layers=run_layers, head_loss=head_loss, logits=logits,
+    flops_per_token=flops_per_token, param_count=param_count,
+    lookup_keys=lambda cfg: () if cfg.tie_embeddings else ("embed",), divisibility=divisibility,
+    init_cache=init_cache, decode=decode))

@@ -1,0 +1,83 @@
+"""The Llama-3 family's config and presets with the published shapes (Llama 3.1 / 3.2 model cards and
+their Hugging Face config.json files), plus a test-sized `llama3-tiny` on the byte vocabulary."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from models.config import ModelConfigError, check_common
+
+# Llama 3.1's rotary frequency scaling: (factor, low_freq_factor, high_freq_factor, original context).
+ROPE_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def parse_rope_scaling(value: Any) -> tuple[float, float, float, int] | None:
+    """None / "" / "none" -> no scaling; "8,1,4,8192", a 4-sequence or a dict with ROPE_SCALING_FIELDS -> a tuple."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    try:
+        if isinstance(value, dict):
+            value = [value[k] for k in ROPE_SCALING_FIELDS]
+        elif isinstance(value, str):
+            value = value.split(",")
+        factor, low, high, context = (float(v) for v in value)
+    except (KeyError, TypeError, ValueError):
+        raise ModelConfigError(f"model.rope_scaling={value!r}: use 'FACTOR,LOW_FREQ_FACTOR,HIGH_FREQ_FACTOR,"
+                               f"ORIGINAL_CONTEXT' (e.g. '8,1,4,8192') or 'none'") from None
+    if not (factor >= 1 and 0 < low < high and context >= 1):
+        raise ModelConfigError(f"model.rope_scaling={value!r}: need factor >= 1, 0 < low_freq_factor < "
+                               f"high_freq_factor and a positive original context")
+    return factor, low, high, int(context)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    family: ClassVar[str] = "llama"
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 128
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    d_mlp: int = 384
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: Any = None  # None or (factor, low_freq_factor, high_freq_factor, original context)
+    tie_embeddings: bool = False
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: str = "none"
+
+    def __post_init__(self):
+        object.__setattr__(self, "rope_scaling", parse_rope_scaling(self.rope_scaling))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def validate(self) -> "LlamaConfig":
+        check_common(self, ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_mlp"))
+        if self.n_heads % self.n_kv_heads:
+            raise ModelConfigError(f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads="
+                                   f"{self.n_kv_heads}; grouped-query attention shares each kv head by a whole group")
+        if not self.rope_theta > 0:
+            raise ModelConfigError(f"model.rope_theta={self.rope_theta}: must be a positive number")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ModelConfigError(f"model.tie_embeddings={self.tie_embeddings!r}: use True or False")
+        return self
+
+
+_LLAMA3 = dict(vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0, compute_dtype="bfloat16")
+LLAMA_PRESETS: dict[str, dict[str, Any]] = {
+    # Tests: bytes, every width divisible by 4 so tensor=2 and tensor=4 layouts apply (n_kv_heads=4).
+    "llama3-tiny": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=8, n_heads=8, n_kv_heads=4, d_mlp=384,
+                        tie_embeddings=True),
+    "llama3.2-1b": dict(_LLAMA3, seq_len=2048, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_mlp=8192,
+                        rope_scaling=(32.0, 1.0, 4.0, 8192), tie_embeddings=True, remat="save_dots"),
+    "llama3.2-3b": dict(_LLAMA3, seq_len=2048, d_model=3072, n_layers=28, n_heads=24, n_kv_heads=8, d_mlp=8192,
+                        rope_scaling=(32.0, 1.0, 4.0, 8192), tie_embeddings=True, remat="save_dots"),
+    "llama3.1-8b": dict(_LLAMA3, seq_len=2048, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_mlp=14336,
+                        rope_scaling=(8.0, 1.0, 4.0, 8192), remat="full"),
+    "llama3.1-70b": dict(_LLAMA3, seq_len=2048, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_mlp=28672,
+                         rope_scaling=(8.0, 1.0, 4.0, 8192), remat="full"),
+}

@@ -1,0 +1,137 @@
+"""Hugging Face interop against transformers: an exported llama3-tiny loads and gives our logits; a tiny random
+LlamaForCausalLM imports through `hf:` on a 2- and a 4-device layout with its logits; bad files are one line."""
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="the `hf` extra (transformers, torch) is not installed")
+torch = pytest.importorskip("torch", reason="the `hf` extra (transformers, torch) is not installed")
+
+import models  # noqa: E402
+from checkpoint import RestoreFromError, safetensors_io  # noqa: E402
+from tests.helpers import ROOT, run_steps, tiny_config  # noqa: E402
+from train import export_hf, generate, hf_import  # noqa: E402
+from train.trainer import Trainer  # noqa: E402
+
+TOKENS = np.random.default_rng(0).integers(0, 256, (2, 24))
+
+
+def _hf_logits(path) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> pathlib.Path:
+    """A random tiny LlamaForCausalLM saved by transformers (untied head, Llama 3.1 rope scaling)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                                   max_position_embeddings=64, tie_word_embeddings=False,
+                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+                                   rope_theta=10000.0)
+    model = transformers.LlamaForCausalLM(cfg)
+    path = tmp_path_factory.mktemp("hf") / "tiny"
+    model.save_pretrained(path)
+    return path
+
+
+def _import_config(**mesh):
+    config = tiny_config(**mesh)
+    config.model.update(preset="llama3-tiny", d_model=64, d_mlp=96, n_layers=2, n_heads=4, n_kv_heads=2,
+                        rope_theta=10000.0, rope_scaling="8,1,4,8", tie_embeddings=False, seq_len=24)
+    return config
+
+
+@pytest.mark.parametrize("mesh", [{"tensor": 2}, {"fsdp": 2, "tensor": 2}], ids=["tensor2", "fsdp2_tensor2"])
+def test_import_gives_transformers_logits(hf_dir, mesh):
+    trainer = Trainer.build(_import_config(**mesh), num_devices=2 * len(mesh))
+    params = hf_import.load_params(f"hf:{hf_dir}", trainer)
+    ours = jax.jit(lambda p, t: models.forward(p, t, trainer.plan.model))(params, TOKENS)
+    np.testing.assert_allclose(np.asarray(ours), _hf_logits(hf_dir), atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """llama3-tiny (2 layers, tied) trained 2 steps and exported: (model config, params, HF directory)."""
+    config = tiny_config()
+    config.model.update(preset="llama3-tiny", n_layers=2)
+    trainer = Trainer.build(config, num_devices=1)
+    _, state = run_steps(trainer, 2)
+    params = jax.tree.map(np.asarray, jax.device_get(state["params"]))
+    out = tmp_path_factory.mktemp("export") / "out"
+    export_hf.write(out, trainer.plan.model, params, "float32", None)
+    return trainer.plan.model, params, out
+
+
+def test_export_loads_in_transformers_with_our_logits(exported):
+    cfg, params, out = exported
+    assert "lm_head.weight" not in safetensors_io.open_tensors(out / "model.safetensors")
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["eos_token_id"] is None and hf["tie_word_embeddings"] is True
+    ours = models.forward(params, TOKENS, cfg)
+    np.testing.assert_allclose(np.asarray(ours), _hf_logits(out), atol=1e-4, rtol=0)
+
+
+def test_greedy_decoding_with_the_kv_cache_equals_transformers_generate(exported):
+    cfg, params, out = exported
+    prompt = TOKENS[:1, :8]
+    new, logits = generate.Generator(cfg, generate.Sampling(temperature=0))(params, prompt, 16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor(prompt), max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    theirs = theirs.numpy()[0, 8:]
+    top2 = np.sort(logits[0], axis=-1)[:, -2:]
+    clear = np.nonzero(top2[:, 1] - top2[:, 0] <= 1e-3)[0]
+    n = int(clear[0]) if clear.size else 16  # past a near-tie the two may pick differently, then diverge
+    assert n >= 8
+    np.testing.assert_array_equal(new[0, :n], theirs[:n])
+
+
+def _damaged(hf_dir, tmp_path, change):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((hf_dir / "config.json").read_text())
+    tensors = {k: np.array(v) for k, v in safetensors_io.open_tensors(hf_dir / "model.safetensors").items()}
+    change(tensors)
+    safetensors_io.write(bad / "model.safetensors", tensors)
+    return bad
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": np.zeros((3, 64), np.float32)}),
+     "tensor model.layers.0.mlp.up_proj.weight has shape [3, 64], the config needs [96, 64]"),
+    (lambda t: t.update({"model.layers.0.mlp.bias": np.zeros(3, np.float32)}),
+     "tensor model.layers.0.mlp.bias is not a tensor of this Llama model"),
+    (lambda t: t.pop("model.norm.weight"), "tensor model.norm.weight is missing"),
+], ids=["shape", "foreign", "missing"])
+def test_bad_tensors_are_one_line_errors(hf_dir, tmp_path, change, fragment):
+    trainer = Trainer.build(_import_config(), num_devices=1)
+    with pytest.raises(RestoreFromError, match="^checkpoint.restore_from=.*" + fragment.replace("[", r"\[")):
+        hf_import.check(f"hf:{_damaged(hf_dir, tmp_path, change)}", trainer)
+    with pytest.raises(RestoreFromError, match="model.d_mlp=128 vs 96"):
+        hf_import.check(f"hf:{hf_dir}", Trainer.build(_with(d_mlp=128), num_devices=1))
+
+
+def _with(**model):
+    config = _import_config()
+    config.model.update(**model)
+    return config
+
+
+def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path):
+    import subprocess
+    import sys
+    workdir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "train", "--config=experiments/tiny.py", f"--workdir={workdir}",
+                          "--config.model.preset=llama3-tiny", f"--config.checkpoint.restore_from=hf:{tmp_path}/none",
+                          "--config.data.source=synthetic", "--num_cpu_devices=1", "--config.mesh.data=1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: checkpoint.restore_from='hf:"), out.stderr
+    assert not (workdir / "checkpoints").exists()

@@ -1,0 +1,117 @@
+"""`python -m train.export_hf --workdir=DIR [--step=N] [--dtype=float32|bfloat16] --out=HFDIR`: a Llama run's
+checkpoint as a directory transformers' AutoModelForCausalLM.from_pretrained loads (config.json,
+generation_config.json, model.safetensors or shards with an index, the run's tokenizer when it has one)."""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import sys
+
+import ml_dtypes
+import numpy as np
+from absl import app, flags
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "The training run's directory.", required=True)
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the newest).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dtype of the written tensors.")
+_OUT = flags.DEFINE_string("out", None, "Directory to write; must not exist or be empty.", required=True)
+_SHARD_GB = flags.DEFINE_float("max_shard_gb", 5.0, "Split model.safetensors into shards of at most this size.")
+
+
+def restore_params(workdir: pathlib.Path, step: int | None):
+    """(model config, params as numpy in logical layer order, step) from a run's checkpoint, on one device."""
+    import jax
+
+    import checkpoint
+    import models
+    from checkpoint import plain
+    from train import run_config
+
+    config = run_config.load(workdir)
+    cfg = models.from_dict(config.model.to_dict())
+    source, step, spec = run_config.checkpoints(workdir, step)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract, _ = models.abstract_params(cfg)
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+    got = checkpoint.restore_source(source, step, {"params": plain.to_plain(target)}, True, spec)
+    params = plain.from_plain(got.tree["params"], target)
+    return cfg, jax.tree.map(np.asarray, jax.device_get(params)), step
+
+
+def _shards(tensors: dict[str, np.ndarray], max_bytes: float) -> list[dict[str, np.ndarray]]:
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        if shards[-1] and size + tensors[name].nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += tensors[name].nbytes
+    return shards
+
+
+def write(out: pathlib.Path, cfg, params, dtype: str, tokenizer_dir: pathlib.Path | None,
+          max_shard_bytes: float = 5e9) -> None:
+    from checkpoint import safetensors_io
+    from models import llama_hf
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
+    tensors = {k: v.astype(np_dtype) for k, v in llama_hf.to_hf(params, cfg).items()}
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        safetensors_io.write(tmp / "model.safetensors", tensors)
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        weight_map = {}
+        for name, shard in zip(names, shards):
+            safetensors_io.write(tmp / name, shard)
+            weight_map.update({t: name for t in shard})
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    # Byte-level runs have no bos/eos token: None, not LlamaConfig's defaults (eos 2 would stop at byte 0x02).
+    bos = eos = None
+    (tmp / "config.json").write_text(json.dumps(llama_hf.hf_config(cfg, dtype, bos, eos), indent=2) + "\n")
+    generation = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if tokenizer_dir is not None and tokenizer_dir.is_dir():
+        for f in tokenizer_dir.iterdir():
+            shutil.copy2(f, tmp / f.name)
+    if out.exists():
+        out.rmdir()  # empty (checked before any work)
+    tmp.rename(out)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    from absl import logging
+    logging.set_verbosity(logging.WARNING)  # Orbax's info lines would bury the output
+    from mesh import use_cpu_devices
+    from train import exit_codes
+    use_cpu_devices(1)
+    import models
+    workdir, out = pathlib.Path(_WORKDIR.value).expanduser(), pathlib.Path(_OUT.value).expanduser()
+    try:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise exit_codes.Stop(exit_codes.USER_ERROR, f"error: --out={out} exists and is not empty; "
+                                                         f"give a new directory")
+        cfg, params, step = restore_params(workdir, _STEP.value)
+        if not isinstance(cfg, models.LlamaConfig):
+            raise exit_codes.Stop(exit_codes.USER_ERROR, f"error: --workdir={workdir} trains a {cfg.family} model; "
+                                                         f"only Llama runs export to Hugging Face")
+        write(out, cfg, params, _DTYPE.value, workdir / "tokenizer", _SHARD_GB.value * 1e9)
+    except Exception as e:  # noqa: BLE001
+        status = exit_codes.status_of(e)
+        if status is None:
+            raise
+        print(e if isinstance(e, exit_codes.Stop) else f"error: {e}", file=sys.stderr, flush=True)
+        return status
+    print(f"wrote {out} (step {step}, {_DTYPE.value}, {models.param_count(cfg):,} parameters)")
+    return exit_codes.OK
+
+
+if __name__ == "__main__":
+    app.run(lambda argv: sys.exit(main(argv)))
