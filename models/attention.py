@@ -1,0 +1,78 @@
+"""Causal attention behind one function, with the kernel chosen by name: XLA's (any platform and dtype; it
+builds every L x L score matrix) or cuDNN's fused flash attention (NVIDIA GPUs, bf16/fp16), both taking
+grouped-query K/V heads and optional segment ids so packed documents do not attend across their boundary.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+CUDNN_DTYPES = ("bfloat16", "float16")
+# cuDNN's flash kernel takes head dimensions up to 128 that are multiples of 8 (checked in
+# jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention on the installed JAX).
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def cudnn_unsupported(platform: str, compute_dtype: str, head_dim: int) -> str | None:
+    """Why cuDNN's fused attention cannot run this model here, or None when it can."""
+    if platform != "gpu":
+        return f"it needs an NVIDIA GPU (this platform is {platform})"
+    if compute_dtype not in CUDNN_DTYPES:
+        return f"it needs model.compute_dtype bfloat16 or float16 (not {compute_dtype})"
+    if head_dim > CUDNN_MAX_HEAD_DIM or head_dim % 8:
+        return f"it needs a head dimension <= {CUDNN_MAX_HEAD_DIM} and a multiple of 8 (not {head_dim})"
+    return None
+
+
+def resolve(requested: str, platform: str, compute_dtype: str, head_dim: int) -> str:
+    """The kernel a run uses: `auto` takes cuDNN wherever it can run, XLA elsewhere. Raises ValueError (one line,
+    naming model.attention) for an unknown name or an explicit choice this platform or shape cannot run."""
+    if requested not in IMPLEMENTATIONS:
+        raise ValueError(f"model.attention={requested!r}: use one of {', '.join(IMPLEMENTATIONS)}")
+    why = cudnn_unsupported(platform, compute_dtype, head_dim)
+    if requested == "auto":
+        return "xla" if why else "cudnn"
+    if requested == "cudnn" and why:
+        raise ValueError(f"model.attention=cudnn: {why}; use model.attention=auto or xla")
+    return requested
+
+
+def segment_offsets(segment_ids_BxL: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+    """cuDNN's packed-sequence description of each row: (lengths [B, M], offsets [B, M+1]) with M =
+    `max_segments`, unused entries -1. Segment ids must be non-decreasing along a row (packing order)."""
+    B, L = segment_ids_BxL.shape
+    starts_BxL = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids_BxL[:, 1:] != segment_ids_BxL[:, :-1]], axis=1)
+    index_BxL = jnp.cumsum(starts_BxL, axis=1) - 1  # which segment of its row each token is in
+    lengths = jax.vmap(lambda i: jnp.bincount(i, length=max_segments))(index_BxL)
+    offsets = jnp.concatenate([jnp.zeros((B, 1), lengths.dtype), jnp.cumsum(lengths, axis=1)], axis=1)
+    present = jnp.arange(max_segments)[None, :] < index_BxL[:, -1:] + 1
+    lengths = jnp.where(present, lengths, -1).astype(jnp.int32)
+    offsets = jnp.where(jnp.concatenate([jnp.ones((B, 1), bool), present], axis=1), offsets, -1).astype(jnp.int32)
+    return lengths, offsets
+
+
+def attend(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, implementation: str,
+           segment_ids_BxL: jax.Array | None = None, max_segments: int = 64) -> jax.Array:
+    """Causal attention of a resolved `implementation` (`xla` or `cudnn`); G (K/V heads) divides H.
+
+    With segment ids, XLA masks the cross-document scores (a [B, 1, L, L] boolean mask: XLA materializes the
+    scores anyway), while cuDNN takes each row's document offsets and lengths and never builds a mask; rows
+    holding more than `max_segments` documents are cut to the first ones there, so keep it above the most
+    documents a row can hold."""
+    if implementation == "cudnn":
+        if segment_ids_BxL is None:
+            return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, is_causal=True,
+                                                implementation="cudnn")
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn  # packed segments: not in jax.nn
+        lengths, offsets = segment_offsets(segment_ids_BxL, max_segments)
+        scale = q_BxLxHxK.shape[-1] ** -0.5
+        return cudnn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_seqlen=lengths, kv_seqlen=lengths,
+                                           q_offsets=offsets, kv_offsets=offsets, scale=scale,
+                                           mask_type=cudnn.MaskType.PADDING_CAUSAL)
+    assert implementation == "xla", implementation
+    mask = None
+    if segment_ids_BxL is not None:
+        mask = (segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :])
+    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=mask, is_causal=True,
+                                        implementation="xla")

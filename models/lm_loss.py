@@ -1,0 +1,48 @@
+"""The output head and next-token cross-entropy as one function, optionally over sequence chunks so that the
+[batch, seq, vocab] float32 logits (and their gradient) never exist whole: each chunk's logits are made,
+reduced to a loss and dropped, and recomputed in the backward pass (jax.checkpoint).
+
+It returns the loss summed over counted targets and their count, so a caller can normalize over the global
+batch whatever the accumulation or microbatching (targets a loss mask leaves out count for nothing).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _token_losses(h_BxCxD: jax.Array, head_DxV: jax.Array, targets_BxC: jax.Array) -> jax.Array:
+    """Per-token cross-entropy in float32 (logsumexp minus the target's logit)."""
+    logits = jnp.einsum("bcd,dv->bcv", h_BxCxD, head_DxV).astype(jnp.float32)
+    target = jnp.take_along_axis(logits, targets_BxC[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - target
+
+
+def head_loss(h_BxLxD: jax.Array, head_DxV: jax.Array, targets_BxL: jax.Array,
+              mask_BxL: jax.Array | None = None, chunk_size: int = 0) -> tuple[jax.Array, jax.Array]:
+    """(sum of per-token losses over counted targets, number of counted targets), both float32 scalars.
+
+    `h` is the final-normed hidden state and `head` the output projection, both in the compute dtype.
+    `chunk_size` 0 computes every logit at once; otherwise a scan over chunks of that many positions (the
+    sequence is padded to a multiple, the padding counts for nothing)."""
+    mask = jnp.ones(targets_BxL.shape, jnp.float32) if mask_BxL is None else mask_BxL.astype(jnp.float32)
+    B, L, D = h_BxLxD.shape
+    if not chunk_size or chunk_size >= L:
+        return jnp.sum(_token_losses(h_BxLxD, head_DxV, targets_BxL) * mask), jnp.sum(mask)
+    n = -(-L // chunk_size)
+    pad = n * chunk_size - L
+    if pad:
+        h_BxLxD = jnp.pad(h_BxLxD, ((0, 0), (0, pad), (0, 0)))
+        targets_BxL = jnp.pad(targets_BxL, ((0, 0), (0, pad)))
+        mask = jnp.pad(mask, ((0, 0), (0, pad)))
+
+    def chunks(x):  # [B, n*c, ...] -> [n, B, c, ...]
+        return jnp.moveaxis(x.reshape(B, n, chunk_size, *x.shape[2:]), 1, 0)
+
+    @jax.checkpoint  # keep only each chunk's inputs; its logits are rebuilt in the backward pass
+    def body(total, xs):
+        h, targets, m = xs
+        return total + jnp.sum(_token_losses(h, head_DxV, targets) * m), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (chunks(h_BxLxD), chunks(targets_BxL), chunks(mask)))
+    return total, jnp.sum(mask)
