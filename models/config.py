@@ -46,6 +46,9 @@ class GPTConfig:
     compute_dtype: str = "float32"
     remat: str = "none"  # none | full | save_dots
     norm_eps: float = 1e-6
+    # Packed documents end at this token (set by train.config from data.document_mask and the DATADIR's
+    # eos id; -1: a row is one stream): see models/documents.py.
+    document_eos_id: int = -1
 
     @property
     def head_dim(self) -> int:

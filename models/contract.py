@@ -13,6 +13,8 @@ from typing import Any, Callable, Mapping
 
 import jax
 
+from models import documents
+
 Params = dict[str, Any]
 ModelConfig = Any  # a family's frozen config dataclass (GPTConfig, LlamaConfig, ...)
 Constrain = Callable[[jax.Array, tuple], jax.Array]
@@ -37,7 +39,8 @@ class TensorTraffic:
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One model family. Every function takes the family's frozen config `cfg` (which must have the fields
-    vocab_size, seq_len, d_model, n_layers, compute_dtype, remat) and an activation hint `constrain`.
+    vocab_size, seq_len, d_model, n_layers, compute_dtype, remat, and may have document_eos_id: see
+    models/documents.py, whose segment ids and positions `run_layers` applies) and an activation hint `constrain`.
 
     embed(top, inputs_BxL, cfg, constrain) -> x_BxLxD
     run_layers(layers, x_BxLxD, inputs_BxL, cfg, constrain) -> (x_BxLxD, aux_loss scalar)
@@ -97,13 +100,14 @@ def forward(params: Params, tokens_BxL: jax.Array, cfg: Any, constrain: Constrai
 
 
 def loss(params: Params, tokens_BxL1: jax.Array, cfg: Any, constrain: Constrain = no_constraint) -> jax.Array:
-    """Language-model loss of a batch of `seq_len + 1` tokens per row (inputs and shifted targets)."""
+    """Language-model loss of a batch of `seq_len + 1` tokens per row (inputs and shifted targets): the mean
+    over counted targets (all, or with packed documents those not after an end-of-document input)."""
     fam = family_of(cfg)
     inputs, targets = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
     top = top_params(params)
     x = fam.embed(top, inputs, cfg, constrain)
     x, aux = fam.run_layers(params[LAYERS], x, inputs, cfg, constrain)
-    return fam.head_loss(top, x, targets, cfg, constrain) + aux
+    return fam.head_loss(top, x, targets, cfg, constrain, documents.loss_mask(inputs, cfg)) + aux
 
 
 def init_params(cfg: Any, seed: int) -> Params:

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import contract
+from models import contract, documents
+from models.attention import attend
 from models.config import GPT_PRESETS, GPTConfig
 from models.contract import Constrain, Params, no_constraint
 from models.layers import cross_entropy, logical_axes, param, param_dict, remat, rms_norm, rotary
@@ -63,13 +64,16 @@ def abstract_params(cfg: GPTConfig) -> tuple[Params, dict]:
 
 # ----------------------------------------------------------------------------- the forward pass
 
-def block(p: Params, x_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain = no_constraint) -> jax.Array:
-    """One pre-norm transformer block on unstacked weights `p` (one layer's slice)."""
+def block(p: Params, x_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain = no_constraint,
+          segment_ids_BxL: jax.Array | None = None, positions_BxL: jax.Array | None = None) -> jax.Array:
+    """One pre-norm transformer block on unstacked weights `p` (one layer's slice); packed documents'
+    segment ids and positions (models/documents.py) when given."""
     cdt = jnp.dtype(cfg.compute_dtype)
     h = rms_norm(x_BxLxD, p["attn_norm"], cfg.norm_eps)
     qkv = jnp.einsum("bld,dthk->tblhk", h, p["wqkv"].astype(cdt))
     q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (qkv[0], qkv[1], qkv[2]))
-    o_BxLxHxK = jax.nn.dot_product_attention(rotary(q), rotary(k), v, is_causal=True)
+    q, k = rotary(q, positions_L=positions_BxL), rotary(k, positions_L=positions_BxL)
+    o_BxLxHxK = attend(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
     o_BxLxHxK = constrain(o_BxLxHxK, ("batch", "seq", "heads", "kv"))
     x_BxLxD = x_BxLxD + constrain(jnp.einsum("blhk,hkd->bld", o_BxLxHxK, p["wo"].astype(cdt)),
                                   ("batch", "seq", "embed"))
@@ -84,7 +88,8 @@ def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: G
                constrain: Constrain = no_constraint):
     """Apply a stack (or any contiguous slice of it) of blocks with one scanned, rematerialized body.
     Returns (x, aux loss 0.0): a dense model adds nothing to the loss."""
-    body = remat(lambda p, x: block(p, x, cfg, constrain), cfg.remat)
+    segment_ids, positions = documents.segments(inputs_BxL, cfg)
+    body = remat(lambda p, x: block(p, x, cfg, constrain, segment_ids, positions), cfg.remat)
     x_BxLxD, _ = jax.lax.scan(lambda x, p: (body(p, x), None), x_BxLxD, layers)
     return x_BxLxD, jnp.zeros((), jnp.float32)
 

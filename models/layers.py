@@ -48,15 +48,17 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 
 def rotary(x_BxLxHxK: jax.Array, freqs_K2: jax.Array | None = None, positions_L: jax.Array | None = None):
-    """Rotary position embedding (Su et al. 2021), half-split layout; positions 0..L-1 unless given,
-    frequencies 10000^(-2i/K) unless given."""
+    """Rotary position embedding (Su et al. 2021), half-split layout; positions 0..L-1 unless given ([L], or
+    [B, L] per row), frequencies 10000^(-2i/K) unless given."""
     L, K = x_BxLxHxK.shape[1], x_BxLxHxK.shape[3]
     if freqs_K2 is None:
         freqs_K2 = 10000.0 ** (-jnp.arange(0, K // 2, dtype=jnp.float32) * 2 / K)
     if positions_L is None:
         positions_L = jnp.arange(L, dtype=jnp.float32)
-    angles_LxK2 = positions_L.astype(jnp.float32)[:, None] * freqs_K2[None, :]
-    sin, cos = jnp.sin(angles_LxK2)[None, :, None, :], jnp.cos(angles_LxK2)[None, :, None, :]
+    angles_BxLxK2 = positions_L.astype(jnp.float32)[..., None] * freqs_K2
+    if angles_BxLxK2.ndim == 2:
+        angles_BxLxK2 = angles_BxLxK2[None]
+    sin, cos = jnp.sin(angles_BxLxK2)[:, :, None, :], jnp.cos(angles_BxLxK2)[:, :, None, :]
     x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxLxHxK.dtype)
 

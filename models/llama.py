@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import contract, gpt
+from models import contract, documents, gpt
+from models.attention import attend
 from models.contract import Constrain, Params, no_constraint
 from models.layers import cross_entropy, logical_axes, param, param_dict, remat, rms_norm, rotary
 from models.llama_config import LLAMA_PRESETS, LlamaConfig
@@ -75,9 +76,10 @@ def rope_frequencies(cfg: LlamaConfig) -> jax.Array:
 
 
 def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain,
-              positions_L: jax.Array | None = None, cache: Any = None):
-    """Grouped-query causal attention. With `cache` = (k, v, length) of [B, S, G, K] buffers, the new keys and
-    values are written at `length` and attention runs over the cache (decoding); returns (out, new cache)."""
+              positions_L: jax.Array | None = None, cache: Any = None, segment_ids_BxL: jax.Array | None = None):
+    """Grouped-query causal attention, within packed documents when `segment_ids_BxL` is given. With `cache` =
+    (k, v, length) of [B, S, G, K] buffers, the new keys and values are written at `length` and attention runs
+    over the cache (decoding); returns (out, new cache)."""
     cdt = jnp.dtype(cfg.compute_dtype)
     freqs = rope_frequencies(cfg)
     names = ("batch", "seq", "heads", "kv")
@@ -87,7 +89,7 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constr
     k, v = (constrain(qkv_BxLxGxRxK[:, :, :, i], names) for i in (-2, -1))
     q, k = rotary(q, freqs, positions_L), rotary(k, freqs, positions_L)
     if cache is None:
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        o = attend(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
     else:
         k_cache, v_cache, length = cache
         k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), length, axis=1)
@@ -108,9 +110,10 @@ def mlp(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain) -
 
 
 def block(p: Params, x_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain = no_constraint,
-          positions_L: jax.Array | None = None, cache: Any = None):
+          positions_L: jax.Array | None = None, cache: Any = None, segment_ids_BxL: jax.Array | None = None):
     """One layer on unstacked weights `p`; returns (x, new cache or None)."""
-    a, cache = attention(p, rms_norm(x_BxLxD, p["attn_norm"], cfg.norm_eps), cfg, constrain, positions_L, cache)
+    a, cache = attention(p, rms_norm(x_BxLxD, p["attn_norm"], cfg.norm_eps), cfg, constrain, positions_L, cache,
+                         segment_ids_BxL)
     x_BxLxD = x_BxLxD + a
     out = mlp(p, rms_norm(x_BxLxD, p["mlp_norm"], cfg.norm_eps), cfg, constrain)
     return constrain(x_BxLxD + out, ("batch", "seq", "embed")), cache
@@ -119,7 +122,8 @@ def block(p: Params, x_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain 
 def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: LlamaConfig,
                constrain: Constrain = no_constraint):
     """The scanned, rematerialized stack (or a contiguous slice of it); returns (x, aux loss 0.0)."""
-    body = remat(lambda p, x: block(p, x, cfg, constrain)[0], cfg.remat)
+    segment_ids, positions = documents.segments(inputs_BxL, cfg)
+    body = remat(lambda p, x: block(p, x, cfg, constrain, positions, None, segment_ids)[0], cfg.remat)
     x_BxLxD, _ = jax.lax.scan(lambda x, p: (body(p, x), None), x_BxLxD, layers)
     return x_BxLxD, jnp.zeros((), jnp.float32)
 

@@ -47,6 +47,9 @@ class LlamaConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
+    # Packed documents end at this token (set by train.config from data.document_mask and the DATADIR's
+    # eos id; -1: a row is one stream): see models/documents.py.
+    document_eos_id: int = -1
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", parse_rope_scaling(self.rope_scaling))

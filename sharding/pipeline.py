@@ -161,8 +161,7 @@ def build(cfg: Any, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.S
 
     program = slot_program(schedule, train)
     act_entries, grad_entries = (int(n) for n in program.pop("sizes"))
-    fns = stages.branches(cfg, constrain, manual, 1.0 / m)
-    assert len(fns) == stages.NUM_BRANCHES, len(fns)  # branch_slot_counts and the audit index by these
+    count_targets = models.target_counter(cfg)
     ring = v > 1  # only interleaving sends from the last stage back to the first
     to_next = [(d, (d + 1) % p) for d in range(p if ring else p - 1)]
     to_prev = [((d + 1) % p, d) for d in range(p if ring else p - 1)]
@@ -197,6 +196,9 @@ def build(cfg: Any, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.S
         top = models.top_params(params)
         b = tokens.shape[0] // m
         micro = tokens.reshape(m, b, tokens.shape[1])
+        weight = None if count_targets is None else _microbatch_weight(count_targets, tokens, batch_axes, replicas)
+        fns = stages.branches(cfg, constrain, manual, 1.0 / m if weight is None else weight)
+        assert len(fns) == stages.NUM_BRANCHES, len(fns)  # branch_slot_counts and the audit index by these
         dt = jnp.dtype(cfg.compute_dtype)
         act_shape = (b, tokens.shape[1] - 1, cfg.d_model)
         carry = dict(acts=jnp.zeros((act_entries, *act_shape), dt), grads=jnp.zeros((grad_entries, *act_shape), dt),
@@ -210,7 +212,8 @@ def build(cfg: Any, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.S
             chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, cell["chunk"], 0, keepdims=False), stack)
             ops = (chunk, top, micro[cell["mb"]], carry["acts"][cell["act_read"]], carry["grads"][cell["grad_read"]])
             y, g_x, g_chunk, g_top, loss = jax.lax.switch(cell["branch"], fns, ops)
-            new = dict(carry, loss=carry["loss"] + loss / m)
+            weighted = loss / m if weight is None else loss * weight(micro[cell["mb"]])
+            new = dict(carry, loss=carry["loss"] + weighted)
             # Send, then store what arrived (schedule_buffers' order), so an entry freed in this slot is reusable.
             new["acts"] = _store(carry["acts"], jax.lax.ppermute(y, PIPELINE, to_next), cell["act_write"])
             if train:
@@ -253,6 +256,16 @@ def _on_local_shards(fn: Callable, x: jax.Array, spec: P, automatic: tuple[str, 
         return fn(x)
     return jax.shard_map(fn, in_specs=auto_spec, out_specs=auto_spec, axis_names=set(automatic),
                          check_vma=True)(x)
+
+
+def _microbatch_weight(count_targets: Callable, tokens: jax.Array, batch_axes: tuple[str, ...],
+                       replicas: int) -> Callable[[jax.Array], jax.Array]:
+    """A microbatch's tokens -> its loss weight when not every target counts (packed documents): its counted
+    targets over the mean count per batch replica, so the weighted microbatch means, summed over the
+    microbatches and averaged over the replicas, are the mean over the global batch's counted targets."""
+    local = count_targets(tokens)
+    per_replica = (jax.lax.psum(local, batch_axes) if batch_axes else local) / replicas
+    return lambda micro_tokens: count_targets(micro_tokens) / jnp.maximum(per_replica, 1.0)
 
 
 def _store(buffer: jax.Array, message: jax.Array, entry: jax.Array) -> jax.Array:

@@ -6,7 +6,7 @@ The executor picks one of these branches per time slot with `lax.switch`, so all
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import jax
 import jax.numpy as jnp
@@ -42,15 +42,19 @@ def make_varying(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
+LossScale = Union[float, Callable[[jax.Array], jax.Array]]  # 1/m, or a microbatch's tokens -> its weight
+
+
 def branches(cfg: Any, constrain: Constrain, manual: tuple[str, ...],
-             loss_scale: float) -> list[Callable[[Operands], Outputs]]:
+             loss_scale: LossScale) -> list[Callable[[Operands], Outputs]]:
     """The seven cell programs, indexed by the constants above.
 
     Forward cells of PipeDream-Flush / GPipe run the chunk and keep nothing: the executor keeps the chunk's
     input, and the backward cell recomputes the forward inside `jax.vjp` (GPipe's re-materialization,
     Huang et al. 2019, section 2.3), so a stage holds one input per microbatch in flight rather than all of
-    its activations; `cfg.remat` still applies per layer within that recomputation. `loss_scale` (1/m)
-    seeds the last chunk's backward, so the microbatch gradients add up to the gradient of the mean loss.
+    its activations; `cfg.remat` still applies per layer within that recomputation. `loss_scale` (1/m, or with
+    packed documents a function of the microbatch's tokens: its share of the counted targets) seeds the last
+    chunk's backward, so the microbatch gradients add up to the gradient of the mean loss.
 
     The first and last cells differentiate with respect to all top parameters, so a head tied to the
     embedding gets its gradient from both ends; a chunk's auxiliary loss (mixture of experts) is added to
@@ -74,7 +78,7 @@ def branches(cfg: Any, constrain: Constrain, manual: tuple[str, ...],
 
     def last(chunk, top, x, tokens):
         y, aux = layers(chunk, x, tokens)
-        return family.head_loss(top, y, tokens[:, 1:], cfg, constrain) + aux
+        return family.head_loss(top, y, tokens[:, 1:], cfg, constrain, models.loss_mask(tokens[:, :-1], cfg)) + aux
 
     def idle(ops: Operands) -> Outputs:
         chunk, top, _, x_in, _ = ops
@@ -95,25 +99,26 @@ def branches(cfg: Any, constrain: Constrain, manual: tuple[str, ...],
         loss = last(chunk, top, x_in, tokens)
         return zeros(x_in), zeros(x_in), zeros(chunk), zeros(top), make_varying(loss, manual)
 
-    def seed():
-        return make_varying(jnp.asarray(loss_scale, jnp.float32), manual)
+    def seed(tokens):
+        scale = loss_scale(tokens) if callable(loss_scale) else loss_scale
+        return make_varying(jnp.asarray(scale, jnp.float32), manual)
 
     def bwd_first(ops):
         chunk, top, tokens, x_in, g_in = ops
         _, pullback = jax.vjp(lambda c, t: first(c, t, tokens), chunk, top)
-        g_chunk, g_top = pullback((g_in, seed()))
+        g_chunk, g_top = pullback((g_in, seed(tokens)))
         return zeros(x_in), zeros(x_in), g_chunk, g_top, zeros(jnp.zeros((), jnp.float32))
 
     def bwd_mid(ops):
         chunk, top, tokens, x_in, g_in = ops
         _, pullback = jax.vjp(lambda c, x: mid(c, x, tokens), chunk, x_in)
-        g_chunk, g_x = pullback((g_in, seed()))
+        g_chunk, g_x = pullback((g_in, seed(tokens)))
         return zeros(x_in), g_x, g_chunk, zeros(top), zeros(jnp.zeros((), jnp.float32))
 
     def bwd_last(ops):
         chunk, top, tokens, x_in, _ = ops
         _, pullback = jax.vjp(lambda c, t, x: last(c, t, x, tokens), chunk, top, x_in)
-        g_chunk, g_top, g_x = pullback(seed())
+        g_chunk, g_top, g_x = pullback(seed(tokens))
         return zeros(x_in), g_x, g_chunk, g_top, zeros(jnp.zeros((), jnp.float32))
 
     return [idle, fwd_first, fwd_mid, fwd_last, bwd_first, bwd_mid, bwd_last]

@@ -53,7 +53,8 @@ def base_config() -> ml_collections.ConfigDict:
                    actions="")  # user actions registered with train.actions.register, comma-separated
     c.optimizer = dict(lr=3e-3, warmup_steps=10, decay_steps=0, min_lr_ratio=0.1, weight_decay=0.1,
                        b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0)
-    c.data = dict(source="text", path="", token_dtype="uint16", eval_percent=5, cache_dir="", order="epochs")
+    c.data = dict(source="text", path="", token_dtype="uint16", eval_percent=5, cache_dir="", order="epochs",
+                  document_mask=False)  # True: attention, positions and loss stop at each EOS (models/documents.py)
     c.checkpoint = dict(every_steps=0, every_minutes=10.0, keep=3, keep_period=0, restore_from="",
                         restore_params_only=False, mtbf_hours=0.0)
     # The planner (train/planner): plan.auto takes its best layout for the devices at hand, keeping the
@@ -178,12 +179,23 @@ def _check_model_splits(model: models.ModelConfig, rules: dict, mesh_sizes: dict
                                   f"`{logical}`); change mesh.* or the model")
 
 
+def _document_eos_id(data_config: Any, data: datadir.DataSpec | None) -> int:
+    """The model's `document_eos_id`: the DATADIR's eos id with data.document_mask on, else -1 (off)."""
+    if not data_config.get("document_mask", False):
+        return -1
+    if data is None or data.eos_id is None:
+        raise ConfigError("data.document_mask=True needs the end-of-document id of a DATADIR: set data.source=tokens "
+                          "and data.path to a directory made by python -m train.prepare (its meta.json has eos_id)")
+    return int(data.eos_id)
+
+
 def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
     """Validate `config` for `num_devices` devices; raises one of USER_ERRORS."""
     data = datadir.resolve(config.data, config.train.global_batch_size)
     model_values = config.model.to_dict()
     if data and data.vocab_size and model_values.get("vocab_size") is None:
         model_values["vocab_size"] = data.vocab_size  # the model's vocabulary comes from meta.json
+    model_values["document_eos_id"] = _document_eos_id(config.data, data)
     model = models.from_dict(model_values)
     if data and data.vocab_size and model.vocab_size < data.vocab_size:
         raise ConfigError(f"model.vocab_size={model.vocab_size} is smaller than the vocabulary of data.path "

@@ -31,18 +31,37 @@ def _slices(tokens_BxL: jax.Array, accum: int, batch_sharding: NamedSharding) ->
                                                                        P(None, *batch_sharding.spec)))
 
 
-def accumulate(loss_and_grad: LossAndGrad, accum: int, batch_sharding: NamedSharding) -> LossAndGrad:
-    """Average loss and gradients over `accum` equal slices of the batch (`_slices`), one after another."""
+def slice_weights(micro_AxBxL: jax.Array, count_targets: Callable | None) -> jax.Array | None:
+    """[A] float32: each slice's share of the batch's counted targets, so the weighted slice means add up to
+    the mean over the whole batch (None: every slice counts equally, weight 1/A)."""
+    if count_targets is None:
+        return None
+    counts_A = jax.vmap(count_targets)(micro_AxBxL)
+    return counts_A / jnp.maximum(jnp.sum(counts_A), 1.0)
+
+
+def accumulate(loss_and_grad: LossAndGrad, accum: int, batch_sharding: NamedSharding,
+               count_targets: Callable | None = None) -> LossAndGrad:
+    """Average loss and gradients over `accum` equal slices of the batch (`_slices`), one after another;
+    weighted by each slice's counted targets when some targets do not count (`count_targets`:
+    models.documents.target_counter), so the result is the mean over the whole batch's counted targets."""
     if accum == 1:
         return loss_and_grad
 
     def fn(params, tokens_BxL):
-        def body(carry, tokens):
+        def body(carry, xs):
+            tokens, weight = xs
             loss, grads = loss_and_grad(params, tokens)
+            if weight is not None:
+                loss, grads = jax.tree.map(lambda x: x * weight.astype(x.dtype), (loss, grads))
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (loss, grads), _ = jax.lax.scan(body, zeros, _slices(tokens_BxL, accum, batch_sharding))
+        micro = _slices(tokens_BxL, accum, batch_sharding)
+        weights = slice_weights(micro, count_targets)
+        (loss, grads), _ = jax.lax.scan(body, zeros, (micro, weights))
+        if weights is not None:
+            return loss, grads
         return jax.tree.map(lambda x: x / accum, (loss, grads))
 
     return fn
@@ -97,12 +116,19 @@ def make_eval_step(cfg: models.ModelConfig, layout: Layout, loss_fn: Callable | 
     over the same `accum` slices as training, so evaluation needs no more memory than a train step."""
     constrain = layout.constrain()
     loss_fn = loss_fn or (lambda params, tokens: models.loss(params, tokens, cfg, constrain))
+    count_targets = models.target_counter(cfg)
     if accum > 1:
         one = loss_fn
 
         def loss_fn(params, tokens_BxL):
+            micro = _slices(tokens_BxL, accum, layout.batch)
+            weights = slice_weights(micro, count_targets)
+            if weights is not None:
+                total, _ = jax.lax.scan(lambda acc, xs: (acc + one(params, xs[0]) * xs[1], None),
+                                        jnp.zeros((), jnp.float32), (micro, weights))
+                return total
             total, _ = jax.lax.scan(lambda acc, tokens: (acc + one(params, tokens), None),
-                                    jnp.zeros((), jnp.float32), _slices(tokens_BxL, accum, layout.batch))
+                                    jnp.zeros((), jnp.float32), micro)
             return total / accum
     return jax.jit(loss_fn,
                    in_shardings=(layout.state["params"], layout.batch),

@@ -10,6 +10,7 @@ import jax
 import ml_collections
 import optax
 
+import models
 from mesh import make_mesh
 from sharding import pipeline as pipeline_lib
 from train import data as data_lib
@@ -49,7 +50,8 @@ class Trainer:
         else:
             loss_and_grad = step_lib.model_loss_and_grad(plan.model, layout.constrain())
             eval_loss = None
-        loss_and_grad = step_lib.accumulate(loss_and_grad, plan.grad_accum, layout.batch)
+        loss_and_grad = step_lib.accumulate(loss_and_grad, plan.grad_accum, layout.batch,
+                                            models.target_counter(plan.model))
         train_step = step_lib.make_train_step(loss_and_grad, tx, schedule, layout, **step_lib.guard_options(config))
         eval_step = step_lib.make_eval_step(plan.model, layout, eval_loss, plan.grad_accum)
         return cls(config, plan, mesh, layout, tx, schedule, source, loss_and_grad, train_step, eval_step)
