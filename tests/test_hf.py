@@ -135,3 +135,39 @@ def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path):
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("error: checkpoint.restore_from='hf:"), out.stderr
     assert not (workdir / "checkpoints").exists()
+
+
+def test_export_and_sampling_use_the_runs_tokenizer(exported, tmp_path):
+    """A run on a DATADIR: its tokenizer.json and bos/eos ids (copied into the workdir at train start) reach the
+    HF directory, where AutoTokenizer encodes as we do; train.sample encodes prompts and decodes with it."""
+    from train import prompt as sample, tokenizer as tok_lib
+    cfg, params, _ = exported
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    tok = tok_lib.train_bpe(["the cat sat on the mat; the dog sat on the log."] * 8, 280)
+    tok.add_special_tokens(["<s>"])
+    tok.save(str(workdir / "tokenizer.json"))
+    eos, bos = tok.token_to_id(tok_lib.EOS_TEXT), tok.token_to_id("<s>")
+    (workdir / "data_meta.json").write_text(json.dumps({"eos_id": eos, "bos_id": bos, "vocab_size": 320}))
+    codec = tok_lib.load_run_codec(workdir)
+    assert (codec.eos_id, codec.bos_id, codec.from_run) == (eos, bos, True)
+    out = tmp_path / "hf"
+    export_hf.write(out, cfg, params, "float32", codec)
+    for name in ("config.json", "generation_config.json"):
+        ids = json.loads((out / name).read_text())
+        assert (ids["eos_token_id"], ids["bos_token_id"]) == (eos, bos)
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    text = "the dog sat on the cat"
+    assert theirs(text)["input_ids"] == codec.encode(text) == tok.encode(text).ids
+    assert len(codec.encode(text)) < len(text.encode())  # merges, not bytes
+    assert (theirs.eos_token_id, theirs.bos_token_id) == (eos, bos)
+
+    prompt = sample.prompt_tokens(320, codec, text, None)
+    assert prompt == codec.encode(text)
+    new = codec.encode(" on the mat") + [eos]
+    assert sample.render(codec, prompt, new, False) == text + " on the mat" + tok_lib.EOS_TEXT
+    assert json.loads(sample.render(codec, prompt, new, True))["text"] == " on the mat" + tok_lib.EOS_TEXT
+    (workdir / "tokenizer.json").write_text("{not json")
+    with pytest.raises(tok_lib.TokenizerError, match=r"^--workdir=.*tokenizer.json"):
+        tok_lib.load_run_codec(workdir)
+    assert not tok_lib.load_run_codec(tmp_path).from_run  # no tokenizer: bytes

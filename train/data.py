@@ -190,12 +190,13 @@ def load(data_cfg: Any, vocab_size: int, length: int, spec: datadir.DataSpec | N
 
 
 def copy_tokenizer(spec: datadir.DataSpec | None, workdir: pathlib.Path) -> None:
-    """Put the data's tokenizer.json (and its EOS id) in the workdir, where sampling and export look."""
+    """Put the data's tokenizer.json (and its EOS and BOS ids) in the workdir, where sampling and export look."""
     if spec is None or spec.tokenizer is None:
         return
     shutil.copyfile(spec.tokenizer, workdir / "tokenizer.json")
-    (workdir / "data_meta.json").write_text(json.dumps({"eos_id": spec.eos_id, "vocab_size": spec.vocab_size,
-                                                        "dtype": spec.dtype}) + "\n")
+    bos_id = (spec.sources[0].meta or {}).get("bos_id")
+    (workdir / "data_meta.json").write_text(json.dumps({"eos_id": spec.eos_id, "bos_id": bos_id,
+                                                        "vocab_size": spec.vocab_size, "dtype": spec.dtype}) + "\n")
 
 
 def global_batch(source: TokenSource, sharding: jax.sharding.Sharding, seed: int, step: int,

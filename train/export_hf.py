@@ -1,6 +1,7 @@
 """`python -m train.export_hf --workdir=DIR [--step=N] [--dtype=float32|bfloat16] --out=HFDIR`: a Llama run's
 checkpoint as a directory transformers' AutoModelForCausalLM.from_pretrained loads (config.json,
-generation_config.json, model.safetensors or shards with an index, the run's tokenizer when it has one)."""
+generation_config.json, model.safetensors or shards with an index, and the run's tokenizer when it has one:
+tokenizer.json with a tokenizer_config.json, and its bos/eos ids in both configs)."""
 from __future__ import annotations
 
 import json
@@ -29,7 +30,11 @@ def restore_params(workdir: pathlib.Path, step: int | None):
     from train import run_config
 
     config = run_config.load(workdir)
-    cfg = models.from_dict(config.model.to_dict())
+    values = config.model.to_dict()
+    data_meta = workdir / "data_meta.json"  # a DATADIR run's vocabulary comes from its meta.json (train.config)
+    if values.get("vocab_size") is None and data_meta.is_file():
+        values["vocab_size"] = int(json.loads(data_meta.read_text())["vocab_size"])
+    cfg = models.from_dict(values)
     source, step, spec = run_config.checkpoints(workdir, step)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract, _ = models.abstract_params(cfg)
@@ -51,8 +56,9 @@ def _shards(tensors: dict[str, np.ndarray], max_bytes: float) -> list[dict[str, 
     return shards
 
 
-def write(out: pathlib.Path, cfg, params, dtype: str, tokenizer_dir: pathlib.Path | None,
-          max_shard_bytes: float = 5e9) -> None:
+def write(out: pathlib.Path, cfg, params, dtype: str, codec=None, max_shard_bytes: float = 5e9) -> None:
+    """Write HFDIR (through a temporary sibling, renamed at the end). `codec` is the run's
+    train.tokenizer.Codec, or None for a byte-level run (no tokenizer, no bos/eos ids)."""
     from checkpoint import safetensors_io
     from models import llama_hf
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
@@ -72,16 +78,24 @@ def write(out: pathlib.Path, cfg, params, dtype: str, tokenizer_dir: pathlib.Pat
         index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     # Byte-level runs have no bos/eos token: None, not LlamaConfig's defaults (eos 2 would stop at byte 0x02).
-    bos = eos = None
+    bos, eos = (None, None) if codec is None else (codec.bos_id, codec.eos_id)
     (tmp / "config.json").write_text(json.dumps(llama_hf.hf_config(cfg, dtype, bos, eos), indent=2) + "\n")
     generation = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    if tokenizer_dir is not None and tokenizer_dir.is_dir():
-        for f in tokenizer_dir.iterdir():
-            shutil.copy2(f, tmp / f.name)
+    if codec is not None:
+        write_tokenizer(tmp, codec)
     if out.exists():
         out.rmdir()  # empty (checked before any work)
     tmp.rename(out)
+
+
+def write_tokenizer(directory: pathlib.Path, codec) -> None:
+    """tokenizer.json as trained, and a tokenizer_config.json so AutoTokenizer loads it as a fast tokenizer that
+    adds nothing to the text (the run trained on documents as prepare encoded them)."""
+    codec.tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": codec.token_text(codec.eos_id),
+              "bos_token": codec.token_text(codec.bos_id), "add_bos_token": False, "add_eos_token": False}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def main(argv: list[str]) -> int:
@@ -93,18 +107,20 @@ def main(argv: list[str]) -> int:
     from train import exit_codes
     use_cpu_devices(1)
     import models
+    from train import tokenizer as tok_lib
     workdir, out = pathlib.Path(_WORKDIR.value).expanduser(), pathlib.Path(_OUT.value).expanduser()
     try:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise exit_codes.Stop(exit_codes.USER_ERROR, f"error: --out={out} exists and is not empty; "
                                                          f"give a new directory")
+        codec = tok_lib.load_run_codec(workdir)  # a damaged tokenizer.json stops before the restore
         cfg, params, step = restore_params(workdir, _STEP.value)
         if not isinstance(cfg, models.LlamaConfig):
             raise exit_codes.Stop(exit_codes.USER_ERROR, f"error: --workdir={workdir} trains a {cfg.family} model; "
                                                          f"only Llama runs export to Hugging Face")
-        write(out, cfg, params, _DTYPE.value, workdir / "tokenizer", _SHARD_GB.value * 1e9)
+        write(out, cfg, params, _DTYPE.value, codec if codec.from_run else None, _SHARD_GB.value * 1e9)
     except Exception as e:  # noqa: BLE001
-        status = exit_codes.status_of(e)
+        status = exit_codes.USER_ERROR if isinstance(e, tok_lib.TokenizerError) else exit_codes.status_of(e)
         if status is None:
             raise
         print(e if isinstance(e, exit_codes.Stop) else f"error: {e}", file=sys.stderr, flush=True)

@@ -4,7 +4,6 @@ perplexity. The model runs sharded on the run's mesh (`--config.mesh.*` override
 `pipeline` axis is folded into `data`, since decoding runs the whole layer stack on every device."""
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import sys
@@ -17,7 +16,8 @@ from train.config import base_config
 _CONFIG = config_flags.DEFINE_config_dict("config", base_config(), "Only --config.mesh.* overrides are read.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run's directory.", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
-_PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (through the run's tokenizer: bytes).")
+_PROMPT = flags.DEFINE_string("prompt", None, "Prompt text, encoded with the run's tokenizer (its DATADIR's "
+                              "tokenizer.json, or bytes for a run on raw text).")
 _PROMPT_TOKENS = flags.DEFINE_string("prompt_tokens", None, "Prompt as token ids, e.g. 1,2,3.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 is greedy and deterministic.")
@@ -32,21 +32,6 @@ _NUM_CPU_DEVICES = flags.DEFINE_integer("num_cpu_devices", 8, "Virtual devices w
 def _fail(message: str):
     from train.config import ConfigError
     return ConfigError(message)
-
-
-def prompt_tokens(vocab_size: int) -> list[int]:
-    if (_PROMPT.value is None) == (_PROMPT_TOKENS.value is None):
-        raise _fail("give exactly one of --prompt=TEXT and --prompt_tokens=1,2,3 (or --eval_batches=N)")
-    if _PROMPT.value is not None:
-        tokens = list(_PROMPT.value.encode("utf-8"))
-    else:
-        try:
-            tokens = [int(t) for t in _PROMPT_TOKENS.value.split(",") if t.strip()]
-        except ValueError:
-            raise _fail(f"--prompt_tokens={_PROMPT_TOKENS.value!r}: use comma-separated integers") from None
-    if not tokens or not all(0 <= t < vocab_size for t in tokens):
-        raise _fail(f"--prompt_tokens: need at least one token, each in 0..{vocab_size - 1}")
-    return tokens
 
 
 def _mesh_overrides(config) -> None:
@@ -65,6 +50,7 @@ def run(workdir: pathlib.Path) -> None:
 
     import checkpoint
     from train import checkpoint_format as ckpt_format, generate, run_config
+    from train import prompt as prompt_lib, tokenizer as tok_lib
     from train.trainer import Trainer
 
     config = run_config.load(workdir)
@@ -73,7 +59,11 @@ def run(workdir: pathlib.Path) -> None:
     cfg = trainer.plan.model
     if _EVAL_BATCHES.value < 0 or _MAX_NEW.value < 1:
         raise _fail("--eval_batches must be >= 0 and --max_new_tokens >= 1")
-    prompt = None if _EVAL_BATCHES.value else prompt_tokens(cfg.vocab_size)
+    try:
+        codec = tok_lib.load_run_codec(workdir)
+    except tok_lib.TokenizerError as e:
+        raise _fail(str(e)) from None
+    prompt = None if _EVAL_BATCHES.value else prompt_lib.prompt_tokens(cfg.vocab_size, codec, _PROMPT.value, _PROMPT_TOKENS.value)
     source, step, spec = run_config.checkpoints(workdir, _STEP.value)
     abstract = trainer.layout.abstract_state["params"]
     got = checkpoint.restore_source(source, step, {"params": ckpt_format.target(trainer)["params"]}, True, spec)
@@ -87,11 +77,7 @@ def run(workdir: pathlib.Path) -> None:
     gen = generate.Generator(cfg, sampling, trainer.layout.constrain(), trainer.mesh)
     new, _ = gen(params, np.asarray([prompt]), _MAX_NEW.value)
     tokens = [int(t) for t in new[0]]
-    text = bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
-    if _JSON.value:
-        print(json.dumps({"prompt_tokens": prompt, "tokens": tokens, "text": text}))
-    else:
-        print(bytes(prompt).decode("utf-8", errors="replace") + text)
+    print(prompt_lib.render(codec, prompt, tokens, _JSON.value))
 
 
 def main(argv: list[str]) -> int:

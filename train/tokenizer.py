@@ -83,6 +83,11 @@ class Codec:
     """Text <-> token ids of a run's data: what train.sample encodes prompts and decodes samples with."""
     tokenizer: Tokenizer
     eos_id: int
+    bos_id: int | None = None
+    from_run: bool = True  # False: the bytes fallback of a run that has no tokenizer.json
+
+    def token_text(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.tokenizer.id_to_token(token_id)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -99,6 +104,13 @@ def load_run_codec(workdir: str | pathlib.Path) -> Codec:
     path = pathlib.Path(workdir).expanduser()
     if (path / FILE).is_file():
         meta = json.loads((path / "data_meta.json").read_text()) if (path / "data_meta.json").is_file() else {}
-        tok = Tokenizer.from_file(str(path / FILE))
-        return Codec(tok, int(meta.get("eos_id", tok.token_to_id(declared_eos(tok) or EOS_TEXT) or 0)))
-    return Codec(bytes_tokenizer(), 256)
+        try:
+            tok = Tokenizer.from_file(str(path / FILE))
+        except Exception:  # noqa: BLE001  (the library raises a bare Exception for a damaged file)
+            raise TokenizerError(f"--workdir={path}: {path / FILE} is not a Hugging Face tokenizer.json; copy the "
+                                 f"training DATADIR's tokenizer.json there again") from None
+        eos, bos = meta.get("eos_id"), meta.get("bos_id")
+        if eos is None:
+            eos = tok.token_to_id(declared_eos(tok) or EOS_TEXT) or 0
+        return Codec(tok, int(eos), None if bos is None else int(bos))
+    return Codec(bytes_tokenizer(), 256, None, from_run=False)
