@@ -131,3 +131,10 @@ def test_datadir_sets_the_vocabulary_and_checks_every_id(tmp_path):
     big = _datadir(tmp_path / "big", late)
     with pytest.raises(ConfigError, match="up to 400"):
         data_lib.load(_cfg(tmp_path, source="tokens", path=str(big)), 320, 65)
+
+
+def test_an_empty_held_out_split_is_a_one_line_error(tmp_path):
+    d = _datadir(tmp_path / "d", np.arange(3000) % 300)
+    (d / "val.bin").write_bytes(b"")  # a corpus too small for any document to land in val.bin
+    with pytest.raises(ConfigError, match="held-out split of .* has 0 tokens"):
+        data_lib.load(_cfg(tmp_path, source="tokens", path=str(d)), 320, 65)

@@ -195,7 +195,9 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
     model_values = config.model.to_dict()
     if data and data.vocab_size and model_values.get("vocab_size") is None:
         model_values["vocab_size"] = data.vocab_size  # the model's vocabulary comes from meta.json
-    model_values["document_eos_id"] = _document_eos_id(config.data, data)
+    eos_id = _document_eos_id(config.data, data)
+    if eos_id >= 0:  # only then: a family without packed-document support keeps working unmasked
+        model_values["document_eos_id"] = eos_id
     model = models.from_dict(model_values)
     if data and data.vocab_size and model.vocab_size < data.vocab_size:
         raise ConfigError(f"model.vocab_size={model.vocab_size} is smaller than the vocabulary of data.path "

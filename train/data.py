@@ -147,11 +147,19 @@ def _prepare_text(path: str, eval_percent: int, cache_setting: str) -> tuple[np.
     return tuple(np.memmap(paths[k], dtype=np.uint8, mode="r") for k in ("train", "eval"))
 
 
+def _map(path: pathlib.Path, dtype: str) -> np.ndarray:
+    """A token file memory-mapped; an empty one (no held-out documents) as an empty array, which `load`
+    reports as too little data rather than mmap failing."""
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
 def _open_tokens(source: datadir.SourceSpec, dtype: str, eval_percent: int) -> tuple[np.ndarray, np.ndarray]:
     """Memory-mapped train and held-out tokens (val.bin, or the tail of a lone flat file)."""
-    train = np.memmap(source.train, dtype=dtype, mode="r")
+    train = _map(source.train, dtype)
     if source.val is not None:
-        return train, np.memmap(source.val, dtype=dtype, mode="r")
+        return train, _map(source.val, dtype)
     cut = len(train) - max(len(train) * eval_percent // 100, 1)
     return train[:cut], train[cut:]
 
