@@ -1,5 +1,6 @@
 """Packed documents (data.document_mask): attention, rotary positions and the loss stop at each EOS, a document
 packed after another scores as it does alone, and every layout normalizes by the global batch's counted targets."""
+import dataclasses
 import functools
 import json
 
@@ -34,9 +35,7 @@ SMALL = {"gpt": models.GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers
 def _token_losses(family: str, eos_id: int):
     """Per-token float32 losses [2, 16] of a row packing a 5-token document before a 12-token one, and of a
     row holding the 12-token document alone (then 5 tokens of another), and the model's mean loss."""
-    cfg = models.from_dict({**{k: getattr(SMALL[family], k) for k in ("vocab_size", "seq_len", "d_model",
-                                                                      "n_layers", "n_heads")},
-                            "family": family, "document_eos_id": eos_id})
+    cfg = dataclasses.replace(SMALL[family], document_eos_id=eos_id).validate()
     rng = np.random.default_rng(0)
     first, second, after = (rng.integers(1, 64, n) for n in (4, 12, 5))
     rows = np.stack([np.concatenate([first, [EOS], second]), np.concatenate([second, after])])
