@@ -13,11 +13,17 @@ import ml_dtypes
 import numpy as np
 from absl import app, flags
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "The training run's directory.", required=True)
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the newest).")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dtype of the written tensors.")
-_OUT = flags.DEFINE_string("out", None, "Directory to write; must not exist or be empty.", required=True)
-_SHARD_GB = flags.DEFINE_float("max_shard_gb", 5.0, "Split model.safetensors into shards of at most this size.")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command's flags, defined only when it runs as a command: importing `write` from a process that has
+    its own --out or --workdir (train.prepare, tests) must not collide with them."""
+    flags.DEFINE_string("workdir", None, "The training run's directory.", required=True)
+    flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the newest).")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dtype of the written tensors.")
+    flags.DEFINE_string("out", None, "Directory to write; must not exist or be empty.", required=True)
+    flags.DEFINE_float("max_shard_gb", 5.0, "Split model.safetensors into shards of at most this size.")
 
 
 def restore_params(workdir: pathlib.Path, step: int | None):
@@ -108,26 +114,27 @@ def main(argv: list[str]) -> int:
     use_cpu_devices(1)
     import models
     from train import tokenizer as tok_lib
-    workdir, out = pathlib.Path(_WORKDIR.value).expanduser(), pathlib.Path(_OUT.value).expanduser()
+    workdir, out = pathlib.Path(FLAGS.workdir).expanduser(), pathlib.Path(FLAGS.out).expanduser()
     try:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise exit_codes.Stop(exit_codes.USER_ERROR, f"error: --out={out} exists and is not empty; "
                                                          f"give a new directory")
         codec = tok_lib.load_run_codec(workdir)  # a damaged tokenizer.json stops before the restore
-        cfg, params, step = restore_params(workdir, _STEP.value)
+        cfg, params, step = restore_params(workdir, FLAGS.step)
         if not isinstance(cfg, models.LlamaConfig):
             raise exit_codes.Stop(exit_codes.USER_ERROR, f"error: --workdir={workdir} trains a {cfg.family} model; "
                                                          f"only Llama runs export to Hugging Face")
-        write(out, cfg, params, _DTYPE.value, codec if codec.from_run else None, _SHARD_GB.value * 1e9)
+        write(out, cfg, params, FLAGS.dtype, codec if codec.from_run else None, FLAGS.max_shard_gb * 1e9)
     except Exception as e:  # noqa: BLE001
         status = exit_codes.USER_ERROR if isinstance(e, tok_lib.TokenizerError) else exit_codes.status_of(e)
         if status is None:
             raise
         print(e if isinstance(e, exit_codes.Stop) else f"error: {e}", file=sys.stderr, flush=True)
         return status
-    print(f"wrote {out} (step {step}, {_DTYPE.value}, {models.param_count(cfg):,} parameters)")
+    print(f"wrote {out} (step {step}, {FLAGS.dtype}, {models.param_count(cfg):,} parameters)")
     return exit_codes.OK
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(lambda argv: sys.exit(main(argv)))
