@@ -12,6 +12,8 @@ import ml_dtypes
 import numpy as np
 from absl import app, flags
 
+from train import cli
+
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run's directory.", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the newest).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dtype of the written tensors.")
@@ -114,4 +116,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
+    cli.run(main)
