@@ -79,3 +79,13 @@ def test_train_functions_are_short_and_loop_functions_take_few_parameters():
     assert not long, f"functions over 50 lines: {long}"
     wide = [(f, n, c) for f, n, _, c in found if f in ("loop.py", "scheduler.py") and c > 5]
     assert not wide, f"loop functions over 5 parameters: {wide}"
+
+
+def test_train_subpackage_functions_are_short():
+    """The 50-line rule holds in train/'s subpackages (train/planner/...) too, not only its top level."""
+    folders = sorted({p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "train").rglob("*/*.py")})
+    assert "train/planner" in folders
+    found = [(folder, f, n, lines) for folder in folders for f, n, lines, _ in _functions(folder)]
+    assert len(found) > 30  # the walk sees the subpackages' functions
+    long = [item for item in found if item[3] > 50]
+    assert not long, f"functions over 50 lines: {long}"
