@@ -89,3 +89,22 @@ def test_train_subpackage_functions_are_short():
     assert len(found) > 30  # the walk sees the subpackages' functions
     long = [item for item in found if item[3] > 50]
     assert not long, f"functions over 50 lines: {long}"
+
+
+def test_fault_injection_is_an_action_only_a_test_config_adds():
+    """The production loop holds no fault injection; a test's fault_injection.* puts it first, before
+    step s-1's metrics are fetched, and the documented order of the built-in actions holds."""
+    import types
+
+    from train import loop_actions, sections
+    from train.config import base_config
+    config = base_config()
+    loop = types.SimpleNamespace(plan=types.SimpleNamespace(faults=sections.from_config(config)[2]))
+    names = [type(a).__name__ for a in loop_actions.step_actions(loop, [])]
+    assert names == ["FetchPending", "SavePoll", "ProfileStop", "SavePrepare", "FetchNow", "Evaluation",
+                     "CheckpointSave", "UserActions", "PreemptionStop"]
+    config.fault_injection.step_delay_s = 0.1
+    loop.plan.faults = sections.from_config(config)[2]
+    assert [type(a).__name__ for a in loop_actions.step_actions(loop, [])] == ["FaultInjection", *names]
+    metric = [type(a).__name__ for a in loop_actions.metric_actions(loop)]
+    assert metric == ["StepClock", "WatchdogKick", "StopSaveAgreement", "NonFiniteGuard", "MetricsLogging"]

@@ -68,17 +68,17 @@ class NonFiniteGuard(Action):
         return not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"]))
 
     def run(self, step: int, values: dict[str, float]) -> None:
-        non_finite(self.loop.config.train.on_nonfinite, step, values, self.loop.s.saver.last_saved)
+        non_finite(self.loop.plan.train.on_nonfinite, step, values, self.loop.s.saver.last_saved)
 
 
 class MetricsLogging(Action):
     """metrics.jsonl, the loggers of train.loggers and the progress line, every train.log_every steps."""
 
     def due(self, step: int) -> bool:
-        return step % self.loop.config.train.log_every == 0 or step == self.loop.plan.steps
+        return step % self.loop.plan.train.log_every == 0 or step == self.loop.plan.steps
 
     def run(self, step: int, values: dict[str, float]) -> None:
-        loop, every, rep = self.loop, self.loop.config.train.log_every, self.loop.s.rep
+        loop, every, rep = self.loop, self.loop.plan.train.log_every, self.loop.s.rep
         recent = float(np.mean(loop.last["times"][-every:]))
         tps = rep["tokens_per_step"] / recent
         mfu = rep["flops_per_step"] / recent / loop.s.peak if loop.s.peak else 0.0
@@ -96,13 +96,8 @@ class MetricsLogging(Action):
 class FaultInjection(Action):
     """Test-only faults (fault_injection.*) while step s runs; in the list only when one is set."""
 
-    @staticmethod
-    def wanted(config: Any) -> bool:
-        fi = config.fault_injection
-        return bool(fi.step_delay_s or fi.hang_at_step)
-
     def run(self, step: int) -> None:
-        fi = self.loop.config.fault_injection
+        fi = self.loop.plan.faults
         if fi.step_delay_s:
             time.sleep(fi.step_delay_s)
         if fi.hang_at_step == step:
@@ -172,7 +167,7 @@ class SavePrepare(CheckpointSave):
 
 class Evaluation(Action):
     def due(self, step: int) -> bool:
-        t = self.loop.config.train
+        t = self.loop.plan.train
         return bool(t.eval_every and step % t.eval_every == 0 and t.eval_batches)
 
     def run(self, step: int) -> None:
@@ -254,7 +249,7 @@ def step_actions(loop: Any, user_actions: list) -> list[Action]:
       6. user actions (train.actions), then the preemption stop.
     """
     evaluation = Evaluation(loop)
-    faults = [FaultInjection(loop)] if FaultInjection.wanted(loop.config) else []
+    faults = [FaultInjection(loop)] if loop.plan.faults.in_loop else []
     return [*faults, FetchPending(loop), SavePoll(loop), ProfileStop(loop), SavePrepare(loop),
             FetchNow(loop, evaluation), evaluation, CheckpointSave(loop), UserActions(loop, user_actions),
             PreemptionStop(loop)]

@@ -34,7 +34,7 @@ class Scheduler:
 
     def __init__(self, services: Services, begin, user_actions: list):
         self.s, self.begin = services, begin
-        self.config, self.plan = services.trainer.config, services.trainer.plan
+        self.plan = services.trainer.plan
         self.agree = preemption.Agreement()
         self.state = begin.state
         self.last: dict[str, Any] = {"loss": float("nan"), "eval_loss": None, "times": []}
@@ -61,7 +61,7 @@ class Scheduler:
             self.dispatched, self.fetch_now = (step, self.metrics, flags), False
             loop_actions.run_due(self.step_actions, step)
         self.finish_pending()
-        t = self.config.train
+        t = self.plan.train
         if t.eval_batches and (not t.eval_every or self.plan.steps % t.eval_every):
             self.evaluate(self.plan.steps)
         return self.state, self.last
@@ -81,6 +81,6 @@ class Scheduler:
 
 
 def evaluate(trainer, params) -> float:
-    batches = trainer.config.train.eval_batches
+    batches = trainer.plan.train.eval_batches
     losses = [trainer.eval_step(params, trainer.batch(k, split="eval")) for k in range(batches)]
     return float(np.mean(jax.device_get(losses)))
