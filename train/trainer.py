@@ -50,7 +50,7 @@ class Trainer:
             loss_and_grad = step_lib.model_loss_and_grad(plan.model, layout.constrain())
             eval_loss = None
         loss_and_grad = step_lib.accumulate(loss_and_grad, plan.grad_accum, layout.batch)
-        train_step = step_lib.make_train_step(loss_and_grad, tx, schedule, layout, **step_lib.guard_options(config))
+        train_step = step_lib.make_train_step(loss_and_grad, tx, schedule, layout, **step_lib.guard_options(plan))
         eval_step = step_lib.make_eval_step(plan.model, layout, eval_loss, plan.grad_accum)
         return cls(config, plan, mesh, layout, tx, schedule, source, loss_and_grad, train_step, eval_step)
 
