@@ -84,7 +84,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
     trainer = Trainer.build(config)  # every user error is raised here, before the workdir is touched
     path = prepare_workdir(workdir)  # only creates the directory; nothing in it is touched yet
     if not options.compile_only:
-        resume.check_before_compile(config, trainer, path)  # checkpoint compatibility: nothing moved yet
+        resume.check_before_compile(trainer, path)  # checkpoint compatibility: nothing moved yet
     goodput = Goodput(path, enabled=jax.process_index() == 0)
     run = _compile(trainer, path, goodput, options)
     if options.compile_only:
