@@ -108,3 +108,10 @@ def test_fault_injection_is_an_action_only_a_test_config_adds():
     assert [type(a).__name__ for a in loop_actions.step_actions(loop, [])] == ["FaultInjection", *names]
     metric = [type(a).__name__ for a in loop_actions.metric_actions(loop)]
     assert metric == ["StepClock", "WatchdogKick", "StopSaveAgreement", "NonFiniteGuard", "MetricsLogging"]
+
+
+def test_loop_actions_take_few_parameters():
+    found = [(f, n, c) for f, n, _, c in _functions("train") if f in ("loop_actions.py", "sections.py")]
+    assert len(found) > 20
+    wide = [item for item in found if item[2] > 5]
+    assert not wide, f"loop functions over 5 parameters: {wide}"
