@@ -73,8 +73,10 @@ class Start:
 
 def start(config: ml_collections.ConfigDict, trainer: Trainer, ckpts: checkpoint.Checkpoints,
           say: Callable[[str], None]) -> Start:
+    """The state to train from: the run's newest checkpoint, else checkpoint.restore_from, else a fresh one.
+    It takes the settings from `config` (tests restore into a trainer built without restore_from)."""
     t0 = time.perf_counter()
-    rng = ckpt_format.rng_of(trainer.plan.train.seed, trainer.mesh)
+    rng = ckpt_format.rng_of(config.train.seed, trainer.mesh)
     restored = checkpoint.restore_newest(ckpts, ckpt_format.target(trainer), warn=say)
     if restored:
         changes = meta_lib.config_changes(restored.meta.get("config", {}), config.to_dict())
@@ -85,14 +87,14 @@ def start(config: ml_collections.ConfigDict, trainer: Trainer, ckpts: checkpoint
             trainer.source = dataclasses.replace(trainer.source, order="random")
         return Start(ckpt_format.from_tree(trainer, restored.tree), restored.tree["rng"], restored.step,
                      f"resumed from {restored.where}", True, time.perf_counter() - t0)
-    spec = trainer.plan.checkpoint.restore_from
+    spec = config.checkpoint.restore_from
     if not spec:
         return Start(trainer.init_state(), rng, 0, "initialized", False, time.perf_counter() - t0)
     if spec.startswith(hf_import.PREFIX):  # Hugging Face weights: params only, fresh optimizer, step 0
         state, origin = hf_import.load_state(spec, trainer)
         return Start(state, rng, 0, origin, False, time.perf_counter() - t0)
     source, step = checkpoint.open_source(spec)
-    if trainer.plan.checkpoint.restore_params_only:
+    if config.checkpoint.restore_params_only:
         got = checkpoint.restore_source(source, step, {"params": ckpt_format.target(trainer)["params"]}, True, spec)
         params = ckpt_format.params_from_tree(trainer, got.tree["params"])
         opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.layout.state["opt_state"])(params)
