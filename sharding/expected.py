@@ -24,7 +24,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 import models
-from sharding.specs import entry_axes
+from sharding.specs import spec_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,22 +39,15 @@ class Expected:
             object.__setattr__(self, "axes", (self.axes,))
 
 
-def _axes_of(spec: P) -> set[str]:
-    out: set[str] = set()
-    for entry in spec:
-        out.update(entry_axes(entry))
-    return out
-
-
 def _shard_bytes(leaf, spec: P, sizes: Mapping[str, int], drop: str | None = None) -> float:
     """Bytes of one device's piece of `leaf` under `spec`, optionally as if `drop` did not split it."""
-    ways = math.prod(sizes[a] for a in _axes_of(spec) if a != drop)
+    ways = math.prod(sizes[a] for a in spec_axes(spec) if a != drop)
     return math.prod(leaf.shape) * leaf.dtype.itemsize / ways
 
 
 def _on_every_stage(spec: P) -> bool:
     """A weight replicated over `pipeline`: the top parameters (embedding, final norm, head); the stack is split."""
-    return "pipeline" not in _axes_of(spec)
+    return "pipeline" not in spec_axes(spec)
 
 
 def _stage_replicated_gradients(leaves, specs, sizes: Mapping[str, int], batch_axes) -> list[Expected]:
@@ -64,7 +57,7 @@ def _stage_replicated_gradients(leaves, specs, sizes: Mapping[str, int], batch_a
     by_axes: dict[tuple[str, ...], float] = {}
     for leaf, spec in zip(leaves, specs):
         if _on_every_stage(spec):
-            axes = tuple(a for a in sizes if a == "pipeline" or (a in batch_axes and a not in _axes_of(spec)))
+            axes = tuple(a for a in sizes if a == "pipeline" or (a in batch_axes and a not in spec_axes(spec)))
             by_axes[axes] = by_axes.get(axes, 0.0) + _shard_bytes(leaf, spec, sizes)
     return [Expected("embedding/head gradient all-reduce (on every stage)", "all_reduce", axes, nbytes)
             for axes, nbytes in by_axes.items()]
@@ -111,7 +104,7 @@ def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Ma
     for axis in batch_axes:
         grads = gathered = gathers = 0.0
         for leaf, spec, is_lookup in zip(leaves, specs, lookup):
-            if axis in _axes_of(spec):  # sharded over the batch axis: FSDP gathers and reduce-scatters
+            if axis in spec_axes(spec):  # sharded over the batch axis: FSDP gathers and reduce-scatters
                 full = _shard_bytes(leaf, spec, sizes, drop=axis)
                 gathered += full
                 gathers += full if (pipelined or is_lookup) else 2 * full
@@ -127,7 +120,7 @@ def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Ma
     if pipelined:
         out += _stage_replicated_gradients(leaves, specs, sizes, batch_axes)
     tensor = sizes.get("tensor", 1)
-    if tensor > 1 and any("tensor" in _axes_of(s) for s in specs):
+    if tensor > 1 and any("tensor" in spec_axes(s) for s in specs):
         ways = math.prod(sizes[a] for a in batch_axes)
         act = global_batch // ways * cfg.seq_len * cfg.d_model * jax.numpy.dtype(cfg.compute_dtype).itemsize
         chunks = sizes["pipeline"] * pipeline.get("virtual_stages", 1) if pipelined else 0

@@ -63,6 +63,11 @@ def entry_axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def spec_axes(spec: P) -> tuple[str, ...]:
+    """Every mesh axis `spec` splits over, in spec order: P('data', ('fsdp', 'tensor')) -> ('data', 'fsdp', 'tensor')."""
+    return tuple(a for entry in spec for a in entry_axes(entry))
+
+
 def sharded_dims(spec: P) -> list[tuple[int, tuple[str, ...]]]:
     """[(dimension, its mesh axes)] for each dimension `spec` splits."""
     return [(dim, entry_axes(e)) for dim, e in enumerate(spec) if e]

@@ -1,17 +1,7 @@
-"""The training loop's periodic actions: each says whether it is due at step s and runs at step s.
-
-The loop (train/loop.py) dispatches step s, then runs, in this order (the order is the contract):
-  1. fault injection (tests only: fault_injection.*), while step s runs;
-  2. the metrics of step s-1 are fetched and go through the METRIC actions: step clock and goodput,
-     watchdog kick, the cross-process stop/save agreement, the non-finite guard, then logging
-     (metrics.jsonl, TensorBoard, W&B) every train.log_every steps;
-  3. a failed background save is raised; the profiling window closes at its last step;
-  4. the save decision (step-based, time-based or preemption, as agreed so far); when a save or an eval
-     is due, step s's metrics are fetched at once, so the agreement is read BEFORE the final save
-     decision and a non-finite state is never evaluated or saved;
-  5. evaluation, then the checkpoint save (decided again: step s's agreed flags may have asked for it);
-  6. user actions (`train.actions`), then the preemption stop.
-Actions run on every process; only process 0 writes files (MetricsLog and the loggers check it).
+"""User actions: periodic work an experiment adds to the training loop, beside the built-in actions
+(evaluation, saves, profiling, logging, watchdog, stop/save agreement, goodput) of train/loop_actions.py,
+whose `step_actions` documents the order they all run in (user actions run after the save of step s and
+before the preemption stop). Actions run on every process; only process 0 writes files.
 
 A user action comes from an experiment file: `actions.register("name", factory)` where
 `factory(config)` returns an object with `due(step) -> bool` and `run(step, state, metrics) -> dict | None`

@@ -172,10 +172,11 @@ def project(records: list[dict], sizes: dict[str, int], topology_name: str, host
 
 def audit(trainer, report: dict, xla_log: str, topology: str, hosts: int, mfu: float) -> dict[str, Any]:
     layout, plan = trainer.layout, trainer.plan
-    pipe = trainer.config.pipeline
+    pipe = plan.pipeline
     expected = expected_traffic(plan.model, layout.abstract_state["params"], layout.param_specs, plan.rules,
                                 plan.mesh_sizes, plan.global_batch,
-                                {"microbatches": pipe.microbatches, "virtual_stages": pipe.virtual_stages})
+                                {"microbatches": pipe.microbatches, "virtual_stages": pipe.virtual_stages}
+                                if pipe else None)
     records = report["collectives"]
     if plan.pipeline:
         schedule = plan.pipeline.build()

@@ -4,6 +4,7 @@
 Use it in place of absl's app.run and config_flags.DEFINE_config_file:
 
     _CONFIG = cli.config_file("config", "experiments/default.py", "Experiment config file.")
+    # or cli.config_dict("config", base_config(), "...") for a built-in config that flags override
     ...
     if __name__ == "__main__":
         cli.run(main)   # main(argv) -> exit status (None means 0)
@@ -65,17 +66,27 @@ def _config_load_message(name: str, error: BaseException) -> str:
     return f"--{name}={path}: {_last_line(str(cause))}"
 
 
-def config_file(name: str, default: str, help_text: str) -> Any:
-    """config_flags.DEFINE_config_file, whose override errors (raised while defining, when the command line
-    names no config file) become one line and exit 2."""
+def _define(name: str, define: Callable[[], Any]) -> Any:
+    """Run a config_flags DEFINE_*; its override errors (raised while defining, when the command line names no
+    config file or the config is a dict) become one line and exit 2."""
     try:
-        holder = config_flags.DEFINE_config_file(name, default, help_text)
+        holder = define()
     except (KeyError, AttributeError) as e:
         fail(key_error_message(name, e, sys.argv))
     except (ValueError, TypeError, OSError) as e:
         fail(f"--{name}: {_last_line(str(e))}")
     _CONFIG_FLAGS.append((name, holder))
     return holder
+
+
+def config_file(name: str, default: str, help_text: str) -> Any:
+    """config_flags.DEFINE_config_file with one-line, exit-2 errors."""
+    return _define(name, lambda: config_flags.DEFINE_config_file(name, default, help_text))
+
+
+def config_dict(name: str, default: Any, help_text: str) -> Any:
+    """config_flags.DEFINE_config_dict (a built-in ConfigDict that `--name.key=value` overrides), same errors."""
+    return _define(name, lambda: config_flags.DEFINE_config_dict(name, default, help_text))
 
 
 def flag_error_message(error: flags.Error) -> str:

@@ -19,7 +19,7 @@ from sharding import rules as sharding_rules
 from sharding import schedules
 from sharding.rules import ShardingConfigError
 from sharding.schedules import ScheduleConfigError
-from train import datadir
+from train import datadir, sections
 from train.datadir import DataConfigError
 
 
@@ -80,7 +80,8 @@ class PipelinePlan:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Everything resolved from a config before any device work: the contract of the run."""
+    """Everything resolved from a config before any device work: the contract of the run. A new setting
+    joins it as a typed field (train/sections.py explains how); code below __main__ reads the plan."""
     model: models.ModelConfig
     mesh_sizes: dict[str, int]
     rules: dict[str, tuple[str, ...]]
@@ -91,6 +92,10 @@ class Plan:
     profile_steps: tuple[int, int] | None
     pipeline: PipelinePlan | None = None  # None when mesh.pipeline == 1
     data: datadir.DataSpec | None = None  # the token files of data.source=tokens
+    # The sections the loop, its actions and the saver read (train/sections.py says how a new setting joins).
+    train: sections.TrainSection | None = None
+    checkpoint: sections.CheckpointSection | None = None
+    faults: sections.FaultSection | None = None
 
 
 def _positive(section: Any, prefix: str, keys: tuple[str, ...], allow_zero: tuple[str, ...] = ()) -> None:
@@ -228,6 +233,8 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
         raise ConfigError(f"model.vocab_size={model.vocab_size}: byte-level text needs at least 256")
     _fault_tolerance(config)
     _check_names(t)
+    train, ckpt, faults = sections.from_config(config)
     return Plan(model=model, mesh_sizes=mesh_sizes, rules=rules, global_batch=t.global_batch_size,
                 grad_accum=t.grad_accum_steps, steps=t.steps, decay_steps=decay_steps,
-                profile_steps=_profile_range(t.profile_steps, t.steps), pipeline=pipeline, data=data)
+                profile_steps=_profile_range(t.profile_steps, t.steps), pipeline=pipeline, data=data,
+                train=train, checkpoint=ckpt, faults=faults)

@@ -13,6 +13,8 @@ import ml_dtypes
 import numpy as np
 from absl import app, flags
 
+from train import cli
+
 FLAGS = flags.FLAGS
 
 
@@ -137,4 +139,4 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(lambda argv: sys.exit(main(argv)))
+    cli.run(main)

@@ -84,7 +84,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
     trainer = Trainer.build(config)  # every user error is raised here, before the workdir is touched
     path = prepare_workdir(workdir)  # only creates the directory; nothing in it is touched yet
     if not options.compile_only:
-        resume.check_before_compile(config, trainer, path)  # checkpoint compatibility: nothing moved yet
+        resume.check_before_compile(trainer, path)  # checkpoint compatibility: nothing moved yet
     goodput = Goodput(path, enabled=jax.process_index() == 0)
     run = _compile(trainer, path, goodput, options)
     if options.compile_only:
@@ -103,7 +103,7 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
     compiled, xla_log = audit_lib.compile_logged(trainer.compile) if audit else (trainer.compile(), "")
     compile_s = time.perf_counter() - t0
     goodput.add("compile_s", compile_s)
-    if config.train.memory_check:
+    if plan.train.memory_check:
         check_memory(report_lib.memory_per_device(compiled))
     rep = report_lib.build(plan, trainer.mesh, compiled, {"compile_seconds": round(compile_s, 3)})
     if audit:
@@ -129,8 +129,8 @@ def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preempti
     """Resume (or start), then loop; the exit paths (done, preempted, non-finite, failed save) all wait
     for the save in flight and record goodput."""
     trainer, plan, config = run.trainer, run.trainer.plan, run.trainer.config
-    ckpts = checkpoint.Checkpoints(path / "checkpoints", keep=config.checkpoint.keep,
-                                   keep_period=config.checkpoint.keep_period)
+    ckpts = checkpoint.Checkpoints(path / "checkpoints", keep=plan.checkpoint.keep,
+                                   keep_period=plan.checkpoint.keep_period)
     begin = resume.start(config, trainer, ckpts, say)
     goodput.add("init_s" if begin.origin == "initialized" else "restore_s", begin.seconds)
     if begin.step >= plan.steps:
@@ -141,7 +141,7 @@ def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preempti
     saver = Saver(ckpts, config, trainer, log, goodput, last_saved=begin.step if begin.resumed else -1)
     goodput.add("compile_s", saver.warm_up(begin.state, begin.rng))
     peak = hardware.peak_flops_per_device(plan.model.compute_dtype, run.peak_tflops) * jax.device_count()
-    with Watchdog(config.train.step_timeout_s, exit_codes.WATCHDOG,
+    with Watchdog(plan.train.step_timeout_s, exit_codes.WATCHDOG,
                   before_exit=lambda: goodput.flush(exit_codes.WATCHDOG)) as dog:
         services = Services(trainer, run.compiled, path, log, saver, goodput, signals, dog, run.rep, peak)
         state, last = _supervised(Scheduler(services, begin, actions_lib.build(config)))
@@ -161,7 +161,7 @@ def _open_log(run: Compiled, path: pathlib.Path, begin: resume.Start) -> Metrics
         else:
             (path / "metrics.jsonl").write_text("")  # a fresh run starts a fresh log
     log = MetricsLog(path, plan.steps, purge_step=begin.step + 1 if begin.resumed else None,
-                     loggers=actions_lib.names(run.trainer.config.train.loggers), run_config=run.info,
+                     loggers=plan.train.loggers, run_config=run.info,
                      summary={"compile_report": rep})
     log.message(f"training {rep['param_count'] / 1e6:.1f}M parameters on mesh "
                 f"{' x '.join(f'{a}={s}' for a, s in rep['mesh'].items() if s > 1) or 'single device'} "

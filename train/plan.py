@@ -9,9 +9,10 @@ import pathlib
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "experiments/default.py", "Experiment config file.")
+from train import cli
+
+_CONFIG = cli.config_file("config", "experiments/default.py", "Experiment config file.")
 _TOPOLOGY = flags.DEFINE_string("topology", "dgx-h100", "Cluster: a preset name or a topology JSON file.")
 _HOSTS = flags.DEFINE_integer("hosts", 1, "Hosts of --topology.")
 _DPH = flags.DEFINE_integer("devices_per_host", 0, "Devices per host (0: the topology's).")
@@ -98,4 +99,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
+    cli.run(main)

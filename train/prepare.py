@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import numpy as np
 from absl import app, flags
 
-from train import corpus, exit_codes, tokenizer as tok_lib
+from train import cli, corpus, exit_codes, tokenizer as tok_lib
 from train.corpus import CorpusError
 from train.tokenizer import TokenizerError
 
@@ -294,4 +294,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
+    cli.run(main)

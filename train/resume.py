@@ -30,30 +30,30 @@ def _newest_meta(ckpts: checkpoint.Checkpoints) -> tuple[int, dict[str, Any]] | 
     return None
 
 
-def check_before_compile(config: ml_collections.ConfigDict, trainer: Trainer, workdir: pathlib.Path) -> None:
+def check_before_compile(trainer: Trainer, workdir: pathlib.Path) -> None:
     """Fail fast, moving nothing: the run's own newest checkpoint (or restore_from's) must hold the arrays
     this config trains, with the same seed; the workdir must have room for a checkpoint."""
-    wanted = ckpt_format.target(trainer)
+    wanted, ck, seed_now = ckpt_format.target(trainer), trainer.plan.checkpoint, trainer.plan.train.seed
     own = checkpoint.Checkpoints(workdir / "checkpoints", read_only=True) if (workdir / "checkpoints").is_dir() else None
     found = _newest_meta(own) if own else None
     if found:
         step, meta = found
         meta_lib.check_compatible(meta, wanted, str(own.step_dir(step)))
         seed = meta.get("config", {}).get("train", {}).get("seed")
-        if seed is not None and seed != config.train.seed:
-            raise ConfigError(f"train.seed={config.train.seed} but {own.step_dir(step)} was trained with seed {seed}; "
+        if seed is not None and seed != seed_now:
+            raise ConfigError(f"train.seed={seed_now} but {own.step_dir(step)} was trained with seed {seed}; "
                               f"set it back (a resumed run replays the same data), or use a new --workdir")
-    elif config.checkpoint.restore_from.startswith(hf_import.PREFIX):
-        hf_import.check(config.checkpoint.restore_from, trainer, workdir)
-    elif config.checkpoint.restore_from:
-        source, step = checkpoint.open_source(config.checkpoint.restore_from)
+    elif ck.restore_from.startswith(hf_import.PREFIX):
+        hf_import.check(ck.restore_from, trainer, workdir)
+    elif ck.restore_from:
+        source, step = checkpoint.open_source(ck.restore_from)
         try:
             meta = source.read_meta(step)
         except Exception as e:  # noqa: BLE001
-            raise checkpoint.RestoreFromError(f"checkpoint.restore_from={config.checkpoint.restore_from!r}: the meta "
+            raise checkpoint.RestoreFromError(f"checkpoint.restore_from={ck.restore_from!r}: the meta "
                                               f"of {source.step_dir(step)} does not read ({type(e).__name__})") from None
         meta_lib.check_compatible(meta, wanted, str(source.step_dir(step)),
-                                  prefix="params/" if config.checkpoint.restore_params_only else "")
+                                  prefix="params/" if ck.restore_params_only else "")
     need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(wanted))
     free = shutil.disk_usage(workdir).free
     if free < need:
@@ -73,6 +73,8 @@ class Start:
 
 def start(config: ml_collections.ConfigDict, trainer: Trainer, ckpts: checkpoint.Checkpoints,
           say: Callable[[str], None]) -> Start:
+    """The state to train from: the run's newest checkpoint, else checkpoint.restore_from, else a fresh one.
+    It takes the settings from `config` (tests restore into a trainer built without restore_from)."""
     t0 = time.perf_counter()
     rng = ckpt_format.rng_of(config.train.seed, trainer.mesh)
     restored = checkpoint.restore_newest(ckpts, ckpt_format.target(trainer), warn=say)

@@ -30,6 +30,9 @@ def load(workdir: pathlib.Path) -> ml_collections.ConfigDict:
         raise ConfigError(f"--workdir={workdir}: {path} is not a run's config.json (no 'config' entry)") from None
     config = base_config()
     _apply(config, saved)
+    # With plan.auto the saved mesh.* and layout knobs are the planner's choice, the layout actually trained:
+    # use it as written (and let --config.mesh.* override it) rather than planning again.
+    config.plan.auto = False
     return config
 
 

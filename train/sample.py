@@ -9,11 +9,11 @@ import pathlib
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
+from train import cli
 from train.config import base_config
 
-_CONFIG = config_flags.DEFINE_config_dict("config", base_config(), "Only --config.mesh.* overrides are read.")
+_CONFIG = cli.config_dict("config", base_config(), "Only --config.mesh.* overrides are read.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run's directory.", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text, encoded with the run's tokenizer (its DATADIR's "
@@ -100,4 +100,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
+    cli.run(main)

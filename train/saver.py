@@ -41,8 +41,8 @@ class Saver:
     def __init__(self, ckpts: checkpoint.Checkpoints, config: ml_collections.ConfigDict, trainer: Trainer,
                  log: MetricsLog, goodput: Goodput, last_saved: int):
         self.ckpts, self.trainer = ckpts, trainer
-        self.policy = checkpoint.SavePolicy(config.checkpoint.every_steps, config.checkpoint.every_minutes,
-                                            config.checkpoint.get("mtbf_hours", 0.0))
+        every = trainer.plan.checkpoint
+        self.policy = checkpoint.SavePolicy(every.every_steps, every.every_minutes, every.mtbf_hours)
         self._blocked: list[float] = []  # measured save costs, for the mtbf_hours interval
         self.run_info = describe_run(config, trainer)
         self.log, self.goodput = log, goodput

@@ -105,10 +105,9 @@ def make_train_step(loss_and_grad: LossAndGrad, tx: optax.GradientTransformation
                    donate_argnums=() if layout.mesh.devices.flat[0].platform == "cpu" else 0)
 
 
-def guard_options(config) -> dict:
-    """make_train_step's non-finite policy and fault injection, from the config."""
-    return {"skip_nonfinite": config.train.on_nonfinite == "skip",
-            "nan_at_step": int(config.fault_injection.nan_at_step)}
+def guard_options(plan) -> dict:
+    """make_train_step's non-finite policy and fault injection (tests only), from the plan."""
+    return {"skip_nonfinite": plan.train.on_nonfinite == "skip", "nan_at_step": plan.faults.nan_at_step}
 
 
 def make_eval_step(cfg: models.ModelConfig, layout: Layout, loss_fn: Callable | None = None, accum: int = 1):

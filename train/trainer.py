@@ -52,12 +52,12 @@ class Trainer:
             eval_loss = None
         loss_and_grad = step_lib.accumulate(loss_and_grad, plan.grad_accum, layout.batch,
                                             models.target_counter(plan.model))
-        train_step = step_lib.make_train_step(loss_and_grad, tx, schedule, layout, **step_lib.guard_options(config))
+        train_step = step_lib.make_train_step(loss_and_grad, tx, schedule, layout, **step_lib.guard_options(plan))
         eval_step = step_lib.make_eval_step(plan.model, layout, eval_loss, plan.grad_accum)
         return cls(config, plan, mesh, layout, tx, schedule, source, loss_and_grad, train_step, eval_step)
 
     def init_state(self) -> state_lib.State:
-        return self.from_logical(state_lib.init_state(self.plan, self.layout, self.tx, self.config.train.seed))
+        return self.from_logical(state_lib.init_state(self.plan, self.layout, self.tx, self.plan.train.seed))
 
     @property
     def layer_order(self):
@@ -89,7 +89,7 @@ class Trainer:
         return state if self._reorder is None else self._reorder[1](state)
 
     def batch(self, step: int, split: str = "train") -> jax.Array:
-        return data_lib.global_batch(self.source, self.layout.batch, self.config.train.seed, step,
+        return data_lib.global_batch(self.source, self.layout.batch, self.plan.train.seed, step,
                                      self.plan.global_batch, self.plan.model.seq_len + 1, split)
 
     def abstract_batch(self) -> jax.ShapeDtypeStruct:

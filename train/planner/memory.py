@@ -56,7 +56,7 @@ def state_bytes(cfg: models.GPTConfig, mesh: tuple[tuple[str, int], ...], shard_
 
 
 def _ways(spec, sizes) -> int:
-    return math.prod(sizes[a] for e in spec for a in sharding_specs.entry_axes(e))
+    return math.prod(sizes[a] for a in sharding_specs.spec_axes(spec))
 
 
 @functools.lru_cache(maxsize=1024)
