@@ -24,9 +24,9 @@ def tiny_config(source: str = "synthetic", **mesh):
     return config
 
 
-def run_steps(trainer: Trainer, steps: int):
-    """Losses of `steps` updates from a fresh state, and the final state."""
-    state = trainer.init_state()
+def run_steps(trainer: Trainer, steps: int, state=None):
+    """Losses of `steps` updates from `state` (a fresh state when None; it is donated), and the final state."""
+    state = trainer.init_state() if state is None else state
     losses = []
     for step in range(steps):
         state, metrics = trainer.train_step(state, trainer.batch(step))
@@ -34,10 +34,18 @@ def run_steps(trainer: Trainer, steps: int):
     return np.array(losses), state
 
 
-def first_grads(trainer: Trainer):
-    state = trainer.init_state()
+def first_grads(trainer: Trainer, state=None):
+    """Gradients of the first batch at `state` (a fresh state when None); `state` is left intact."""
+    state = trainer.init_state() if state is None else state
     _, grads = jax.jit(trainer.loss_and_grad)(state["params"], trainer.batch(0))
     return jax.device_get(grads)
+
+
+def grads_and_run(trainer: Trainer, steps: int):
+    """first_grads and run_steps from one initial state: the state is initialized (traced, compiled) once."""
+    state = trainer.init_state()
+    grads = first_grads(trainer, state)
+    return (grads, *run_steps(trainer, steps, state))
 
 
 def rel_norm(a, b) -> float:
@@ -53,8 +61,8 @@ def single_device_run(steps: int = 5) -> dict:
     """The reference every layout is held to: the tiny model on one device, `steps` updates from a fresh
     state: losses, first-step gradients, final params and the eval loss of the final params."""
     trainer = Trainer.build(tiny_config(), num_devices=1)
-    losses, state = run_steps(trainer, steps)
-    return {"losses": losses, "grads": first_grads(trainer), "params": state["params"],
+    grads, losses, state = grads_and_run(trainer, steps)
+    return {"losses": losses, "grads": grads, "params": state["params"],
             "eval_loss": float(trainer.eval_step(state["params"], trainer.batch(0, "eval")))}
 
 

@@ -1,4 +1,5 @@
 """The communication audit finds exactly the collectives each layout needs, with loop trips counted."""
+import functools
 import math
 
 import jax
@@ -23,9 +24,15 @@ LAYOUTS = {
 
 
 def _audit(strategy, mesh, pipeline=None):
-    config = tiny_config(**mesh)
+    """The audit of one layout; each is built and compiled once per test process (tests only read it)."""
+    return _audit_once(strategy, tuple(mesh.items()), tuple((pipeline or {}).items()))
+
+
+@functools.lru_cache(maxsize=None)
+def _audit_once(strategy, mesh, pipeline):
+    config = tiny_config(**dict(mesh))
     config.sharding.strategy = strategy
-    config.pipeline.update(pipeline or {})
+    config.pipeline.update(dict(pipeline))
     trainer = Trainer.build(config)
     compiled, log = audit_lib.compile_logged(trainer.compile)
     rep = report.build(trainer.plan, trainer.mesh, compiled)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from tests.helpers import first_grads, rel_norm, run_steps, single_device_reference, tiny_config
+from tests.helpers import grads_and_run, rel_norm, run_steps, single_device_reference, tiny_config
 from train.trainer import Trainer
 
 LAYOUTS = [
@@ -17,9 +17,9 @@ LAYOUTS = [
 def test_layout_matches_single_device(layout):
     ref_losses, ref_grads = single_device_reference(5)
     trainer = Trainer.build(tiny_config(**layout))
-    losses, _ = run_steps(trainer, 5)
+    grads, losses, _ = grads_and_run(trainer, 5)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
-    assert rel_norm(first_grads(trainer), ref_grads) < 1e-5
+    assert rel_norm(grads, ref_grads) < 1e-5
 
 
 def test_gradient_accumulation_matches_one_big_batch():

@@ -1,5 +1,6 @@
 """Hugging Face interop against transformers: an exported llama3-tiny loads and gives our logits; a tiny random
 LlamaForCausalLM imports through `hf:` on a 2- and a 4-device layout with its logits; bad files are one line."""
+import functools
 import json
 import pathlib
 
@@ -19,7 +20,9 @@ from train.trainer import Trainer  # noqa: E402
 TOKENS = np.random.default_rng(0).integers(0, 256, (2, 24))
 
 
+@functools.lru_cache(maxsize=None)
 def _hf_logits(path) -> np.ndarray:
+    """transformers' logits of TOKENS for the model saved at `path`, loaded once per path."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         return model(torch.tensor(TOKENS)).logits.numpy()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import models
-from tests.helpers import first_grads, rel_norm, run_steps, tiny_config
+from tests.helpers import grads_and_run, rel_norm, tiny_config
 from train import audit as audit_lib
 from train import config as config_lib
 from train import report
@@ -28,8 +28,8 @@ def _config(layout=()):
 @functools.lru_cache(maxsize=None)
 def _reference():
     trainer = Trainer.build(_config(), num_devices=1)
-    losses, _ = run_steps(trainer, STEPS)
-    return losses, first_grads(trainer)
+    grads, losses, _ = grads_and_run(trainer, STEPS)
+    return losses, grads
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,8 +50,8 @@ def test_presets_have_the_published_sizes():
 def test_layout_matches_single_device(layout):
     ref_losses, ref_grads = _reference()
     trainer = _trainer(layout)
-    assert rel_norm(first_grads(trainer), ref_grads) < 1e-5
-    losses, _ = run_steps(trainer, STEPS)
+    grads, losses, _ = grads_and_run(trainer, STEPS)
+    assert rel_norm(grads, ref_grads) < 1e-5
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
 
 

@@ -10,7 +10,7 @@ from mesh import hlo
 from sharding import pipeline as pipeline_lib
 from sharding import pipeline_stages as stages
 from sharding import schedules
-from tests.helpers import first_grads, rel_norm, run_steps, single_device_run, tiny_config
+from tests.helpers import grads_and_run, rel_norm, single_device_run, tiny_config
 from train.config import USER_ERRORS, resolve
 from train.trainer import Trainer
 
@@ -49,11 +49,10 @@ def _name(layout):
 def test_schedule_matches_single_device(layout, schedule, virtual_stages):
     ref_losses, ref_grads, ref_params, ref_eval = _reference()
     trainer = _trainer(layout, schedule, virtual_stages)
-    grads = first_grads(trainer)
+    grads, losses, state = grads_and_run(trainer, STEPS)
     if trainer.layer_order is not None:  # interleaved: the in-memory stack is in device-chunk order
         grads = pipeline_lib.to_logical(grads, trainer.layer_order)
     assert rel_norm(grads, ref_grads) < 1e-5
-    losses, state = run_steps(trainer, STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     # Checkpoints are layout-free: the logical-order state is the single-device state.
     assert rel_norm(trainer.to_logical(state)["params"], ref_params) < 1e-5
