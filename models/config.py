@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Mapping
 
 REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION = ("auto", "xla", "cudnn")  # models/attention.py resolves `auto` per platform
 
 
 class ModelConfigError(ValueError):
@@ -27,6 +28,14 @@ def check_common(cfg: Any, positive: tuple[str, ...]) -> None:
     for key in ("param_dtype", "compute_dtype"):
         if getattr(cfg, key) not in DTYPES:
             raise ModelConfigError(f"model.{key}={getattr(cfg, key)!r}: use one of {', '.join(DTYPES)}")
+    if cfg.compute_dtype == "float16":
+        raise ModelConfigError("model.compute_dtype=float16: float16 needs dynamic loss scaling, which this "
+                               "trainer does not do; use bfloat16 (same speed, float32's range) or float32")
+    if cfg.attention not in ATTENTION:
+        raise ModelConfigError(f"model.attention={cfg.attention!r}: use one of {', '.join(ATTENTION)}")
+    if not isinstance(cfg.loss_chunk_size, int) or cfg.loss_chunk_size < 0:
+        raise ModelConfigError(f"model.loss_chunk_size={cfg.loss_chunk_size!r}: tokens per loss chunk, an integer "
+                               f">= 0 (0 computes every logit at once)")
     if cfg.remat not in REMAT_POLICIES:
         raise ModelConfigError(f"model.remat={cfg.remat!r}: use one of {', '.join(REMAT_POLICIES)}")
     if not cfg.norm_eps > 0:
@@ -46,6 +55,8 @@ class GPTConfig:
     compute_dtype: str = "float32"
     remat: str = "none"  # none | full | save_dots
     norm_eps: float = 1e-6
+    attention: str = "auto"  # auto | xla | cudnn (models/attention.py)
+    loss_chunk_size: int = 0  # positions per chunk of the head + loss (models/lm_loss.py); 0: all at once
 
     @property
     def head_dim(self) -> int:

@@ -37,7 +37,8 @@ class TensorTraffic:
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One model family. Every function takes the family's frozen config `cfg` (which must have the fields
-    vocab_size, seq_len, d_model, n_layers, compute_dtype, remat) and an activation hint `constrain`.
+    vocab_size, seq_len, d_model, n_layers, compute_dtype, remat; optionally `attention`, which train/config.py
+    resolves per platform, and `loss_chunk_size`) and an activation hint `constrain`.
 
     embed(top, inputs_BxL, cfg, constrain) -> x_BxLxD
     run_layers(layers, x_BxLxD, inputs_BxL, cfg, constrain) -> (x_BxLxD, aux_loss scalar)

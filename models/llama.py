@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import contract, gpt
+from models.attention import attend
 from models.contract import Constrain, Params, no_constraint
-from models.layers import cross_entropy, logical_axes, param, param_dict, remat, rms_norm, rotary
+from models.layers import logical_axes, param, param_dict, remat, rms_norm, rotary
 from models.llama_config import LLAMA_PRESETS, LlamaConfig
 
 
@@ -87,7 +88,7 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constr
     k, v = (constrain(qkv_BxLxGxRxK[:, :, :, i], names) for i in (-2, -1))
     q, k = rotary(q, freqs, positions_L), rotary(k, freqs, positions_L)
     if cache is None:
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        o = attend(q, k, v, cfg.attention)
     else:
         k_cache, v_cache, length = cache
         k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), length, axis=1)
@@ -137,7 +138,8 @@ def logits(params: Params, x_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Cons
 
 def head_loss(params: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: LlamaConfig,
               constrain: Constrain = no_constraint, loss_mask_BxL: jax.Array | None = None):
-    return cross_entropy(logits(params, x_BxLxD, cfg, constrain), targets_BxL, loss_mask_BxL)
+    h = rms_norm(x_BxLxD, params["final_norm"], cfg.norm_eps)
+    return gpt.mean_head_loss(h, head_matrix(params, cfg), targets_BxL, cfg, constrain, loss_mask_BxL)
 
 
 # ----------------------------------------------------------------------------- decoding with a KV cache

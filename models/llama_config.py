@@ -47,6 +47,8 @@ class LlamaConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
+    attention: str = "auto"  # auto | xla | cudnn (models/attention.py)
+    loss_chunk_size: int = 0  # positions per chunk of the head + loss (models/lm_loss.py); 0: all at once
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", parse_rope_scaling(self.rope_scaling))
