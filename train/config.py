@@ -60,7 +60,8 @@ def base_config() -> ml_collections.ConfigDict:
                        b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0)
     c.data = dict(source="text", path="", token_dtype="uint16", eval_percent=5, cache_dir="", order="epochs")
     c.checkpoint = dict(every_steps=0, every_minutes=10.0, keep=3, keep_period=0, restore_from="",
-                        restore_params_only=False, mtbf_hours=0.0)
+                        restore_params_only=False, mtbf_hours=0.0,
+                        enabled=True)  # False: never write one (benchmarks, smoke runs); still resumes from one
     # The planner (train/planner): plan.auto takes its best layout for the devices at hand, keeping the
     # mesh sizes in plan.fixed ("tensor:8,pipeline:4").
     c.plan = dict(auto=False, fixed="", topology="")
@@ -150,6 +151,8 @@ def _fault_tolerance(config: ml_collections.ConfigDict) -> None:
         for key in keys:
             if not isinstance(section[key], (int, float)) or section[key] < 0:
                 raise ConfigError(f"{prefix}.{key}={section[key]!r}: must be a number >= 0 (0 turns it off)")
+    if not isinstance(ck.enabled, bool):
+        raise ConfigError(f"checkpoint.enabled={ck.enabled!r}: use True or False")
     if not isinstance(ck.keep, int) or ck.keep < 1:
         raise ConfigError(f"checkpoint.keep={ck.keep!r}: keep at least 1 checkpoint")
     if t.on_nonfinite not in NONFINITE_POLICIES:

@@ -129,8 +129,12 @@ def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preempti
     """Resume (or start), then loop; the exit paths (done, preempted, non-finite, failed save) all wait
     for the save in flight and record goodput."""
     trainer, plan, config = run.trainer, run.trainer.plan, run.trainer.config
+    enabled = config.checkpoint.enabled
+    if not enabled:
+        say(f"warning: checkpoint.enabled=False: this run writes no checkpoint (an existing one in {path} "
+            f"is restored, never overwritten); a crash or preemption loses its progress")
     ckpts = checkpoint.Checkpoints(path / "checkpoints", keep=config.checkpoint.keep,
-                                   keep_period=config.checkpoint.keep_period)
+                                   keep_period=config.checkpoint.keep_period, read_only=not enabled)
     begin = resume.start(config, trainer, ckpts, say)
     goodput.add("init_s" if begin.origin == "initialized" else "restore_s", begin.seconds)
     if begin.step >= plan.steps:

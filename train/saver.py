@@ -41,6 +41,7 @@ class Saver:
     def __init__(self, ckpts: checkpoint.Checkpoints, config: ml_collections.ConfigDict, trainer: Trainer,
                  log: MetricsLog, goodput: Goodput, last_saved: int):
         self.ckpts, self.trainer = ckpts, trainer
+        self.enabled = config.checkpoint.get("enabled", True)  # False: every save is skipped
         self.policy = checkpoint.SavePolicy(config.checkpoint.every_steps, config.checkpoint.every_minutes,
                                             config.checkpoint.get("mtbf_hours", 0.0))
         self._blocked: list[float] = []  # measured save costs, for the mtbf_hours interval
@@ -52,12 +53,16 @@ class Saver:
 
     def time_due(self) -> bool:
         """This process's view; the loop makes it agreed before acting on it."""
+        if not self.enabled:
+            return False
         cost = sum(self._blocked) / len(self._blocked) if self._blocked else None
         return self.policy.time_due(time.monotonic() - self._since, cost)
 
     def warm_up(self, state: dict[str, Any], rng: jax.Array) -> float:
         """Compile the checksum program (and the layer reordering, if any) now, not at the first save;
         returns the seconds it took."""
+        if not self.enabled:
+            return 0.0
         t0 = time.perf_counter()
         jax.block_until_ready(ckpt_format.to_tree_with_checksums(self.trainer, state, rng)[1])
         return time.perf_counter() - t0
@@ -65,12 +70,14 @@ class Saver:
     def prepare(self, step: int, state: dict[str, Any], rng: jax.Array) -> None:
         """Dispatch the checksums of `step`'s state while the step still runs, so they cost device time
         after it rather than time on this thread (a dispatch with ready inputs runs inline on CPU)."""
+        if not self.enabled:
+            return
         self._prepared = (step, *ckpt_format.to_tree_with_checksums(self.trainer, state, rng))
 
     def save(self, step: int, state: dict[str, Any], rng: jax.Array) -> None:
         """Save `step` (its state must be finite: the loop checked its metrics first), in logical layer
         order so that any pipeline layout can restore it."""
-        if step == self.last_saved:
+        if step == self.last_saved or not self.enabled:
             return
         if self._prepared and self._prepared[0] == step:
             _, tree, checksums = self._prepared
@@ -90,7 +97,11 @@ class Saver:
 
     def poll(self) -> None:
         """Log saves that have committed; raise SaveFailed if a background save failed."""
+        if not self.enabled:
+            return
         self._report(self.ckpts.poll())
 
     def wait(self) -> None:
+        if not self.enabled:
+            return
         self._report(self.ckpts.wait())

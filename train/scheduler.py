@@ -179,6 +179,9 @@ class Scheduler:
         if self.tracing:  # keep the part of the trace that was taken
             jax.profiler.stop_trace()
         self.s.saver.wait()
+        if not self.s.saver.enabled:
+            raise exit_codes.Stop(exit_codes.REQUEUE, f"preempted at step {step}; checkpoint.enabled=False, so "
+                                                      f"nothing was saved (exit status 75)")
         raise exit_codes.Stop(exit_codes.REQUEUE, f"preempted: saved checkpoint {self.s.saver.ckpts.step_dir(step)}; "
                                                   f"run the same command again to resume (exit status 75)")
 
