@@ -70,7 +70,7 @@ class Scheduler:
             self._finish(*self.pending)
         t = self.config.train
         if t.eval_batches and (not t.eval_every or self.plan.steps % t.eval_every):
-            self._evaluate(self.plan.steps)
+            self._timed_evaluate(self.plan.steps)
         return self.state, self.last
 
     def _after_step(self, step: int) -> None:
