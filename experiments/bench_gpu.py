@@ -80,12 +80,13 @@ def run_workload(name: str, model: dict, batch: int, steps: int) -> tuple[dict, 
     return row, trainer, state
 
 
-def time_save(trainer, state, directory: str) -> dict:
-    """One save through the loop's own path (checksums, tree, async Orbax save): blocked and total seconds."""
+def time_save(trainer, state, directory: str, pinned_host_copy: bool | None = None) -> dict:
+    """One save through the loop's own path (checksums, tree, async Orbax save): blocked and total seconds.
+    `pinned_host_copy` None: the loop's choice (checkpoint/manager.py); False: Orbax's own transfer."""
     import checkpoint
     from train import checkpoint_format as ckpt_format
     from train.saver import describe_run
-    ckpts = checkpoint.Checkpoints(directory, keep=1)
+    ckpts = checkpoint.Checkpoints(directory, keep=1, pinned_host_copy=pinned_host_copy)
     rng = ckpt_format.rng_of(0, trainer.mesh)
     tree, sums = ckpt_format.to_tree_with_checksums(trainer, state, rng)
     import jax
@@ -95,6 +96,7 @@ def time_save(trainer, state, directory: str) -> dict:
     records = ckpts.wait()
     total = time.perf_counter() - t0
     ckpts.close()
+    shutil.rmtree(directory, ignore_errors=True)
     gib = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)) / 2**30
     return {"state_gib": round(gib, 2), "save_blocked_s": round(blocked, 3), "save_total_s": round(total, 3),
             "orbax_save_s": round(records[-1].save_s, 3) if records else None}
@@ -132,26 +134,29 @@ def compare_attention(shape=(4, 1024, 12, 64), kv_heads: int = 12) -> list[dict]
 
 def _print_rows(rows: list[dict]) -> None:
     print(f"{'workload':<12} {'batch':>9} {'step ms':>9} {'tokens/s':>10} {'MFU':>7} {'peak GiB':>9} "
-          f"{'blocked s':>9} {'save s':>7}")
+          f"{'blocked s':>9} {'save s':>7} {'Orbax-copy blocked s':>20}")
     for r in rows:
         if "refused" in r:
             print(f"{r['workload']:<12} refused: {r['refused']}")
             continue
         print(f"{r['workload']:<12} {r['batch']:>4}x{r['seq_len']:<4} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10,} "
               f"{100 * r['mfu']:>6.1f}% {r['peak_gib_per_device']:>9.2f} {r.get('save_blocked_s', '-'):>9} "
-              f"{r.get('save_total_s', '-'):>7}")
+              f"{r.get('save_total_s', '-'):>7} {r.get('orbax_copy_blocked_s', '-'):>20}")
 
 
 def run(smoke: bool, steps: int, save_dir: str) -> dict:
     import gc
 
     import jax
+    from checkpoint import manager as ckpt_manager
     rows = []
     for name, model, batch, save in (SMOKE if smoke else WORKLOADS):
         row, trainer, state = run_workload(name, model, batch, steps)
         if save and state is not None:
             row |= time_save(trainer, state, f"{save_dir}/{name}")
-            shutil.rmtree(f"{save_dir}/{name}", ignore_errors=True)
+            orbax_only = time_save(trainer, state, f"{save_dir}/{name}", pinned_host_copy=False)
+            row |= {"orbax_copy_blocked_s": orbax_only["save_blocked_s"],
+                    "pinned_host_copy": ckpt_manager.pinned_host_copy_applies(state)}
         rows.append(row)
         del trainer, state
         gc.collect()
