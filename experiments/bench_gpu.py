@@ -38,7 +38,8 @@ def _config(model: dict, batch: int, steps: int):
 
 
 def _peak_bytes(compiled) -> int:
-    """The allocator's high-water mark on a GPU; the compiled step's own estimate elsewhere."""
+    """The allocator's high-water mark on a GPU (process-wide: a later workload's is at least an earlier
+    one's, so the rows also carry the compiled step's own `compiled_peak_gib`); that estimate elsewhere."""
     import jax
     from train import report
     stats = jax.devices()[0].memory_stats() or {}
@@ -76,7 +77,8 @@ def run_workload(name: str, model: dict, batch: int, steps: int) -> tuple[dict, 
     peak = hardware.peak_flops_per_device(model.compute_dtype)
     mfu = tokens * models.flops_per_token(model) / step_s / peak if peak else 0.0
     row |= {"step_ms": round(1e3 * step_s, 2), "tokens_per_s": round(tokens / step_s), "mfu": round(mfu, 4),
-            "peak_gib_per_device": round(_peak_bytes(compiled) / 2**30, 2), "loss": float(metrics["loss"])}
+            "peak_gib_per_device": round(_peak_bytes(compiled) / 2**30, 2), "loss": float(metrics["loss"]),
+            "compiled_peak_gib": round(report.memory_per_device(compiled)["peak_bytes"] / 2**30, 2)}
     return row, trainer, state
 
 

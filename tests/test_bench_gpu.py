@@ -15,6 +15,7 @@ def test_refuses_without_a_gpu_and_smoke_runs_every_part(tmp_path, capsys):
     result = json.loads(out.read_text())
     (row,) = result["rows"]
     assert row["workload"] == "tiny" and row["attention"] == "xla" and row["step_ms"] > 0
+    assert row["peak_gib_per_device"] == row["compiled_peak_gib"] > 0  # CPU: the compiled estimate
     assert row["tokens_per_s"] == pytest.approx(8 * 32 / (row["step_ms"] / 1e3), rel=0.01)
     assert 0 < row["save_blocked_s"] <= row["save_total_s"] and row["state_gib"] > 0
     assert row["pinned_host_copy"] is False and row["orbax_copy_blocked_s"] > 0  # CPU: Orbax copies itself
