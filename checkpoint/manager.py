@@ -19,6 +19,33 @@ from checkpoint.errors import SaveFailed
 from checkpoint.meta_handler import DeferredMeta, MetaRestore, MetaSave
 
 ITEMS = ("state", "meta")
+HOST_KIND = "pinned_host"
+
+
+def pinned_host_copy_applies(tree: Any) -> bool:
+    """Whether a save first copies `tree` into pinned host memory itself: on accelerators whose devices have
+    a `pinned_host` memory (GPUs; TPUs), not on CPU, where the arrays already are in host memory."""
+    leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+    if not leaves:
+        return False
+    device = next(iter(leaves[0].sharding.device_set))
+    if device.platform == "cpu":
+        return False
+    try:
+        return any(m.kind == HOST_KIND for m in device.addressable_memories())
+    except (AttributeError, NotImplementedError, RuntimeError):  # a backend without memory spaces
+        return False
+
+
+def to_pinned_host(tree: Any) -> Any:
+    """One batched device-to-host copy of every array into pinned memory (DMA at link speed, all copies in
+    flight together), waited for; Orbax then writes host arrays and its own transfer has nothing to move."""
+    leaves, treedef = jax.tree.flatten(tree)
+    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    moved = jax.device_put([leaves[i] for i in at], [leaves[i].sharding.with_memory_kind(HOST_KIND) for i in at])
+    for i, x in zip(at, jax.block_until_ready(moved)):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +105,13 @@ class Checkpoints:
     """The checkpoints of one run directory (`read_only` for another run's, as with restore_from)."""
 
     def __init__(self, directory: str | pathlib.Path, *, keep: int = 3, keep_period: int = 0,
-                 read_only: bool = False, async_save: bool = True):
+                 read_only: bool = False, async_save: bool = True, pinned_host_copy: bool | None = None):
         self.directory = pathlib.Path(directory).expanduser().absolute()  # Orbax needs absolute paths
         _one_writer_per_array()
         # read_only: a manager that is never asked to save, so it writes nothing (Orbax's own read_only
         # mode would log a warning on every run that merely peeks at its checkpoints).
         self.read_only = read_only
+        self.pinned_host_copy = pinned_host_copy  # None: where pinned_host_copy_applies; True/False: forced
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save, create=not read_only,
             cleanup_tmp_directories=not read_only,  # leftovers of saves killed midway
@@ -114,6 +142,9 @@ class Checkpoints:
         if self._inflight is not None:
             self._finish()
         names, sums = checksums or integrity.device_checksums(tree)  # the commit fetches them
+        pinned = self.pinned_host_copy if self.pinned_host_copy is not None else pinned_host_copy_applies(tree)
+        if pinned:
+            tree = to_pinned_host(tree)
         meta = DeferredMeta(meta_lib.build(tree, {}, step=step, **info), names, sums)
         try:
             self.manager.save(step, force=True, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),

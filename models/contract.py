@@ -39,8 +39,9 @@ class TensorTraffic:
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One model family. Every function takes the family's frozen config `cfg` (which must have the fields
-    vocab_size, seq_len, d_model, n_layers, compute_dtype, remat, and may have document_eos_id: see
-    models/documents.py, whose segment ids and positions `run_layers` applies) and an activation hint `constrain`.
+    vocab_size, seq_len, d_model, n_layers, compute_dtype, remat; optionally `attention`, which train/config.py
+    resolves per platform, `loss_chunk_size`, and document_eos_id: see models/documents.py, whose segment ids and
+    positions `run_layers` applies) and an activation hint `constrain`.
 
     embed(top, inputs_BxL, cfg, constrain) -> x_BxLxD
     run_layers(layers, x_BxLxD, inputs_BxL, cfg, constrain) -> (x_BxLxD, aux_loss scalar)

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import contract, documents
+from models import contract, documents, lm_loss
 from models.attention import attend
 from models.config import GPT_PRESETS, GPTConfig
 from models.contract import Constrain, Params, no_constraint
-from models.layers import cross_entropy, logical_axes, param, param_dict, remat, rms_norm, rotary
+from models.layers import logical_axes, param, param_dict, remat, rms_norm, rotary
 
 
 class Layers(nnx.Module):
@@ -111,8 +111,16 @@ def logits(params: Params, x_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constr
 def head_loss(params: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: GPTConfig,
               constrain: Constrain = no_constraint, loss_mask_BxL: jax.Array | None = None):
     """Final norm, head and cross entropy: the one function the plain step, eval and the last pipeline
-    cell call."""
-    return cross_entropy(logits(params, x_BxLxD, cfg, constrain), targets_BxL, loss_mask_BxL)
+    cell call (in chunks of model.loss_chunk_size positions, see models/lm_loss.py)."""
+    return mean_head_loss(rms_norm(x_BxLxD, params["final_norm"], cfg.norm_eps), params["head"], targets_BxL, cfg,
+                          constrain, loss_mask_BxL)
+
+
+def mean_head_loss(h_BxLxD, head_DxV, targets_BxL, cfg, constrain, loss_mask_BxL):
+    """Mean cross entropy over the counted targets of the final-normed `h` through the head `head_DxV`."""
+    total, count = lm_loss.head_loss(h_BxLxD, head_DxV.astype(jnp.dtype(cfg.compute_dtype)), targets_BxL,
+                                     loss_mask_BxL, cfg.loss_chunk_size, constrain)
+    return total / jnp.maximum(count, 1.0)
 
 
 # ----------------------------------------------------------------------------- sizes

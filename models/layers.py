@@ -6,7 +6,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -68,12 +67,3 @@ def remat(fn, policy: str):
         return fn
     saveable = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[policy]
     return jax.checkpoint(fn, policy=saveable, prevent_cse=False)
-
-
-def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array, loss_mask_BxL: jax.Array | None = None):
-    """Mean next-token cross entropy in nats, over the targets the mask counts (all without one)."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
-    if loss_mask_BxL is None:
-        return losses.mean()
-    mask = loss_mask_BxL.astype(jnp.float32)
-    return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)

@@ -20,7 +20,7 @@ from flax import nnx
 from models import contract, documents, gpt
 from models.attention import attend
 from models.contract import Constrain, Params, no_constraint
-from models.layers import cross_entropy, logical_axes, param, param_dict, remat, rms_norm, rotary
+from models.layers import logical_axes, param, param_dict, remat, rms_norm, rotary
 from models.llama_config import LLAMA_PRESETS, LlamaConfig
 
 
@@ -141,7 +141,8 @@ def logits(params: Params, x_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Cons
 
 def head_loss(params: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: LlamaConfig,
               constrain: Constrain = no_constraint, loss_mask_BxL: jax.Array | None = None):
-    return cross_entropy(logits(params, x_BxLxD, cfg, constrain), targets_BxL, loss_mask_BxL)
+    h = rms_norm(x_BxLxD, params["final_norm"], cfg.norm_eps)
+    return gpt.mean_head_loss(h, head_matrix(params, cfg), targets_BxL, cfg, constrain, loss_mask_BxL)
 
 
 # ----------------------------------------------------------------------------- decoding with a KV cache

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from models.config import ModelConfigError, check_common
+from models.config import LOSS_CHUNK, ModelConfigError, check_common
 
 # Llama 3.1's rotary frequency scaling: (factor, low_freq_factor, high_freq_factor, original context).
 ROPE_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -50,6 +50,8 @@ class LlamaConfig:
     # Packed documents end at this token (set by train.config from data.document_mask and the DATADIR's
     # eos id; -1: a row is one stream): see models/documents.py.
     document_eos_id: int = -1
+    attention: str = "auto"  # auto | xla | cudnn (models/attention.py)
+    loss_chunk_size: int = 0  # positions per chunk of the head + loss (models/lm_loss.py); 0: all at once
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", parse_rope_scaling(self.rope_scaling))
@@ -70,7 +72,8 @@ class LlamaConfig:
         return self
 
 
-_LLAMA3 = dict(vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0, compute_dtype="bfloat16")
+_LLAMA3 = dict(vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0, compute_dtype="bfloat16",
+               loss_chunk_size=LOSS_CHUNK)
 LLAMA_PRESETS: dict[str, dict[str, Any]] = {
     # Tests: bytes, every width divisible by 4 so tensor=2 and tensor=4 layouts apply (n_kv_heads=4).
     "llama3-tiny": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=8, n_heads=8, n_kv_heads=4, d_mlp=384,

@@ -1,5 +1,5 @@
 """The loop as a scheduler of actions: a user action from an experiment runs at its cadence and W&B
-(offline) records the run; the house rules of train/ (function length, loop parameters) hold."""
+(offline) records the run (with checkpoint.enabled=False: nothing saved); the house rules of train/ (function length, loop parameters) hold."""
 import ast
 import json
 import math
@@ -22,7 +22,7 @@ def small_config(steps: int = 6):
     return config
 
 
-def test_user_action_runs_at_its_cadence_and_wandb_writes_offline(tmp_path, monkeypatch):
+def test_user_action_runs_at_its_cadence_and_wandb_writes_offline(tmp_path, monkeypatch, capsys):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
@@ -38,8 +38,11 @@ def test_user_action_runs_at_its_cadence_and_wandb_writes_offline(tmp_path, monk
     actions.register("param_norm_every_3", lambda config: actions.Every(3, param_norm))
     config = small_config()
     config.train.update(actions="param_norm_every_3", loggers="tensorboard,wandb")
+    config.checkpoint.enabled = False  # also the benchmark mode: no checkpoint written, one warning line
     loop.run(config, str(tmp_path / "run"))
     assert seen == [3, 6]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert capsys.readouterr().out.count("warning: checkpoint.enabled=False") == 1
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     custom = [r for r in records if "param_norm" in r]
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}

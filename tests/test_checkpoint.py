@@ -182,3 +182,17 @@ def test_metrics_are_cut_back_to_the_restored_step(tmp_path):
     resume.cut_metrics(tmp_path, 2)
     kept = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert kept == lines[:3]
+
+
+def test_pinned_host_copy_is_off_on_cpu_and_round_trips_exactly_when_forced(tmp_path, trained):
+    from checkpoint import manager
+    trainer, state, rng = trained
+    tree = ckpt_format.to_tree(trainer, state, rng)
+    assert not manager.pinned_host_copy_applies(tree)  # CPU: today's path, Orbax's own copy
+    forced = checkpoint.Checkpoints(tmp_path / "checkpoints", pinned_host_copy=True)  # the GPU path, on CPU
+    forced.save(1, tree, {})
+    forced.wait()
+    restored = checkpoint.restore_newest(forced, ckpt_format.target(trainer))  # checksums verified on restore
+    expected = plain.flatten(numpy_tree(tree))
+    for name, value in plain.flatten(restored.tree).items():
+        np.testing.assert_array_equal(np.asarray(value), expected[name])

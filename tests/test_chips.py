@@ -45,5 +45,5 @@ def test_benchmarks_take_the_dtype_of_the_resolved_model():
     assert hardware.compute_dtype(config) == "float32"
     config.model.preset = "gpt2-125m"  # its preset computes in bfloat16; the raw field stays unset
     assert config.model.compute_dtype is None and hardware.compute_dtype(config) == "bfloat16"
-    config.model.compute_dtype = "float16"
-    assert hardware.compute_dtype(config) == "float16"
+    config.model.compute_dtype = "float32"  # an explicit override wins (float16 is refused: no loss scaling)
+    assert hardware.compute_dtype(config) == "float32"

@@ -35,6 +35,10 @@ def _bad_configs():
         "mixture": (with_(mesh__data=8, data__source="tokens", data__path="a:0.5,b:-1"), "a mixture is DIR:WEIGHT"),
         "warmup": (with_(mesh__data=8, optimizer__warmup_steps=50), "optimizer.warmup_steps=50"),
         "profile": (with_(mesh__data=8, train__profile_steps="5:30"), "train.profile_steps='5:30': LAST is past"),
+        "cudnn_on_cpu": (with_(mesh__data=8, model__attention="cudnn"), "model.attention=cudnn: it needs an NVIDIA GPU"),
+        "attention": (with_(mesh__data=8, model__attention="flash"), "model.attention='flash': use one of"),
+        "float16": (with_(mesh__data=8, model__compute_dtype="float16"), "model.compute_dtype=float16: float16 needs"),
+        "loss_chunk": (with_(mesh__data=8, model__loss_chunk_size=-1), "model.loss_chunk_size=-1"),
     }
 
 
@@ -91,3 +95,13 @@ def test_fault_tolerance_settings_are_checked_by_resolve(key, value, fragment):
     with pytest.raises(USER_ERRORS) as info:
         resolve(config, 8)
     assert str(info.value).startswith(fragment) and "\n" not in str(info.value)
+
+
+def test_attention_resolves_per_platform_into_the_plan():
+    from train.config import resolve
+    config = tiny_config(data=8)
+    assert resolve(config, 8).model.attention == "xla"  # auto on this CPU
+    config.model.update(preset="gpt2-125m", seq_len=64)  # bfloat16, head dimension 64
+    assert resolve(config, 8, platform="gpu").model.attention == "cudnn"
+    config.model.attention = "xla"
+    assert resolve(config, 8, platform="gpu").model.attention == "xla"

@@ -33,6 +33,8 @@ def main(argv: list[str]) -> int:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     from absl import logging
     logging.set_verbosity(logging.WARNING)  # keep the progress line readable
+    from train import xla_env
+    xla_env.apply()  # GPU XLA flags and memory fraction the user has not set; recorded in config.json
     import jax  # configured before any backend starts
 
     from mesh import use_cpu_devices

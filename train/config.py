@@ -9,12 +9,14 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import ml_collections
 from ml_collections import config_dict
 
 import models
 from mesh import MeshConfigError, resolve_axis_sizes
 from models import ModelConfigError
+from models import attention as attention_lib
 from sharding import rules as sharding_rules
 from sharding import schedules
 from sharding.rules import ShardingConfigError
@@ -43,7 +45,10 @@ def base_config() -> ml_collections.ConfigDict:
                    d_mlp=config_dict.placeholder(int), norm_eps=config_dict.placeholder(float),
                    rope_theta=config_dict.placeholder(float), rope_scaling=config_dict.placeholder(str),
                    tie_embeddings=config_dict.placeholder(bool), param_dtype=config_dict.placeholder(str),
-                   compute_dtype=config_dict.placeholder(str), remat=config_dict.placeholder(str))
+                   compute_dtype=config_dict.placeholder(str), remat=config_dict.placeholder(str),
+                   # attention: auto|xla|cudnn (auto: cuDNN's flash kernel where it runs, else XLA's);
+                   # loss_chunk_size: positions per chunk of the head + loss, 0 = all at once (models/lm_loss.py)
+                   attention=config_dict.placeholder(str), loss_chunk_size=config_dict.placeholder(int))
     c.mesh = dict(data=-1, pipeline=1, fsdp=1, tensor=1)
     c.sharding = dict(strategy=sharding_rules.DEFAULT_STRATEGY, rules={}, shard_opt_state=False)
     c.pipeline = dict(schedule="1f1b", microbatches=4, virtual_stages=1)
@@ -56,7 +61,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.data = dict(source="text", path="", token_dtype="uint16", eval_percent=5, cache_dir="", order="epochs",
                   document_mask=False)  # True: attention, positions and loss stop at each EOS (models/documents.py)
     c.checkpoint = dict(every_steps=0, every_minutes=10.0, keep=3, keep_period=0, restore_from="",
-                        restore_params_only=False, mtbf_hours=0.0)
+                        restore_params_only=False, mtbf_hours=0.0,
+                        enabled=True)  # False: never write one (benchmarks, smoke runs); still resumes from one
     # The planner (train/planner): plan.auto takes its best layout for the devices at hand, keeping the
     # mesh sizes in plan.fixed ("tensor:8,pipeline:4").
     c.plan = dict(auto=False, fixed="", topology="")
@@ -151,6 +157,8 @@ def _fault_tolerance(config: ml_collections.ConfigDict) -> None:
         for key in keys:
             if not isinstance(section[key], (int, float)) or section[key] < 0:
                 raise ConfigError(f"{prefix}.{key}={section[key]!r}: must be a number >= 0 (0 turns it off)")
+    if not isinstance(ck.enabled, bool):
+        raise ConfigError(f"checkpoint.enabled={ck.enabled!r}: use True or False")
     if not isinstance(ck.keep, int) or ck.keep < 1:
         raise ConfigError(f"checkpoint.keep={ck.keep!r}: keep at least 1 checkpoint")
     if t.on_nonfinite not in NONFINITE_POLICIES:
@@ -194,8 +202,22 @@ def _document_eos_id(data_config: Any, data: datadir.DataSpec | None) -> int:
     return int(data.eos_id)
 
 
-def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
-    """Validate `config` for `num_devices` devices; raises one of USER_ERRORS."""
+def _resolve_attention(model: models.ModelConfig, platform: str | None) -> models.ModelConfig:
+    """The model with `attention` resolved for the platform the run is on (auto -> xla on CPU); a family
+    without that setting is left as it is."""
+    if not hasattr(model, "attention"):
+        return model
+    platform = platform or jax.devices()[0].platform
+    try:
+        kernel = attention_lib.resolve(model.attention, platform, model.compute_dtype, model.head_dim)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return dataclasses.replace(model, attention=kernel)
+
+
+def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str | None = None) -> Plan:
+    """Validate `config` for `num_devices` devices of `platform` (default: this process's first device's);
+    raises one of USER_ERRORS."""
     data = datadir.resolve(config.data, config.train.global_batch_size)
     model_values = config.model.to_dict()
     if data and data.vocab_size and model_values.get("vocab_size") is None:
@@ -207,6 +229,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
     if data and data.vocab_size and model.vocab_size < data.vocab_size:
         raise ConfigError(f"model.vocab_size={model.vocab_size} is smaller than the vocabulary of data.path "
                           f"({data.vocab_size}, its meta.json); raise it or leave it unset")
+    model = _resolve_attention(model, platform)
     mesh_sizes = resolve_axis_sizes(config.mesh.to_dict(), num_devices)
     rules = sharding_rules.resolve(config.sharding.strategy, config.sharding.rules.to_dict(), mesh_sizes)
     _check_model_splits(model, rules, mesh_sizes)

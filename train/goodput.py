@@ -1,5 +1,6 @@
-"""Goodput across restarts: each attempt's wall time split into productive steps, compilation, restore or
-init, checkpoint blocking, evaluation and steps recomputed after a failure, kept in DIR/goodput.json.
+"""Goodput across restarts: each attempt's wall time split into start-up (imports, device init, validation),
+compilation, the memory check with the compile report, restore or init, checkpoint blocking (the final
+save's wait apart), evaluation and steps recomputed after a failure, kept in DIR/goodput.json.
 The file is rewritten atomically as the run goes, so a killed attempt keeps what it last recorded."""
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pathlib
 import time
 from typing import Any
 
-PARTS = ("compile_s", "restore_s", "init_s", "checkpoint_blocked_s", "eval_s", "productive_s", "recomputed_s")
+PARTS = ("startup_s", "compile_s", "memory_check_s", "restore_s", "init_s", "checkpoint_blocked_s",
+         "final_save_wait_s", "eval_s", "productive_s", "recomputed_s")
 
 
 def process_start_time() -> float:
@@ -36,6 +38,7 @@ class Goodput:
             "started": datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(),
             "wall_s": 0.0, **{p: 0.0 for p in PARTS}, "recomputed_steps": 0, "first_step": None,
             "last_step": None, "exit_status": None}
+        self.now["startup_s"] = max(0.0, time.time() - self.started)  # the process's life before this run's parts
 
     def add(self, part: str, seconds: float) -> None:
         self.now[part] += seconds
@@ -49,7 +52,7 @@ class Goodput:
 
     def totals(self) -> dict[str, Any]:
         runs = self.attempts + [self.now]
-        out = {p: round(sum(a[p] for a in runs), 3) for p in ("wall_s",) + PARTS}
+        out = {p: round(sum(a.get(p, 0.0) for a in runs), 3) for p in ("wall_s",) + PARTS}  # older files lack some
         out["attempts"] = len(runs)
         out["goodput"] = round(out["productive_s"] / out["wall_s"], 4) if out["wall_s"] else 0.0
         return out
@@ -68,6 +71,7 @@ class Goodput:
         t = self.totals()
         other = t["wall_s"] - sum(t[p] for p in PARTS)
         return (f"goodput {100 * t['goodput']:.1f}% over {t['attempts']} attempt(s): productive {t['productive_s']:.1f}s "
-                f"of {t['wall_s']:.1f}s wall; compile {t['compile_s']:.1f}s, restore {t['restore_s']:.1f}s, init "
-                f"{t['init_s']:.1f}s, checkpoint blocking {t['checkpoint_blocked_s']:.2f}s, eval {t['eval_s']:.1f}s, "
-                f"recomputed {t['recomputed_s']:.1f}s, other {other:.1f}s")
+                f"of {t['wall_s']:.1f}s wall; start-up {t['startup_s']:.1f}s, compile {t['compile_s']:.1f}s, memory "
+                f"check {t['memory_check_s']:.1f}s, restore {t['restore_s']:.1f}s, init {t['init_s']:.1f}s, checkpoint "
+                f"blocking {t['checkpoint_blocked_s']:.2f}s (+{t['final_save_wait_s']:.2f}s final wait), eval "
+                f"{t['eval_s']:.1f}s, recomputed {t['recomputed_s']:.1f}s, other {other:.1f}s")

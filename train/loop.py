@@ -17,7 +17,7 @@ import numpy as np
 
 import checkpoint
 from train import actions as actions_lib, audit as audit_lib, exit_codes, hardware, preemption, report as report_lib
-from train import data as data_lib, resume, versions
+from train import data as data_lib, resume, versions, xla_env
 from train.hardware import GiB
 from train.config import ConfigError
 from train.goodput import Goodput
@@ -103,9 +103,11 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
     compiled, xla_log = audit_lib.compile_logged(trainer.compile) if audit else (trainer.compile(), "")
     compile_s = time.perf_counter() - t0
     goodput.add("compile_s", compile_s)
+    t0 = time.perf_counter()
     if plan.train.memory_check:
         check_memory(report_lib.memory_per_device(compiled))
     rep = report_lib.build(plan, trainer.mesh, compiled, {"compile_seconds": round(compile_s, 3)})
+    goodput.add("memory_check_s", time.perf_counter() - t0)
     if audit:
         rep["audit"] = audit_lib.audit(trainer, rep, xla_log, **audit)
         if is_main:
@@ -113,7 +115,8 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
     if is_main:
         report_lib.write(rep, path)
     resolved = {"config": config.to_dict(), "model": vars(plan.model) | {"param_count": rep["param_count"]},
-                "mesh": rep["mesh"], "versions": versions.environment()}
+                "mesh": rep["mesh"], "versions": versions.environment(),
+                "runtime_defaults": dict(xla_env.APPLIED)}  # GPU XLA flags / memory fraction set for the user
     if is_main and not options.compile_only:  # a what-if compile leaves the run's own config.json alone
         (path / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
         data_lib.copy_tokenizer(plan.data, path)
@@ -129,8 +132,12 @@ def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preempti
     """Resume (or start), then loop; the exit paths (done, preempted, non-finite, failed save) all wait
     for the save in flight and record goodput."""
     trainer, plan, config = run.trainer, run.trainer.plan, run.trainer.config
+    enabled = plan.checkpoint.enabled
+    if not enabled:
+        say(f"warning: checkpoint.enabled=False: this run writes no checkpoint (an existing one in {path} "
+            f"is restored, never overwritten); a crash or preemption loses its progress")
     ckpts = checkpoint.Checkpoints(path / "checkpoints", keep=plan.checkpoint.keep,
-                                   keep_period=plan.checkpoint.keep_period)
+                                   keep_period=plan.checkpoint.keep_period, read_only=not enabled)
     begin = resume.start(config, trainer, ckpts, say)
     goodput.add("init_s" if begin.origin == "initialized" else "restore_s", begin.seconds)
     if begin.step >= plan.steps:
@@ -176,7 +183,9 @@ def _supervised(scheduler: Scheduler) -> tuple[Any, dict[str, Any]]:
     status = exit_codes.CRASH
     try:
         state, last = scheduler.run()
+        t0 = time.perf_counter()
         saver.wait()
+        goodput.add("final_save_wait_s", time.perf_counter() - t0)
         status = exit_codes.OK
         return state, last
     except BaseException as e:

@@ -224,6 +224,9 @@ class PreemptionStop(Action):
         if loop.tracing:  # keep the part of the trace that was taken
             jax.profiler.stop_trace()
         loop.s.saver.wait()
+        if not loop.s.saver.enabled:
+            raise exit_codes.Stop(exit_codes.REQUEUE, f"preempted at step {step}; checkpoint.enabled=False, so "
+                                                      f"nothing was saved (exit status 75)")
         raise exit_codes.Stop(exit_codes.REQUEUE, f"preempted: saved checkpoint {loop.s.saver.ckpts.step_dir(step)}; "
                                                   f"run the same command again to resume (exit status 75)")
 

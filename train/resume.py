@@ -54,6 +54,8 @@ def check_before_compile(trainer: Trainer, workdir: pathlib.Path) -> None:
                                               f"of {source.step_dir(step)} does not read ({type(e).__name__})") from None
         meta_lib.check_compatible(meta, wanted, str(source.step_dir(step)),
                                   prefix="params/" if ck.restore_params_only else "")
+    if not ck.enabled:
+        return  # nothing will be written: no room needed
     need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(wanted))
     free = shutil.disk_usage(workdir).free
     if free < need:

@@ -43,6 +43,7 @@ class Saver:
         self.ckpts, self.trainer = ckpts, trainer
         every = trainer.plan.checkpoint
         self.policy = checkpoint.SavePolicy(every.every_steps, every.every_minutes, every.mtbf_hours)
+        self.enabled = every.enabled  # False: every save is skipped
         self._blocked: list[float] = []  # measured save costs, for the mtbf_hours interval
         self.run_info = describe_run(config, trainer)
         self.log, self.goodput = log, goodput
@@ -52,12 +53,16 @@ class Saver:
 
     def time_due(self) -> bool:
         """This process's view; the loop makes it agreed before acting on it."""
+        if not self.enabled:
+            return False
         cost = sum(self._blocked) / len(self._blocked) if self._blocked else None
         return self.policy.time_due(time.monotonic() - self._since, cost)
 
     def warm_up(self, state: dict[str, Any], rng: jax.Array) -> float:
         """Compile the checksum program (and the layer reordering, if any) now, not at the first save;
         returns the seconds it took."""
+        if not self.enabled:
+            return 0.0
         t0 = time.perf_counter()
         jax.block_until_ready(ckpt_format.to_tree_with_checksums(self.trainer, state, rng)[1])
         return time.perf_counter() - t0
@@ -65,12 +70,14 @@ class Saver:
     def prepare(self, step: int, state: dict[str, Any], rng: jax.Array) -> None:
         """Dispatch the checksums of `step`'s state while the step still runs, so they cost device time
         after it rather than time on this thread (a dispatch with ready inputs runs inline on CPU)."""
+        if not self.enabled:
+            return
         self._prepared = (step, *ckpt_format.to_tree_with_checksums(self.trainer, state, rng))
 
     def save(self, step: int, state: dict[str, Any], rng: jax.Array) -> None:
         """Save `step` (its state must be finite: the loop checked its metrics first), in logical layer
         order so that any pipeline layout can restore it."""
-        if step == self.last_saved:
+        if step == self.last_saved or not self.enabled:
             return
         if self._prepared and self._prepared[0] == step:
             _, tree, checksums = self._prepared
@@ -90,7 +97,11 @@ class Saver:
 
     def poll(self) -> None:
         """Log saves that have committed; raise SaveFailed if a background save failed."""
+        if not self.enabled:
+            return
         self._report(self.ckpts.poll())
 
     def wait(self) -> None:
+        if not self.enabled:
+            return
         self._report(self.ckpts.wait())

@@ -63,7 +63,9 @@ class Scheduler:
         self.finish_pending()
         t = self.plan.train
         if t.eval_batches and (not t.eval_every or self.plan.steps % t.eval_every):
+            t0 = time.perf_counter()
             self.evaluate(self.plan.steps)
+            self.s.goodput.add("eval_s", time.perf_counter() - t0)  # the final evaluation, in goodput too
         return self.state, self.last
 
     def finish_pending(self) -> None:

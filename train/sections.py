@@ -39,6 +39,7 @@ class CheckpointSection:
     keep_period: int
     restore_from: str
     restore_params_only: bool
+    enabled: bool = True  # False: never write a checkpoint (still resume from one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,6 @@ def from_config(config: Any) -> tuple[TrainSection, CheckpointSection, FaultSect
                          _names(t.actions))
     checkpoint = CheckpointSection(int(ck.every_steps), float(ck.every_minutes), float(ck.get("mtbf_hours", 0.0)),
                                    int(ck.keep), int(ck.keep_period), str(ck.restore_from),
-                                   bool(ck.restore_params_only))
+                                   bool(ck.restore_params_only), bool(ck.get("enabled", True)))
     faults = FaultSection(int(fi.nan_at_step), int(fi.hang_at_step), float(fi.hang_s), float(fi.step_delay_s))
     return train, checkpoint, faults
