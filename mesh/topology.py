@@ -16,6 +16,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from mesh import chips
+
 FAMILIES = ("switch", "ring", "torus2d", "torus3d", "hypercube", "fat_tree")
 # The `local` topology (fitted by `python -m mesh.bench --fit`) is found by a documented lookup:
 # $SPMDTRAIN_LOCAL_TOPOLOGY when set, else this package's data file mesh/topologies/local.json.
@@ -122,13 +124,17 @@ IB_HDR = Level("infiniband-hdr", "fat_tree",
                links=8)
 
 
-# Dense (no sparsity) peak TFLOP/s per dtype and memory per device, from the vendors' datasheets:
-# NVIDIA H100 SXM5 80 GB (989 bf16/fp16, 67 fp32); NVIDIA A100 SXM4 80 GB and 40 GB (312 bf16/fp16,
-# 19.5 fp32). Storage: each DGX has two storage/in-band network ports (DGX H100 datasheet: 2x dual-port
+# Dense (no sparsity) peak TFLOP/s per dtype: mesh/chips.py, the project's one datasheet table; memory per
+# device: NVIDIA H100 SXM5 80 GB, A100 SXM4 80 GB and 40 GB datasheets. Storage: each DGX has two storage/in-band network ports (DGX H100 datasheet: 2x dual-port
 # ConnectX-7, 400 Gb/s; DGX A100 datasheet: 2x dual-port ConnectX-6, 200 Gb/s), one port of each card
 # counted: 100 GB/s and 50 GB/s per host, an upper bound that a storage system may not sustain.
-H100_PEAK = {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}
-A100_PEAK = {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5}
+def _peaks(device_kind: str) -> dict[str, float]:
+    chip = chips.chip_of(device_kind)
+    return {dtype: chip.peak_tflops(dtype) for dtype in ("bfloat16", "float16", "float32")}
+
+
+H100_PEAK = _peaks("NVIDIA H100 80GB HBM3")
+A100_PEAK = _peaks("NVIDIA A100-SXM4-80GB")
 
 
 def _dgx(name: str, nvlink: Level, ib: Level, hosts: int, memory_gb: float, peak: Mapping[str, float],
@@ -148,7 +154,7 @@ def _tpu_v5p(hosts: int) -> Topology:
                 latency_us=10.0,       # assumed: data-center network round trip, not on the datasheet
                 links=64)              # one DCN share per chip of the 64-chip slice
     # same page: 95 GB HBM and 459 bf16 TFLOP/s per chip; storage bandwidth is not on it (0 = unknown)
-    return Topology("tpu-v5p", hosts, 64, ici, dcn, device_memory_gb=95.0, peak_tflops={"bfloat16": 459.0})
+    return Topology("tpu-v5p", hosts, 64, ici, dcn, device_memory_gb=95.0, peak_tflops=_peaks("TPU v5p"))
 
 
 def _tpu_v5e(hosts: int) -> Topology:
@@ -161,7 +167,7 @@ def _tpu_v5e(hosts: int) -> Topology:
                 latency_us=10.0,       # assumed: not on the datasheet
                 links=64)              # 32 hosts per pod x 2 NICs
     # same page: 16 GB HBM and 197 bf16 TFLOP/s per chip
-    return Topology("tpu-v5e", hosts, 256, ici, dcn, device_memory_gb=16.0, peak_tflops={"bfloat16": 197.0})
+    return Topology("tpu-v5e", hosts, 256, ici, dcn, device_memory_gb=16.0, peak_tflops=_peaks("TPU v5 lite"))
 
 
 PRESETS = {
