@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import contract, documents, lm_loss
-from models.attention import attend
+from models.attention import attend, attend_cached
 from models.config import GPT_PRESETS, GPTConfig
 from models.contract import Constrain, Params, no_constraint
 from models.layers import logical_axes, param, param_dict, remat, rms_norm, rotary
@@ -64,24 +64,39 @@ def abstract_params(cfg: GPTConfig) -> tuple[Params, dict]:
 
 # ----------------------------------------------------------------------------- the forward pass
 
-def block(p: Params, x_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain = no_constraint,
-          segment_ids_BxL: jax.Array | None = None, positions_BxL: jax.Array | None = None) -> jax.Array:
-    """One pre-norm transformer block on unstacked weights `p` (one layer's slice); packed documents'
-    segment ids and positions (models/documents.py) when given."""
+def attention(p: Params, h_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain,
+              segment_ids_BxL: jax.Array | None = None, positions: jax.Array | None = None, cache: Any = None):
+    """Causal multi-head attention of the normed input; with `cache` = (k, v, length) it decodes over the KV
+    cache (models/attention.attend_cached). Returns (the output projection, the new cache or None)."""
     cdt = jnp.dtype(cfg.compute_dtype)
-    h = rms_norm(x_BxLxD, p["attn_norm"], cfg.norm_eps)
-    qkv = jnp.einsum("bld,dthk->tblhk", h, p["wqkv"].astype(cdt))
+    qkv = jnp.einsum("bld,dthk->tblhk", h_BxLxD, p["wqkv"].astype(cdt))
     q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (qkv[0], qkv[1], qkv[2]))
-    q, k = rotary(q, positions_L=positions_BxL), rotary(k, positions_L=positions_BxL)
-    o_BxLxHxK = attend(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
+    q, k = rotary(q, positions_L=positions), rotary(k, positions_L=positions)
+    if cache is None:
+        o_BxLxHxK = attend(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
+    else:
+        o_BxLxHxK, cache = attend_cached(q, k, v, *cache)
     o_BxLxHxK = constrain(o_BxLxHxK, ("batch", "seq", "heads", "kv"))
-    x_BxLxD = x_BxLxD + constrain(jnp.einsum("blhk,hkd->bld", o_BxLxHxK, p["wo"].astype(cdt)),
-                                  ("batch", "seq", "embed"))
-    h = rms_norm(x_BxLxD, p["mlp_norm"], cfg.norm_eps)
-    u_BxLxF = jax.nn.gelu(jnp.einsum("bld,df->blf", h, p["w_in"].astype(cdt)))
-    u_BxLxF = constrain(u_BxLxF, ("batch", "seq", "mlp"))
-    out = jnp.einsum("blf,fd->bld", u_BxLxF, p["w_out"].astype(cdt))
-    return constrain(x_BxLxD + out, ("batch", "seq", "embed"))
+    return constrain(jnp.einsum("blhk,hkd->bld", o_BxLxHxK, p["wo"].astype(cdt)), ("batch", "seq", "embed")), cache
+
+
+def mlp(p: Params, h_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain) -> jax.Array:
+    cdt = jnp.dtype(cfg.compute_dtype)
+    u_BxLxF = constrain(jax.nn.gelu(jnp.einsum("bld,df->blf", h_BxLxD, p["w_in"].astype(cdt))), ("batch", "seq", "mlp"))
+    return jnp.einsum("blf,fd->bld", u_BxLxF, p["w_out"].astype(cdt))
+
+
+def block(p: Params, x_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain = no_constraint,
+          segment_ids_BxL: jax.Array | None = None, positions_BxL: jax.Array | None = None,
+          cache: Any = None) -> jax.Array | tuple[jax.Array, Any]:
+    """One pre-norm transformer block on unstacked weights `p` (one layer's slice); packed documents'
+    segment ids and positions (models/documents.py) when given. With a KV `cache`, returns (x, new cache)."""
+    a, new_cache = attention(p, rms_norm(x_BxLxD, p["attn_norm"], cfg.norm_eps), cfg, constrain, segment_ids_BxL,
+                             positions_BxL, cache)
+    x_BxLxD = x_BxLxD + a
+    out = mlp(p, rms_norm(x_BxLxD, p["mlp_norm"], cfg.norm_eps), cfg, constrain)
+    x_BxLxD = constrain(x_BxLxD + out, ("batch", "seq", "embed"))
+    return x_BxLxD if cache is None else (x_BxLxD, new_cache)
 
 
 def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: GPTConfig,
@@ -123,6 +138,30 @@ def mean_head_loss(h_BxLxD, head_DxV, targets_BxL, cfg, constrain, loss_mask_BxL
     return total / jnp.maximum(count, 1.0)
 
 
+# ----------------------------------------------------------------------------- decoding with a KV cache
+
+def init_cache(cfg: GPTConfig, batch: int, max_len: int) -> dict[str, jax.Array]:
+    """Keys and values of every layer, [layers, B, max_len, H, K] in the compute dtype."""
+    shape = (cfg.n_layers, batch, max_len, cfg.n_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)}
+
+
+def decode(params: Params, tokens_BxT: jax.Array, cache: dict, length: jax.Array, cfg: GPTConfig,
+           constrain: Constrain = no_constraint):
+    """Run T new tokens at positions length.. through the stack, writing their keys and values into the cache:
+    a prefill (T = prompt length, length 0) or one step (T = 1). Returns (last position's logits [B, V], cache)."""
+    positions = length + jnp.arange(tokens_BxT.shape[1])
+    x = embed(params, tokens_BxT, cfg, constrain)
+
+    def body(x, layer):
+        p, k, v = layer
+        x, (k, v) = block(p, x, cfg, constrain, None, positions, (k, v, length))
+        return x, (k, v)
+
+    x, (k, v) = jax.lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
+    return logits(params, x[:, -1:], cfg, constrain)[:, 0], {"k": k, "v": v}
+
+
 # ----------------------------------------------------------------------------- sizes
 
 def matmul_params(cfg: GPTConfig) -> int:
@@ -156,4 +195,5 @@ def divisibility(cfg: GPTConfig) -> dict:
 FAMILY = contract.register(contract.Family(
     name="gpt", config_cls=GPTConfig, presets=GPT_PRESETS, init_params=init_params, abstract_params=abstract_params,
     embed=embed, run_layers=run_layers, head_loss=head_loss, logits=logits, flops_per_token=flops_per_token,
-    param_count=param_count, lookup_keys=lambda cfg: ("embed",), divisibility=divisibility))
+    param_count=param_count, lookup_keys=lambda cfg: ("embed",), divisibility=divisibility,
+    init_cache=init_cache, decode=decode))

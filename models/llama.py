@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import contract, documents, gpt
-from models.attention import attend
+from models.attention import attend, attend_cached
 from models.contract import Constrain, Params, no_constraint
 from models.layers import logical_axes, param, param_dict, remat, rms_norm, rotary
 from models.llama_config import LLAMA_PRESETS, LlamaConfig
@@ -91,13 +91,7 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constr
     if cache is None:
         o = attend(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
     else:
-        k_cache, v_cache, length = cache
-        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), length, axis=1)
-        v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), length, axis=1)
-        S = k_cache.shape[1]
-        allowed_LxS = jnp.arange(S)[None, :] <= (length + jnp.arange(L))[:, None]
-        o = jax.nn.dot_product_attention(q, k_cache.astype(cdt), v_cache.astype(cdt), mask=allowed_LxS[None, None])
-        cache = (k_cache, v_cache)
+        o, cache = attend_cached(q, k, v, *cache)
     o = constrain(o, names)
     return constrain(jnp.einsum("blhk,hkd->bld", o, p["wo"].astype(cdt)), ("batch", "seq", "embed")), cache
 
