@@ -45,7 +45,7 @@ class Generator:
         family = models.family_of(cfg)
         if family.decode is None:
             raise models.ModelConfigError(f"model.family={cfg.family!r} has no KV-cache decoding; "
-                                          f"sample from a Llama run")
+                                          f"this family implements none (models/contract.py init_cache, decode)")
         self.cfg, self.family, self.sampling, self.mesh = cfg, family, sampling, mesh
 
         def run(params, tokens, cache, length, key):
