@@ -53,16 +53,9 @@ def main(argv: list[str]) -> int:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(_CACHE.value))
     from train import loop
 
-    try:
-        audit = dict(topology=_TOPOLOGY.value, hosts=_HOSTS.value, mfu=_AUDIT_MFU.value) if _AUDIT.value else None
-        loop.run(_CONFIG.value, _WORKDIR.value, compile_only=_COMPILE_ONLY.value, peak_tflops=_PEAK_TFLOPS.value,
-                 audit=audit)
-    except Exception as e:  # noqa: BLE001  (expected failures end with their documented status: exit_codes)
-        status = exit_codes.status_of(e)
-        if status is None:
-            raise
-        print(e if isinstance(e, exit_codes.Stop) else f"error: {e}", file=sys.stderr, flush=True)
-        return status
+    audit = dict(topology=_TOPOLOGY.value, hosts=_HOSTS.value, mfu=_AUDIT_MFU.value) if _AUDIT.value else None
+    loop.run(_CONFIG.value, _WORKDIR.value, compile_only=_COMPILE_ONLY.value, peak_tflops=_PEAK_TFLOPS.value,
+             audit=audit)  # expected failures end with their documented status in cli.run
     return exit_codes.OK
 
 

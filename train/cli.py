@@ -115,15 +115,21 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def run(main: Callable[[list[str]], int | None]) -> NoReturn:
-    """app.run(main) with one-line, exit-2 errors for flags, config files and settings (USER_ERRORS)."""
+    """app.run(main) with one-line, exit-2 errors for flags, config files and settings (USER_ERRORS), and the
+    documented exit status of every other expected failure (train/exit_codes.py)."""
 
     def guarded(argv: list[str]) -> int:
         try:
             return main(argv) or 0
         except Exception as e:  # noqa: BLE001  (anything else is re-raised: a crash keeps its traceback)
+            from train import exit_codes
             from train.config import USER_ERRORS  # imported only now: a tool need not load jax to start
             if isinstance(e, (app.UsageError, *USER_ERRORS)):
                 fail(str(e))
-            raise
+            status = exit_codes.status_of(e)  # expected failures end with their documented status
+            if status is None:
+                raise
+            print(e if isinstance(e, exit_codes.Stop) else f"error: {e}", file=sys.stderr, flush=True)
+            return status
 
     app.run(lambda argv: sys.exit(guarded(argv)), flags_parser=parse_flags)

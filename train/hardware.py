@@ -24,9 +24,9 @@ def _cache_file() -> pathlib.Path:
     return root / "cpu_peak.json"
 
 
-def measure_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of an n x n float32 matmul on the first device, best of `repeats`."""
-    x = jnp.ones((n, n), jnp.float32, device=jax.devices()[0])
+def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype: str = "float32") -> float:
+    """FLOP/s of an n x n matmul in `dtype` on the first device, best of `repeats`."""
+    x = jnp.ones((n, n), jnp.dtype(dtype), device=jax.devices()[0])
     f = jax.jit(lambda a: a @ a)
     f(x).block_until_ready()
     best = float("inf")

@@ -88,14 +88,7 @@ def main(argv: list[str]) -> int:
     from mesh import use_cpu_devices
     from train import exit_codes
     use_cpu_devices(_NUM_CPU_DEVICES.value)
-    try:
-        run(pathlib.Path(_WORKDIR.value).expanduser())
-    except Exception as e:  # noqa: BLE001
-        status = exit_codes.status_of(e)
-        if status is None:
-            raise
-        print(e if isinstance(e, exit_codes.Stop) else f"error: {e}", file=sys.stderr, flush=True)
-        return status
+    run(pathlib.Path(_WORKDIR.value).expanduser())
     return exit_codes.OK
 
 

@@ -4,32 +4,18 @@ from __future__ import annotations
 
 import datetime
 import pathlib
-import time
 
 import jax
-import jax.numpy as jnp
 
 from mesh import topology as topology_lib
+from train import hardware
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def matmul_flops(n: int, dtype: str, repeats: int = 5) -> float:
-    """Best FLOP/s of an n x n x n matmul in `dtype` on the first device."""
-    x = jnp.ones((n, n), jnp.dtype(dtype), device=jax.devices()[0])
-    f = jax.jit(lambda a: a @ a)
-    f(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * n ** 3 / best
-
-
 def sweep(dtype: str, max_n: int) -> list[tuple[int, float]]:
-    return [(n, matmul_flops(n, dtype)) for n in SIZES if n <= max_n]
+    return [(n, hardware.measure_matmul_flops(n, dtype=dtype)) for n in SIZES if n <= max_n]
 
 
 def write(topology: str, path: str, dtype: str) -> pathlib.Path:
