@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Mapping
 
+from models.attention import IMPLEMENTATIONS as ATTENTION  # resolved per platform there
+
 REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION = ("auto", "xla", "cudnn")  # models/attention.py resolves `auto` per platform
 
 
 class ModelConfigError(ValueError):

@@ -1,5 +1,5 @@
 """Building blocks the families share: parameters carrying logical axes, RMSNorm, rotary embeddings,
-rematerialization policies and the masked cross entropy; pure functions of arrays."""
+rematerialization policies and decoding a stack with a KV cache; pure functions of arrays."""
 from __future__ import annotations
 
 from typing import Any
@@ -67,3 +67,25 @@ def remat(fn, policy: str):
         return fn
     saveable = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[policy]
     return jax.checkpoint(fn, policy=saveable, prevent_cse=False)
+
+
+def empty_kv_cache(cfg: Any, kv_heads: int, batch: int, max_len: int) -> dict[str, jax.Array]:
+    """Keys and values of every layer, [layers, B, max_len, kv_heads, head_dim] in the compute dtype."""
+    shape = (cfg.n_layers, batch, max_len, kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)}
+
+
+def decode_with_cache(params: Params, tokens_BxT: jax.Array, cache: dict, length: jax.Array, cfg: Any,
+                      constrain: Any, embed: Any, cached_block: Any, logits: Any):
+    """A family's `decode`: run T new tokens at positions length.. through the stack, writing their keys and
+    values into the cache: a prefill (T = prompt length, length 0) or one step (T = 1). `cached_block(p, x,
+    positions, (k, v, length)) -> (x, (k, v))` is one layer. Returns (last position's logits [B, V], cache)."""
+    positions = length + jnp.arange(tokens_BxT.shape[1])
+    x = embed(params, tokens_BxT, cfg, constrain)
+
+    def body(x, layer):
+        p, k, v = layer
+        return cached_block(p, x, positions, (k, v, length))
+
+    x, (k, v) = jax.lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
+    return logits(params, x[:, -1:], cfg, constrain)[:, 0], {"k": k, "v": v}

@@ -20,7 +20,8 @@ from flax import nnx
 from models import contract, documents, gpt
 from models.attention import attend, attend_cached
 from models.contract import Constrain, Params, no_constraint
-from models.layers import logical_axes, param, param_dict, remat, rms_norm, rotary
+from models.layers import (decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, remat, rms_norm,
+                           rotary)
 from models.llama_config import LLAMA_PRESETS, LlamaConfig
 
 
@@ -142,25 +143,16 @@ def head_loss(params: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: L
 # ----------------------------------------------------------------------------- decoding with a KV cache
 
 def init_cache(cfg: LlamaConfig, batch: int, max_len: int) -> dict[str, jax.Array]:
-    """Keys and values of every layer, [layers, B, max_len, G, K] in the compute dtype."""
-    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)}
+    return empty_kv_cache(cfg, cfg.n_kv_heads, batch, max_len)
 
 
 def decode(params: Params, tokens_BxT: jax.Array, cache: dict, length: jax.Array, cfg: LlamaConfig,
            constrain: Constrain = no_constraint):
-    """Run T new tokens at positions length.., writing their keys and values into the cache: a prefill
-    (T = prompt length, length 0) or one step (T = 1). Returns (last position's logits [B, V], cache)."""
-    positions = length + jnp.arange(tokens_BxT.shape[1])
-    x = gpt.embed(params, tokens_BxT, cfg, constrain)
+    """Prefill or one step over the KV cache (models/layers.decode_with_cache)."""
+    def cached_block(p, x, positions, kv):
+        return block(p, x, cfg, constrain, positions, kv)
 
-    def body(x, layer):
-        p, k, v = layer
-        x, (k, v) = block(p, x, cfg, constrain, positions, (k, v, length))
-        return x, (k, v)
-
-    x, (k, v) = jax.lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
-    return logits(params, x[:, -1:], cfg, constrain)[:, 0], {"k": k, "v": v}
+    return decode_with_cache(params, tokens_BxT, cache, length, cfg, constrain, gpt.embed, cached_block, logits)
 
 
 # ----------------------------------------------------------------------------- sizes
