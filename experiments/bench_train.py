@@ -97,7 +97,6 @@ def main(argv):
     use_cpu_devices(_NUM_CPU_DEVICES.value)
     import jax
 
-    import models
     from train import hardware
     from train.config import USER_ERRORS
 

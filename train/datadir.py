@@ -33,10 +33,6 @@ class DataSpec:
     tokenizer: pathlib.Path | None
     eos_id: int | None
 
-    @property
-    def is_mixture(self) -> bool:
-        return len(self.sources) > 1
-
 
 def _split_mixture(path: str) -> list[tuple[str, float]]:
     parts = [p for p in path.split(",") if p]

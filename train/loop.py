@@ -19,6 +19,7 @@ import checkpoint
 from train import actions as actions_lib, audit as audit_lib, exit_codes, hardware, preemption, report as report_lib
 from train import data as data_lib, resume, versions, xla_env
 from train.hardware import GiB
+from train.loop_actions import say
 from train.config import ConfigError
 from train.goodput import Goodput
 from train.metrics import MetricsLog
@@ -121,11 +122,6 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
         (path / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
         data_lib.copy_tokenizer(plan.data, path)
     return Compiled(trainer, compiled, rep, options.peak_tflops, resolved)
-
-
-def say(text: str) -> None:
-    if jax.process_index() == 0:
-        print(text, flush=True)
 
 
 def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preemption.StopSignals) -> dict[str, Any]:

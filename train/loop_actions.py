@@ -171,9 +171,8 @@ class Evaluation(Action):
         return bool(t.eval_every and step % t.eval_every == 0 and t.eval_batches)
 
     def run(self, step: int) -> None:
-        loop, t0 = self.loop, time.perf_counter()
+        loop = self.loop
         loop.evaluate(step)
-        loop.s.goodput.add("eval_s", time.perf_counter() - t0)
         loop.s.dog.kick(f"eval at step {step}")
         loop.t_prev = time.perf_counter()  # evaluation time is not step time
 

@@ -65,7 +65,6 @@ def run(workdir: pathlib.Path) -> None:
         raise _fail(str(e)) from None
     prompt = None if _EVAL_BATCHES.value else prompt_lib.prompt_tokens(cfg.vocab_size, codec, _PROMPT.value, _PROMPT_TOKENS.value)
     source, step, spec = run_config.checkpoints(workdir, _STEP.value)
-    abstract = trainer.layout.abstract_state["params"]
     got = checkpoint.restore_source(source, step, {"params": ckpt_format.target(trainer)["params"]}, True, spec)
     params = ckpt_format.params_from_tree(trainer, got.tree["params"])
     if _EVAL_BATCHES.value:

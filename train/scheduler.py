@@ -63,9 +63,7 @@ class Scheduler:
         self.finish_pending()
         t = self.plan.train
         if t.eval_batches and (not t.eval_every or self.plan.steps % t.eval_every):
-            t0 = time.perf_counter()
             self.evaluate(self.plan.steps)
-            self.s.goodput.add("eval_s", time.perf_counter() - t0)  # the final evaluation, in goodput too
         return self.state, self.last
 
     def finish_pending(self) -> None:
@@ -78,8 +76,11 @@ class Scheduler:
         loop_actions.run_due(self.metric_actions, step, self.fetched_values)
 
     def evaluate(self, step: int) -> None:
+        """Evaluate, log, and count the time as goodput's eval_s (periodic and final evaluations alike)."""
+        t0 = time.perf_counter()
         self.last["eval_loss"] = evaluate(self.s.trainer, self.state["params"])
         self.s.log.write({"step": step, "eval_loss": self.last["eval_loss"]})
+        self.s.goodput.add("eval_s", time.perf_counter() - t0)
 
 
 def evaluate(trainer, params) -> float:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import math
 
-import jax.numpy as jnp
 import numpy as np
 
 import models
