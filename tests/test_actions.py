@@ -97,18 +97,23 @@ def test_train_subpackage_functions_are_short():
 def test_fault_injection_is_an_action_only_a_test_config_adds():
     """The production loop holds no fault injection; a test's fault_injection.* puts it first, before
     step s-1's metrics are fetched, and the documented order of the built-in actions holds."""
+    import dataclasses
     import types
 
     from train import loop_actions, sections
     from train.config import base_config
     config = base_config()
-    loop = types.SimpleNamespace(plan=types.SimpleNamespace(faults=sections.from_config(config)[2]))
+    _, checkpoint_section, faults = sections.from_config(config)
+    loop = types.SimpleNamespace(plan=types.SimpleNamespace(faults=faults, checkpoint=checkpoint_section))
     names = [type(a).__name__ for a in loop_actions.step_actions(loop, [])]
     assert names == ["FetchPending", "SavePoll", "ProfileStop", "SavePrepare", "FetchNow", "Evaluation",
                      "CheckpointSave", "UserActions", "PreemptionStop"]
     config.fault_injection.step_delay_s = 0.1
     loop.plan.faults = sections.from_config(config)[2]
     assert [type(a).__name__ for a in loop_actions.step_actions(loop, [])] == ["FaultInjection", *names]
+    loop.plan.checkpoint = dataclasses.replace(checkpoint_section, enabled=False)  # checkpoint.enabled=False
+    assert [type(a).__name__ for a in loop_actions.step_actions(loop, [])] == [
+        "FaultInjection", *(n for n in names if n not in ("SavePrepare", "CheckpointSave"))]
     metric = [type(a).__name__ for a in loop_actions.metric_actions(loop)]
     assert metric == ["StepClock", "WatchdogKick", "StopSaveAgreement", "NonFiniteGuard", "MetricsLogging"]
 

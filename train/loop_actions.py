@@ -252,9 +252,10 @@ def step_actions(loop: Any, user_actions: list) -> list[Action]:
     """
     evaluation = Evaluation(loop)
     faults = [FaultInjection(loop)] if loop.plan.faults.in_loop else []
-    return [*faults, FetchPending(loop), SavePoll(loop), ProfileStop(loop), SavePrepare(loop),
-            FetchNow(loop, evaluation), evaluation, CheckpointSave(loop), UserActions(loop, user_actions),
-            PreemptionStop(loop)]
+    saves = loop.plan.checkpoint.enabled  # checkpoint.enabled=False: no save is ever decided
+    return [*faults, FetchPending(loop), SavePoll(loop), ProfileStop(loop), *([SavePrepare(loop)] if saves else []),
+            FetchNow(loop, evaluation), evaluation, *([CheckpointSave(loop)] if saves else []),
+            UserActions(loop, user_actions), PreemptionStop(loop)]
 
 
 def run_due(actions: list[Action], step: int, *args: Any) -> None:

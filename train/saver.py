@@ -42,8 +42,9 @@ class Saver:
                  log: MetricsLog, goodput: Goodput, last_saved: int):
         self.ckpts, self.trainer = ckpts, trainer
         every = trainer.plan.checkpoint
-        self.policy = checkpoint.SavePolicy(every.every_steps, every.every_minutes, every.mtbf_hours)
-        self.enabled = every.enabled  # False: every save is skipped
+        self.enabled = every.enabled  # False (checkpoint.enabled): the loop schedules no save (loop_actions)
+        self.policy = (checkpoint.SavePolicy(every.every_steps, every.every_minutes, every.mtbf_hours)
+                       if self.enabled else checkpoint.SavePolicy())  # disabled: never due
         self._blocked: list[float] = []  # measured save costs, for the mtbf_hours interval
         self.run_info = describe_run(config, trainer)
         self.log, self.goodput = log, goodput
@@ -53,8 +54,6 @@ class Saver:
 
     def time_due(self) -> bool:
         """This process's view; the loop makes it agreed before acting on it."""
-        if not self.enabled:
-            return False
         cost = sum(self._blocked) / len(self._blocked) if self._blocked else None
         return self.policy.time_due(time.monotonic() - self._since, cost)
 
@@ -70,14 +69,12 @@ class Saver:
     def prepare(self, step: int, state: dict[str, Any], rng: jax.Array) -> None:
         """Dispatch the checksums of `step`'s state while the step still runs, so they cost device time
         after it rather than time on this thread (a dispatch with ready inputs runs inline on CPU)."""
-        if not self.enabled:
-            return
         self._prepared = (step, *ckpt_format.to_tree_with_checksums(self.trainer, state, rng))
 
     def save(self, step: int, state: dict[str, Any], rng: jax.Array) -> None:
         """Save `step` (its state must be finite: the loop checked its metrics first), in logical layer
         order so that any pipeline layout can restore it."""
-        if step == self.last_saved or not self.enabled:
+        if step == self.last_saved:
             return
         if self._prepared and self._prepared[0] == step:
             _, tree, checksums = self._prepared
@@ -97,11 +94,7 @@ class Saver:
 
     def poll(self) -> None:
         """Log saves that have committed; raise SaveFailed if a background save failed."""
-        if not self.enabled:
-            return
         self._report(self.ckpts.poll())
 
     def wait(self) -> None:
-        if not self.enabled:
-            return
         self._report(self.ckpts.wait())
