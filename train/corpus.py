@@ -15,16 +15,23 @@ class CorpusError(ValueError):
     """Bad input: names the file (and line) and what is wrong."""
 
 
+def files_under(root: pathlib.Path, skip_dirs: tuple[str, ...] = ()) -> list[pathlib.Path]:
+    """Every file below `root` in sorted order, without hidden entries (.git/) or folders named in `skip_dirs`;
+    the one directory walk of the text sources (train/data.py) and of train.prepare's inputs."""
+    return sorted(f for f in root.rglob("*") if f.is_file()
+                  and not any(part.startswith(".") or part in skip_dirs for part in f.relative_to(root).parts))
+
+
 def input_files(paths: list[str]) -> list[pathlib.Path]:
-    """Files of every input path, directories walked in sorted order without hidden entries."""
+    """Files of every input path; directories walked without hidden entries or Python's bytecode caches
+    (`__pycache__`: a source tree's compiled files are never text)."""
     files: list[pathlib.Path] = []
     for raw in paths:
         p = pathlib.Path(raw).expanduser()
         if p.is_file():
             files.append(p)
         elif p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file()
-                            and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            files += files_under(p, skip_dirs=("__pycache__",))
         else:
             raise CorpusError(f"--input={raw}: no such file or directory")
     if not files:

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from train import datadir, order as order_lib
+from train import corpus, datadir, order as order_lib
 from train.config import ConfigError
 
 EVAL_STREAM = 1 << 30  # eval batches draw from (seed, EVAL_STREAM + k): never a training step's stream
@@ -114,8 +114,7 @@ def _text_files(path: str) -> tuple[pathlib.Path, list[pathlib.Path]]:
     if root.is_file():
         return root.parent, [root]
     if root.is_dir():
-        files = sorted(p for p in root.rglob("*") if p.is_file()
-                       and not any(part.startswith(".") for part in p.relative_to(root).parts))  # no .git/
+        files = corpus.files_under(root)  # no .git/
         if files:
             return root, files
     raise ConfigError(f"data.path={path!r}: no such text file or non-empty directory")
