@@ -1,7 +1,7 @@
-"""Named device mesh with the axes data, pipeline, fsdp, tensor (outermost first).
+"""Named device mesh with the axes data, pipeline, fsdp, expert, context, tensor (outermost first).
 
-Devices are laid out process-major, so the innermost axes (tensor, then fsdp) stay inside one host's
-fast domain (NVLink) and the outer ones (data, pipeline) carry the traffic that crosses hosts.
+Devices are laid out process-major, so the innermost axes (tensor, then context, expert, fsdp) stay inside one
+host's fast domain (NVLink) and the outer ones (data, pipeline) carry the traffic that crosses hosts.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 
 from mesh.topology import hybrid_order
 
-AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "tensor")
+AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "expert", "context", "tensor")
 
 
 class MeshConfigError(ValueError):
@@ -62,7 +62,7 @@ def make_mesh(sizes: Mapping[str, int], num_devices: int | None = None,
               devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
     """Mesh over `devices` (default: the first `num_devices` of all devices, default all of them).
 
-    All four axes are always present (size 1 when unused) so partition specs read the same on every
+    All six axes are always present (size 1 when unused) so partition specs read the same on every
     layout; all axes are `Auto`, so XLA propagates shardings between the constraints we give it.
     """
     if devices is None:

@@ -336,17 +336,21 @@ def placement(mesh_or_sizes, axes: Sequence[str], topology: Topology, device_ord
                      level="inter" if hosts_spanned > 1 else "intra", local_dims_spanned=dims_spanned)
 
 
+# Axes whose traffic sits on every layer's critical path: they belong inside a host's fast domain.
+INTRA_HOST_AXES = {"tensor": "per-layer all-reduces", "context": "per-layer ring attention permutes"}
+
+
 def placement_warnings(mesh_or_sizes, topology: Topology, device_order=None) -> list[str]:
-    """One line per problem: `tensor` leaving a host, or an axis split unevenly across hosts."""
+    """One line per problem: `tensor` or `context` leaving a host, or an axis split unevenly across hosts."""
     sizes, _ = _sizes_and_order(mesh_or_sizes, device_order)
     out = []
     for axis, size in sizes.items():
         if size == 1:
             continue
         p = placement(mesh_or_sizes, (axis,), topology, device_order)
-        if axis == "tensor" and p.level == "inter":
-            out.append(f"mesh axis tensor crosses hosts on {topology.name} (groups span {p.hosts} hosts): its "
-                       f"per-layer all-reduces run on {topology.inter.name}; keep tensor <= "
+        if axis in INTRA_HOST_AXES and p.level == "inter":
+            out.append(f"mesh axis {axis} crosses hosts on {topology.name} (groups span {p.hosts} hosts): its "
+                       f"{INTRA_HOST_AXES[axis]} run on {topology.inter.name}; keep {axis} <= "
                        f"{topology.devices_per_host} devices per host")
         if p.level == "inter" and not p.even:
             out.append(f"mesh axis {axis} is split unevenly across hosts on {topology.name}: its groups have "

@@ -17,12 +17,20 @@ from models import documents
 
 Params = dict[str, Any]
 ModelConfig = Any  # a family's frozen config dataclass (GPTConfig, LlamaConfig, ...)
-Constrain = Callable[[jax.Array, tuple], jax.Array]
 LAYERS = "layers"  # the key of the stacked blocks in every family's parameter dict
 
 
-def no_constraint(x: jax.Array, names: tuple) -> jax.Array:
-    return x
+class Hooks:
+    """What the caller (sharding/) lends the model, so that models never name a mesh: `hooks(x, logical_names)`
+    hints an activation's sharding, and layouts that need collectives inside a layer override the methods
+    that subclasses add here. This base class is one device: no hints, no collectives."""
+
+    def __call__(self, x: jax.Array, names: tuple) -> jax.Array:
+        return x
+
+
+Constrain = Hooks  # the name the families' signatures use: the hook is mostly an activation constraint
+no_constraint = Hooks()
 
 
 @dataclasses.dataclass(frozen=True)

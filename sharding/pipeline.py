@@ -63,6 +63,16 @@ def from_logical(tree: Any, order: np.ndarray) -> Any:
 
 # ----------------------------------------------------------------------------- the region's axes
 
+class AutoAxesHints(models.contract.Hooks):
+    """Inside the pipeline's shard_map: activation hints for the automatic (tensor) axes only."""
+
+    def __init__(self, rules, sizes):
+        self.rules, self.sizes = rules, sizes
+
+    def __call__(self, x, names):
+        return jax.lax.with_sharding_constraint(x, sharding_specs.mesh_spec(P(*names), self.rules, x.shape, self.sizes))
+
+
 def manual_axes(rules: Rules, mesh_sizes: Mapping[str, int]) -> tuple[str, ...]:
     """`pipeline` and the axes that split the batch (data, fsdp): the pipeline region handles these by
     hand. The batch axes must be manual: left automatic, XLA gathered the whole batch onto every stage at
@@ -156,8 +166,7 @@ def build(cfg: Any, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.S
     auto_rules = {k: tuple(a for a in axes if a not in manual) for k, axes in rules.items()}
     automatic = tuple(a for a in mesh.axis_names if a not in manual and sizes[a] > 1)
 
-    def constrain(x, names):  # activation hints for the automatic (tensor) axes only
-        return jax.lax.with_sharding_constraint(x, sharding_specs.mesh_spec(P(*names), auto_rules, x.shape, sizes))
+    constrain = AutoAxesHints(auto_rules, sizes)
 
     program = slot_program(schedule, train)
     act_entries, grad_entries = (int(n) for n in program.pop("sizes"))

@@ -15,16 +15,20 @@ Rules = dict[str, tuple[str, ...]]
 # output dims `heads`/`mlp` are split), attention-out and MLP-out row-parallel (input dims split),
 # so each block needs one all-reduce after attention and one after the MLP; heads split over `tensor`.
 _TENSOR: Rules = {"heads": ("tensor",), "mlp": ("tensor",), "vocab": ("tensor",)}
+# Shared by every strategy: the `expert` axis splits the batch like `data` outside the mixture-of-experts
+# layers and holds a slice of the experts inside them (models/moe.py); the `context` axis splits every row's
+# sequence (ring attention passes the keys and values around it).
+_LONG_AND_SPARSE: Rules = {"seq": ("context",), "experts": ("expert",)}
 
 STRATEGIES: dict[str, Rules] = {
-    # Parameters replicated, batch split over `data`.
-    "data_parallel": {"batch": ("data",)},
+    # Parameters replicated, batch split over `data` (and `expert`).
+    "data_parallel": {"batch": ("data", "expert"), **_LONG_AND_SPARSE},
     # ZeRO-3 / FSDP (Rajbhandari et al. 2020): parameters, gradients and optimizer state sharded
-    # over `fsdp` along `embed`; the batch is split over data x fsdp.
-    "fsdp": {"batch": ("data", "fsdp"), "embed": ("fsdp",)},
-    "tensor_parallel": {"batch": ("data",), **_TENSOR},
-    # Everything at once on one mesh: data x fsdp x tensor. The default.
-    "fsdp_tensor": {"batch": ("data", "fsdp"), "embed": ("fsdp",), **_TENSOR},
+    # over `fsdp` along `embed`; the batch is split over data x fsdp x expert.
+    "fsdp": {"batch": ("data", "fsdp", "expert"), "embed": ("fsdp",), **_LONG_AND_SPARSE},
+    "tensor_parallel": {"batch": ("data", "expert"), **_TENSOR, **_LONG_AND_SPARSE},
+    # Everything at once on one mesh: data x fsdp x expert x context x tensor. The default.
+    "fsdp_tensor": {"batch": ("data", "fsdp", "expert"), "embed": ("fsdp",), **_TENSOR, **_LONG_AND_SPARSE},
 }
 DEFAULT_STRATEGY = "fsdp_tensor"
 

@@ -6,7 +6,7 @@ are only hints to XLA, so an axis that does not divide an activation dimension i
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import jax
 import optax
@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mesh.layout import axis_sizes
+from models.contract import Hooks
 from sharding.rules import Rules, ShardingConfigError
 
 
@@ -117,12 +118,17 @@ def named(mesh: jax.sharding.Mesh, specs: Any) -> Any:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def constrainer(mesh: jax.sharding.Mesh, rules: Rules) -> Callable[[jax.Array, tuple], jax.Array]:
-    """The `constrain(x, logical_names)` hook the model calls on its key activations."""
-    sizes = axis_sizes(mesh)
+class ActivationSharding(Hooks):
+    """The model's hooks on a mesh: `constrain(x, logical_names)` pins a key activation to the rules' layout."""
 
-    def constrain(x: jax.Array, names: tuple) -> jax.Array:
-        spec = mesh_spec(P(*names), rules, x.shape, sizes)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    def __init__(self, mesh: jax.sharding.Mesh, rules: Rules):
+        self.mesh, self.rules, self.sizes = mesh, rules, axis_sizes(mesh)
 
-    return constrain
+    def __call__(self, x: jax.Array, names: tuple) -> jax.Array:
+        spec = mesh_spec(P(*names), self.rules, x.shape, self.sizes)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+
+def constrainer(mesh: jax.sharding.Mesh, rules: Rules) -> ActivationSharding:
+    """The hooks the model calls on its key activations (models.contract.Hooks)."""
+    return ActivationSharding(mesh, rules)

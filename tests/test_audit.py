@@ -78,7 +78,7 @@ def test_pipelined_audit_is_exact(schedule, virtual_stages):
 
 def test_projection_puts_data_across_hosts_and_tensor_inside():
     proj = _audit("fsdp_tensor", {"data": 2, "fsdp": 2, "tensor": 2})["projection"]
-    assert proj["mesh"] == {"data": 32, "pipeline": 1, "fsdp": 2, "tensor": 2}
+    assert proj["mesh"] == {"data": 32, "pipeline": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
     assert proj["links"]["tensor"] == "intra" and proj["links"]["data"] == "inter"
 
 

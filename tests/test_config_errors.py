@@ -17,12 +17,12 @@ def _bad_configs():
         return config
 
     unknown_axis = tiny_config()
-    unknown_axis.mesh.expert = 2
+    unknown_axis.mesh.sequence = 2
     return {
         "product": (with_(mesh__data=3), "mesh: data=3 needs 3 devices but 8 are available"),
         "two_wildcards": (with_(mesh__data=-1, mesh__tensor=-1), "mesh.data and mesh.tensor are both -1"),
         "zero_axis": (with_(mesh__data=8, mesh__fsdp=0), "mesh.fsdp=0"),
-        "unknown_axis": (unknown_axis, "mesh.expert: unknown mesh axis"),
+        "unknown_axis": (unknown_axis, "mesh.sequence: unknown mesh axis"),
         "indivisible_param": (with_(mesh__data=1, mesh__tensor=8, model__n_heads=4), "is not divisible by mesh axes tensor=8"),
         "batch": (with_(mesh__data=8, train__global_batch_size=12), "train.global_batch_size=12"),
         "strategy": (with_(mesh__data=8, sharding__strategy="zero9"), "sharding.strategy='zero9'"),

@@ -7,10 +7,11 @@ from mesh import AXES, MeshConfigError, make_mesh, resolve_axis_sizes
 
 def test_axes_outermost_first_and_wildcard():
     mesh = make_mesh({"data": -1, "tensor": 2})
-    assert mesh.axis_names == AXES == ("data", "pipeline", "fsdp", "tensor")
-    assert dict(zip(mesh.axis_names, mesh.devices.shape)) == {"data": 4, "pipeline": 1, "fsdp": 1, "tensor": 2}
+    assert mesh.axis_names == AXES == ("data", "pipeline", "fsdp", "expert", "context", "tensor")
+    assert dict(zip(mesh.axis_names, mesh.devices.shape)) == {"data": 4, "pipeline": 1, "fsdp": 1, "expert": 1,
+                                                                   "context": 1, "tensor": 2}
     # tensor is innermost: neighbours on the tensor axis are consecutive devices
-    assert [d.id for d in mesh.devices[0, 0, 0, :]] == [0, 1]
+    assert [d.id for d in mesh.devices[0, 0, 0, 0, 0, :]] == [0, 1]
 
 
 def test_first_n_devices():
@@ -24,7 +25,7 @@ def test_first_n_devices():
     ({"data": -1, "tensor": -1}, "mesh.data and mesh.tensor are both -1"),
     ({"fsdp": 0}, "mesh.fsdp=0"),
     ({"tensor": -4}, "mesh.tensor=-4"),
-    ({"expert": 2}, "mesh.expert: unknown mesh axis"),
+    ({"sequence": 2}, "mesh.sequence: unknown mesh axis"),
     ({"data": -1, "tensor": 3}, "mesh.data=-1"),
 ])
 def test_errors_are_one_line_and_name_the_setting(sizes, fragment):

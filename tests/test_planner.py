@@ -182,8 +182,8 @@ def test_plan_cli_and_bad_input(tmp_path):
 
 
 def test_bad_plan_input_is_a_user_error():
-    with pytest.raises(search.PlanError, match="plan.fixed='expert:2'"):
-        search.parse_fixed("expert:2", 8)
+    with pytest.raises(search.PlanError, match="plan.fixed='sequence:2'"):
+        search.parse_fixed("sequence:2", 8)
     with pytest.raises(search.PlanError, match="does not divide"):
         search.parse_fixed("tensor:3", 8)
     cfg = models.from_dict({"preset": "7b"})

@@ -7,7 +7,7 @@ from sharding import rules as rules_lib
 from sharding.rules import ShardingConfigError
 from sharding.specs import add_axis, mesh_spec, param_specs
 
-SIZES = {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 2}
+SIZES = {"data": 2, "pipeline": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
 RULES = rules_lib.STRATEGIES["fsdp_tensor"]
 
 
@@ -50,8 +50,8 @@ def test_strategy_errors():
         rules_lib.resolve("zero9", None, SIZES)
     with pytest.raises(ShardingConfigError, match="mesh.tensor=2 but sharding.strategy='fsdp'"):
         rules_lib.resolve("fsdp", None, SIZES)
-    with pytest.raises(ShardingConfigError, match="'expert'"):
-        rules_lib.resolve("fsdp_tensor", {"mlp": "expert"}, SIZES)
+    with pytest.raises(ShardingConfigError, match="'sequence'"):
+        rules_lib.resolve("fsdp_tensor", {"mlp": "sequence"}, SIZES)
 
 
 def test_user_strategy_can_be_registered():

@@ -49,7 +49,7 @@ def base_config() -> ml_collections.ConfigDict:
                    # attention: auto|xla|cudnn (auto: cuDNN's flash kernel where it runs, else XLA's);
                    # loss_chunk_size: positions per chunk of the head + loss, 0 = all at once (models/lm_loss.py)
                    attention=config_dict.placeholder(str), loss_chunk_size=config_dict.placeholder(int))
-    c.mesh = dict(data=-1, pipeline=1, fsdp=1, tensor=1)
+    c.mesh = dict(data=-1, pipeline=1, fsdp=1, expert=1, context=1, tensor=1)
     c.sharding = dict(strategy=sharding_rules.DEFAULT_STRATEGY, rules={}, shard_opt_state=False)
     c.pipeline = dict(schedule="1f1b", microbatches=4, virtual_stages=1)
     c.train = dict(steps=100, global_batch_size=16, seed=0, log_every=10, eval_every=50, eval_batches=4,

@@ -10,6 +10,7 @@ import sys
 
 from absl import app, flags
 
+from mesh.layout import AXES
 from train import cli
 from train.config import base_config
 
@@ -36,7 +37,7 @@ def _fail(message: str):
 
 def _mesh_overrides(config) -> None:
     """The run's mesh, with the --config.mesh.* flags given and `pipeline` folded into `data`."""
-    for name in ("data", "pipeline", "fsdp", "tensor"):
+    for name in AXES:
         if any(arg.startswith(f"--config.mesh.{name}=") for arg in sys.argv):
             config.mesh[name] = _CONFIG.value.mesh[name]
     folded = config.mesh.pipeline

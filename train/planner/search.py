@@ -17,6 +17,7 @@ REMATS = ("none", "save_dots", "full")
 # Usable share of a device's memory: the rest is left for the CUDA/XLA runtime, NCCL buffers and
 # fragmentation. An assumption, not a measurement.
 USABLE_MEMORY = 0.9
+UNSEARCHED = ("expert", "context")
 
 
 class PlanError(ConfigError):
@@ -47,13 +48,16 @@ def _divisors(n: int) -> list[int]:
 
 
 def meshes(n: int, fixed: Mapping[str, int], cfg: models.GPTConfig, global_batch: int) -> Iterator[dict[str, int]]:
-    """Every {data, pipeline, fsdp, tensor} multiplying to n that the model's widths and the batch divide."""
+    """Every mesh multiplying to n that the model's widths and the batch divide. The planner does not search
+    `expert` and `context` (they serve mixture-of-experts models and long sequences, which it does not model):
+    they stay at 1 unless plan.fixed sets them."""
     def rec(i: int, left: int, acc: dict[str, int]):
         if i == len(AXES) - 1:
             yield {**acc, AXES[i]: left}
             return
         axis = AXES[i]
-        for s in ([fixed[axis]] if axis in fixed else _divisors(left)):
+        options = [fixed[axis]] if axis in fixed else [1] if axis in UNSEARCHED else _divisors(left)
+        for s in options:
             if left % s == 0:
                 yield from rec(i + 1, left // s, {**acc, axis: s})
     for sizes in rec(0, n, {}):
