@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import contract, documents, lm_loss
-from models.attention import attend, attend_cached
+from models.attention import attend_cached
 from models.config import GPT_PRESETS, GPTConfig
 from models.contract import Constrain, Params, no_constraint
 from models.layers import (decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, remat, rms_norm,
@@ -74,7 +74,7 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrai
     q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (qkv[0], qkv[1], qkv[2]))
     q, k = rotary(q, positions_L=positions), rotary(k, positions_L=positions)
     if cache is None:
-        o_BxLxHxK = attend(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
+        o_BxLxHxK = constrain.causal_attention(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
     else:
         o_BxLxHxK, cache = attend_cached(q, k, v, *cache)
     o_BxLxHxK = constrain(o_BxLxHxK, ("batch", "seq", "heads", "kv"))
@@ -105,6 +105,8 @@ def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: G
     """Apply a stack (or any contiguous slice of it) of blocks with one scanned, rematerialized body.
     Returns (x, aux loss 0.0): a dense model adds nothing to the loss."""
     segment_ids, positions = documents.segments(inputs_BxL, cfg)
+    if positions is None:  # a context-parallel layout's permuted sequence keeps its global rotary positions
+        positions = constrain.context_order(inputs_BxL.shape[1])
     body = remat(lambda p, x: block(p, x, cfg, constrain, segment_ids, positions), cfg.remat)
     x_BxLxD, _ = jax.lax.scan(lambda x, p: (body(p, x), None), x_BxLxD, layers)
     return x_BxLxD, jnp.zeros((), jnp.float32)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import contract, documents, gpt
-from models.attention import attend, attend_cached
+from models.attention import attend_cached
 from models.contract import Constrain, Params, no_constraint
 from models.layers import (decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, remat, rms_norm,
                            rotary)
@@ -90,7 +90,7 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constr
     k, v = (constrain(qkv_BxLxGxRxK[:, :, :, i], names) for i in (-2, -1))
     q, k = rotary(q, freqs, positions_L), rotary(k, freqs, positions_L)
     if cache is None:
-        o = attend(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
+        o = constrain.causal_attention(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
     else:
         o, cache = attend_cached(q, k, v, *cache)
     o = constrain(o, names)
@@ -118,6 +118,8 @@ def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: L
                constrain: Constrain = no_constraint):
     """The scanned, rematerialized stack (or a contiguous slice of it); returns (x, aux loss 0.0)."""
     segment_ids, positions = documents.segments(inputs_BxL, cfg)
+    if positions is None:  # a context-parallel layout's permuted sequence keeps its global rotary positions
+        positions = constrain.context_order(inputs_BxL.shape[1])
     body = remat(lambda p, x: block(p, x, cfg, constrain, positions, None, segment_ids)[0], cfg.remat)
     x_BxLxD, _ = jax.lax.scan(lambda x, p: (body(p, x), None), x_BxLxD, layers)
     return x_BxLxD, jnp.zeros((), jnp.float32)
