@@ -129,6 +129,7 @@ def loss(params: Params, tokens_BxL1: jax.Array, cfg: Any, constrain: Constrain 
     """Language-model loss of a batch of `seq_len + 1` tokens per row (inputs and shifted targets): the mean
     over counted targets (all, or with packed documents those not after an end-of-document input)."""
     fam = family_of(cfg)
+    tokens_BxL1 = constrain(tokens_BxL1, ("batch", None))  # the shift is local: every device has whole rows
     inputs, targets = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
     order = constrain.context_order(inputs.shape[1])
     if order is not None:  # the loss is a mean over tokens: once permuted, the sequence never goes back

@@ -70,7 +70,8 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrai
     """Causal multi-head attention of the normed input; with `cache` = (k, v, length) it decodes over the KV
     cache (models/attention.attend_cached). Returns (the output projection, the new cache or None)."""
     cdt = jnp.dtype(cfg.compute_dtype)
-    qkv = jnp.einsum("bld,dthk->tblhk", h_BxLxD, p["wqkv"].astype(cdt))
+    # Pinning the projection's output (heads split) makes sequence parallelism gather the normed input, not the weight.
+    qkv = constrain(jnp.einsum("bld,dthk->tblhk", h_BxLxD, p["wqkv"].astype(cdt)), (None, "batch", "seq", "heads", "kv"))
     q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (qkv[0], qkv[1], qkv[2]))
     q, k = rotary(q, positions_L=positions), rotary(k, positions_L=positions)
     if cache is None:
@@ -117,6 +118,8 @@ def embed(params: Params, tokens_BxL: jax.Array, cfg: GPTConfig, constrain: Cons
     # partitioner cannot look rows up in a table split along both dimensions without replicating it.
     table = constrain(params["embed"], ("vocab", None))
     x = jnp.take(table, tokens_BxL, axis=0).astype(jnp.dtype(cfg.compute_dtype))
+    # Looked up whole over `tensor` first: under sequence parallelism XLA would otherwise gather the table.
+    x = constrain(x, ("batch", "seq_context", "embed"))
     return constrain(x, ("batch", "seq", "embed"))
 
 
