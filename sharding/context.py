@@ -39,14 +39,15 @@ def _ring(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways
     C = q_BxLxHxK.shape[1] // 2
     positions = _local_positions(me, C, ways)
     out, lse = attention_block(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions[:, None] >= positions[None, :])
-    k, v = k_BxLxGxK, v_BxLxGxK
     q_top, q_bottom = q_BxLxHxK[:, :C], q_BxLxHxK[:, C:]
     to_next = [(d, (d + 1) % ways) for d in range(ways)]
-    for hop in range(1, ways):
+
+    def hop(carry, step):
+        k, v, out, lse = carry
         k, v = jax.lax.ppermute(k, AXIS, to_next), jax.lax.ppermute(v, AXIS, to_next)
-        # The block came from device j = me - hop. If j < me, every query of mine sees j's first chunk and none
+        # The block came from device j = me - step. If j < me, every query of mine sees j's first chunk and none
         # of its second; otherwise only my second chunk's queries see anything, and they see both of j's.
-        earlier = (me - hop) % ways < me
+        earlier = (me - step) % ways < me
         out1, lse1 = attention_block(q_bottom, k[:, :C], v[:, :C])  # my 2nd chunk vs j's 1st: always visible
         q2 = jnp.where(earlier, q_top, q_bottom)
         k2, v2 = (jnp.where(earlier, t[:, :C], t[:, C:]) for t in (k, v))
@@ -56,6 +57,10 @@ def _ring(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways
         bottom = merge_blocks(out[:, C:], lse[:, C:], out1, lse1)
         bottom = merge_blocks(*bottom, out2, jnp.where(earlier, skipped, lse2))
         out, lse = (jnp.concatenate(pair, axis=1) for pair in zip(top, bottom))
+        return (k, v, out, lse), None
+
+    if ways > 1:  # c-1 hops: the last block received is used, never sent on
+        (_, _, out, lse), _ = jax.lax.scan(hop, (k_BxLxGxK, v_BxLxGxK, out, lse), jnp.arange(1, ways))
     return out.astype(q_BxLxHxK.dtype)
 
 
