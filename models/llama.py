@@ -84,7 +84,9 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constr
     cdt = jnp.dtype(cfg.compute_dtype)
     freqs = rope_frequencies(cfg)
     names = ("batch", "seq", "heads", "kv")
-    qkv_BxLxGxRxK = jnp.einsum("bld,dgrk->blgrk", h_BxLxD, p["wqkv"].astype(cdt))
+    # Pinned with its heads split, so sequence parallelism gathers the normed input rather than the weight.
+    qkv_BxLxGxRxK = constrain(jnp.einsum("bld,dgrk->blgrk", h_BxLxD, p["wqkv"].astype(cdt)),
+                              ("batch", "seq", "heads", None, "kv"))
     B, L, G, R2, K = qkv_BxLxGxRxK.shape
     q = constrain(qkv_BxLxGxRxK[:, :, :, :-2].reshape(B, L, G * (R2 - 2), K), names)
     k, v = (constrain(qkv_BxLxGxRxK[:, :, :, i], names) for i in (-2, -1))
@@ -99,7 +101,7 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constr
 
 def mlp(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain) -> jax.Array:
     cdt = jnp.dtype(cfg.compute_dtype)
-    gate_up = jnp.einsum("bld,dtf->tblf", h_BxLxD, p["w_in"].astype(cdt))
+    gate_up = constrain(jnp.einsum("bld,dtf->tblf", h_BxLxD, p["w_in"].astype(cdt)), (None, "batch", "seq", "mlp"))
     u_BxLxF = constrain(jax.nn.silu(gate_up[0]) * gate_up[1], ("batch", "seq", "mlp"))
     return jnp.einsum("blf,fd->bld", u_BxLxF, p["w_down"].astype(cdt))
 
