@@ -1,6 +1,7 @@
 """Causal attention behind one function, with the kernel chosen by name: XLA's (any platform and dtype; it
 builds every L x L score matrix) or cuDNN's fused flash attention (NVIDIA GPUs, bf16/fp16), both taking
-grouped-query K/V heads and optional segment ids so packed documents do not attend across their boundary.
+grouped-query K/V heads and optional segment ids so packed documents do not attend across their boundary; and
+the two pieces a ring attention is built from: one block's output with its log-sum-exp, and their combine.
 """
 from __future__ import annotations
 
