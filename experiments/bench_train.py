@@ -3,6 +3,9 @@ jit + optax step of the same model on one device (the framework's overhead).
 
     python -m experiments.bench_train --num_cpu_devices=8 --configs=tiny,default --steps=20
     python -m experiments.bench_train --configs=llama3-tiny --layouts='data=8,data=2;tensor=4'
+    python -m experiments.bench_train --configs=tiny --layouts='data=2;tensor=4;sp,data=2;context=4'
+
+A layout is mesh axes separated by ';'; the token `sp` turns on sequence parallelism (sharding.sequence_parallel).
 """
 from __future__ import annotations
 
@@ -16,8 +19,9 @@ _CONFIGS = flags.DEFINE_list("configs", ["tiny", "default"],
                               "Experiment files in experiments/, or model presets (e.g. llama3-tiny, llama3.2-1b) "
                               "on experiments/tiny.py's settings.")
 _LAYOUTS = flags.DEFINE_list("layouts", ["data=8", "fsdp=8", "data=2;fsdp=2;tensor=2", "data=2;tensor=4",
-                                         "data=2;pipeline=2;tensor=2"],
-                             "Meshes, axes separated by ';'.")
+                                         "data=2;pipeline=2;tensor=2", "data=2;tensor=4;sp", "data=2;context=4",
+                                         "data=2;context=2;tensor=2;sp"],
+                             "Meshes, axes separated by ';' (`sp`: sequence parallelism on).")
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps per row (after 3 warm-up steps).")
 _NUM_CPU_DEVICES = flags.DEFINE_integer("num_cpu_devices", 8, "Virtual devices when the platform is CPU.")
 _SOURCE = flags.DEFINE_string("source", "synthetic", "data.source for every run.")
@@ -25,7 +29,13 @@ _JSON = flags.DEFINE_string("json", "", "Also write the rows to this JSON file."
 WARMUP = 3
 
 
-def _config(name: str, layout: dict[str, int]):
+def _parse_layout(text: str) -> tuple[dict[str, int], bool]:
+    """'data=2;tensor=4;sp' -> ({'data': 2, 'tensor': 4}, True)."""
+    tokens = [t for t in text.split(";") if t]
+    return {k: int(v) for k, v in (t.split("=") for t in tokens if t != "sp")}, "sp" in tokens
+
+
+def _config(name: str, layout: dict[str, int], sequence_parallel: bool = False):
     import models
     if name in models.PRESETS:
         config = importlib.import_module("experiments.tiny").get_config()
@@ -34,6 +44,7 @@ def _config(name: str, layout: dict[str, int]):
         config = importlib.import_module(f"experiments.{name}").get_config()
     config.data.source = _SOURCE.value
     config.mesh.update({"data": 1, "pipeline": 1, "fsdp": 1, "tensor": 1, **layout})
+    config.sharding.sequence_parallel = sequence_parallel
     return config
 
 
@@ -110,12 +121,11 @@ def main(argv):
         base = _config(name, {})
         peak = hardware.peak_flops_per_device(hardware.compute_dtype(base))
         minimal = minimal_step_time(base)
-        layouts = [("single device", {}, 1)] + [
-            (text.replace(";", ","), {k: int(v) for k, v in (kv.split("=") for kv in text.split(";"))}, None)
-            for text in _LAYOUTS.value]
-        for label, layout, n in layouts:
+        layouts = [("single device", ({}, False), 1)] + [
+            (text.replace(";", ","), _parse_layout(text), None) for text in _LAYOUTS.value]
+        for label, (layout, sp), n in layouts:
             try:
-                row = framework_row(_config(name, layout), n, peak * (jax.device_count() if n == 1 else 1))
+                row = framework_row(_config(name, layout, sp), n, peak * (jax.device_count() if n == 1 else 1))
             except USER_ERRORS as e:
                 print(f"| {name} | {label} | skipped: {e} |||||")
                 continue

@@ -1,6 +1,7 @@
 """Causal attention behind one function, with the kernel chosen by name: XLA's (any platform and dtype; it
 builds every L x L score matrix) or cuDNN's fused flash attention (NVIDIA GPUs, bf16/fp16), both taking
-grouped-query K/V heads and optional segment ids so packed documents do not attend across their boundary.
+grouped-query K/V heads and optional segment ids so packed documents do not attend across their boundary; and
+the two pieces a ring attention is built from: one block's output with its log-sum-exp, and their combine.
 """
 from __future__ import annotations
 
@@ -93,3 +94,31 @@ def attend_cached(q_BxTxHxK: jax.Array, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Arr
     out = jax.nn.dot_product_attention(q_BxTxHxK, k_cache.astype(q_BxTxHxK.dtype), v_cache.astype(q_BxTxHxK.dtype),
                                        mask=allowed_TxS[None, None])
     return out, (k_cache, v_cache)
+
+
+def attention_block(q_BxQxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
+                    allowed_QxS: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Softmax attention of a block of queries over a block of keys (no mask unless `allowed_QxS`), in float32:
+    (out [B, Q, H, K], log-sum-exp of each query's scores [B, Q, H]), what an online-softmax combine needs
+    (`merge_blocks`). Grouped-query heads: query head g*R + r reads K/V head g."""
+    B, Q, H, K = q_BxQxHxK.shape
+    G = k_BxSxGxK.shape[2]
+    q = q_BxQxHxK.reshape(B, Q, G, H // G, K).astype(jnp.float32)
+    scores = jnp.einsum("bqgrk,bsgk->bgrqs", q, k_BxSxGxK.astype(jnp.float32)) * K ** -0.5
+    if allowed_QxS is not None:  # every query row keeps at least one key (its own position)
+        scores = jnp.where(allowed_QxS, scores, -jnp.inf)
+    lse_BxGxRxQ = jax.nn.logsumexp(scores, axis=-1)
+    probs = jnp.exp(scores - lse_BxGxRxQ[..., None])
+    out = jnp.einsum("bgrqs,bsgk->bqgrk", probs, v_BxSxGxK.astype(jnp.float32)).reshape(B, Q, H, K)
+    return out, jnp.moveaxis(lse_BxGxRxQ, 3, 1).reshape(B, Q, H)
+
+
+def merge_blocks(out1_BxQxHxK: jax.Array, lse1_BxQxH: jax.Array, out2_BxQxHxK: jax.Array,
+                 lse2_BxQxH: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Online-softmax combine of two attention blocks over disjoint keys (Milakov & Gimelshein 2018): the
+    result is the attention over both. `lse1` must be finite; `lse2` may be -inf (a block the queries skip)."""
+    top = jnp.maximum(lse1_BxQxH, lse2_BxQxH)
+    w1, w2 = jnp.exp(lse1_BxQxH - top), jnp.exp(lse2_BxQxH - top)
+    total = w1 + w2
+    out = (out1_BxQxHxK * w1[..., None] + out2_BxQxHxK * w2[..., None]) / total[..., None]
+    return out, top + jnp.log(total)

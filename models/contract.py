@@ -12,8 +12,9 @@ import dataclasses
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 
-from models import documents
+from models import attention, documents
 
 Params = dict[str, Any]
 ModelConfig = Any  # a family's frozen config dataclass (GPTConfig, LlamaConfig, ...)
@@ -27,6 +28,18 @@ class Hooks:
 
     def __call__(self, x: jax.Array, names: tuple) -> jax.Array:
         return x
+
+    def context_order(self, length: int) -> jax.Array | None:
+        """int32 [length]: the global position held at each position of the layout's sequence order (a
+        context-parallel layout's zigzag), or None when the sequence stays in order. The model permutes its
+        inputs, targets and loss mask by it once after the shift, and uses it as the rotary positions."""
+        return None
+
+    def causal_attention(self, q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array,
+                         implementation: str, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
+        """Causal attention over the whole sequence (models/attention.attend); a context-parallel layout
+        overrides it with a ring over its sequence shards."""
+        return attention.attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL)
 
 
 Constrain = Hooks  # the name the families' signatures use: the hook is mostly an activation constraint
@@ -103,16 +116,24 @@ def top_params(params: Params) -> Params:
 def forward(params: Params, tokens_BxL: jax.Array, cfg: Any, constrain: Constrain = no_constraint) -> jax.Array:
     """Float32 logits for every position."""
     fam = family_of(cfg)
+    order = constrain.context_order(tokens_BxL.shape[1])
+    if order is not None:
+        tokens_BxL = jnp.take(tokens_BxL, order, axis=1)
     x = fam.embed(top_params(params), tokens_BxL, cfg, constrain)
     x, _ = fam.run_layers(params[LAYERS], x, tokens_BxL, cfg, constrain)
-    return fam.logits(top_params(params), x, cfg, constrain)
+    logits_BxLxV = fam.logits(top_params(params), x, cfg, constrain)
+    return logits_BxLxV if order is None else jnp.take(logits_BxLxV, jnp.argsort(order), axis=1)
 
 
 def loss(params: Params, tokens_BxL1: jax.Array, cfg: Any, constrain: Constrain = no_constraint) -> jax.Array:
     """Language-model loss of a batch of `seq_len + 1` tokens per row (inputs and shifted targets): the mean
     over counted targets (all, or with packed documents those not after an end-of-document input)."""
     fam = family_of(cfg)
+    tokens_BxL1 = constrain(tokens_BxL1, ("batch", None))  # the shift is local: every device has whole rows
     inputs, targets = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
+    order = constrain.context_order(inputs.shape[1])
+    if order is not None:  # the loss is a mean over tokens: once permuted, the sequence never goes back
+        inputs, targets = jnp.take(inputs, order, axis=1), jnp.take(targets, order, axis=1)
     top = top_params(params)
     x = fam.embed(top, inputs, cfg, constrain)
     x, aux = fam.run_layers(params[LAYERS], x, inputs, cfg, constrain)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import contract, documents, lm_loss
-from models.attention import attend, attend_cached
+from models.attention import attend_cached
 from models.config import GPT_PRESETS, GPTConfig
 from models.contract import Constrain, Params, no_constraint
 from models.layers import (decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, remat, rms_norm,
@@ -70,11 +70,12 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrai
     """Causal multi-head attention of the normed input; with `cache` = (k, v, length) it decodes over the KV
     cache (models/attention.attend_cached). Returns (the output projection, the new cache or None)."""
     cdt = jnp.dtype(cfg.compute_dtype)
-    qkv = jnp.einsum("bld,dthk->tblhk", h_BxLxD, p["wqkv"].astype(cdt))
+    # Pinning the projection's output (heads split) makes sequence parallelism gather the normed input, not the weight.
+    qkv = constrain(jnp.einsum("bld,dthk->tblhk", h_BxLxD, p["wqkv"].astype(cdt)), (None, "batch", "seq", "heads", "kv"))
     q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (qkv[0], qkv[1], qkv[2]))
     q, k = rotary(q, positions_L=positions), rotary(k, positions_L=positions)
     if cache is None:
-        o_BxLxHxK = attend(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
+        o_BxLxHxK = constrain.causal_attention(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
     else:
         o_BxLxHxK, cache = attend_cached(q, k, v, *cache)
     o_BxLxHxK = constrain(o_BxLxHxK, ("batch", "seq", "heads", "kv"))
@@ -105,6 +106,8 @@ def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: G
     """Apply a stack (or any contiguous slice of it) of blocks with one scanned, rematerialized body.
     Returns (x, aux loss 0.0): a dense model adds nothing to the loss."""
     segment_ids, positions = documents.segments(inputs_BxL, cfg)
+    if positions is None:  # a context-parallel layout's permuted sequence keeps its global rotary positions
+        positions = constrain.context_order(inputs_BxL.shape[1])
     body = remat(lambda p, x: block(p, x, cfg, constrain, segment_ids, positions), cfg.remat)
     x_BxLxD, _ = jax.lax.scan(lambda x, p: (body(p, x), None), x_BxLxD, layers)
     return x_BxLxD, jnp.zeros((), jnp.float32)
@@ -115,6 +118,8 @@ def embed(params: Params, tokens_BxL: jax.Array, cfg: GPTConfig, constrain: Cons
     # partitioner cannot look rows up in a table split along both dimensions without replicating it.
     table = constrain(params["embed"], ("vocab", None))
     x = jnp.take(table, tokens_BxL, axis=0).astype(jnp.dtype(cfg.compute_dtype))
+    # Looked up whole over `tensor` first: under sequence parallelism XLA would otherwise gather the table.
+    x = constrain(x, ("batch", "seq_context", "embed"))
     return constrain(x, ("batch", "seq", "embed"))
 
 

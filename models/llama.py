@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import contract, documents, gpt
-from models.attention import attend, attend_cached
+from models.attention import attend_cached
 from models.contract import Constrain, Params, no_constraint
 from models.layers import (decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, remat, rms_norm,
                            rotary)
@@ -84,13 +84,15 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constr
     cdt = jnp.dtype(cfg.compute_dtype)
     freqs = rope_frequencies(cfg)
     names = ("batch", "seq", "heads", "kv")
-    qkv_BxLxGxRxK = jnp.einsum("bld,dgrk->blgrk", h_BxLxD, p["wqkv"].astype(cdt))
+    # Pinned with its heads split, so sequence parallelism gathers the normed input rather than the weight.
+    qkv_BxLxGxRxK = constrain(jnp.einsum("bld,dgrk->blgrk", h_BxLxD, p["wqkv"].astype(cdt)),
+                              ("batch", "seq", "heads", None, "kv"))
     B, L, G, R2, K = qkv_BxLxGxRxK.shape
     q = constrain(qkv_BxLxGxRxK[:, :, :, :-2].reshape(B, L, G * (R2 - 2), K), names)
     k, v = (constrain(qkv_BxLxGxRxK[:, :, :, i], names) for i in (-2, -1))
     q, k = rotary(q, freqs, positions_L), rotary(k, freqs, positions_L)
     if cache is None:
-        o = attend(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
+        o = constrain.causal_attention(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
     else:
         o, cache = attend_cached(q, k, v, *cache)
     o = constrain(o, names)
@@ -99,7 +101,7 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constr
 
 def mlp(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain) -> jax.Array:
     cdt = jnp.dtype(cfg.compute_dtype)
-    gate_up = jnp.einsum("bld,dtf->tblf", h_BxLxD, p["w_in"].astype(cdt))
+    gate_up = constrain(jnp.einsum("bld,dtf->tblf", h_BxLxD, p["w_in"].astype(cdt)), (None, "batch", "seq", "mlp"))
     u_BxLxF = constrain(jax.nn.silu(gate_up[0]) * gate_up[1], ("batch", "seq", "mlp"))
     return jnp.einsum("blf,fd->bld", u_BxLxF, p["w_down"].astype(cdt))
 
@@ -118,6 +120,8 @@ def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: L
                constrain: Constrain = no_constraint):
     """The scanned, rematerialized stack (or a contiguous slice of it); returns (x, aux loss 0.0)."""
     segment_ids, positions = documents.segments(inputs_BxL, cfg)
+    if positions is None:  # a context-parallel layout's permuted sequence keeps its global rotary positions
+        positions = constrain.context_order(inputs_BxL.shape[1])
     body = remat(lambda p, x: block(p, x, cfg, constrain, positions, None, segment_ids)[0], cfg.remat)
     x_BxLxD, _ = jax.lax.scan(lambda x, p: (body(p, x), None), x_BxLxD, layers)
     return x_BxLxD, jnp.zeros((), jnp.float32)

@@ -12,6 +12,10 @@ Pipeline (sharding/pipeline.py): the lockstep executor sends one activation and 
 (pipeline.FSDP_GATHER), not in the forward and again in the backward; the embedding and head, replicated on
 every stage, have their gradients summed over `pipeline` too. Stages differ (only the first embeds, only
 the last runs the head), so per device means the mean over the stages, as the audit counts.
+Sequence parallelism (Megatron, `seq -> tensor`): each forward all-reduce becomes a reduce-scatter and an
+all-gather of the next block's input; the backward mirrors both and gathers each matmul input again for its
+weight gradient (the gathered copy is not kept). Context parallelism: the ring passes every layer's K and V
+blocks c-1 hops forward, their gradients c-1 hops back, and the weight gradients are summed over `context`.
 Audit part (what the layout must communicate); train/audit.py maps the parts of `--audit`.
 """
 from __future__ import annotations
@@ -90,6 +94,23 @@ def _activation_all_reduces(cfg: Any, chunks: int, stages: int) -> float:
     return ((per_layer + t.forward_per_layer) * cfg.n_layers - dead + top) / stages
 
 
+def _sequence_parallel(cfg: Any, act: float) -> list[Expected]:
+    """Megatron sequence parallelism's activation traffic over `tensor`, `act` bytes a unit. Per layer and
+    forward all-reduce of tensor parallelism: a reduce-scatter and an all-gather forward; backward an
+    all-gather (of the reduce-scatter's gradient), a reduce-scatter (the all-gather's) and an all-gather of
+    the matmul input again for the weight gradient; full remat recomputes the attention's reduce-scatter (the
+    MLP's output is dead there) and its gathers serve the backward. The top mirrors it: the embedding lookup
+    reduce-scatters forward and gathers its gradient back, the head gathers its input and reduce-scatters
+    that gradient."""
+    t = models.family_of(cfg).tensor_traffic
+    top = t.embed_forward + t.head_backward
+    scatters = 2 * t.forward_per_layer + t.recomputed_by_full_remat * (cfg.remat == "full")
+    return [Expected("activation reduce-scatter (sequence parallel)", "reduce_scatter", "tensor",
+                     (scatters * cfg.n_layers + top) * act),
+            Expected("activation all-gather (sequence parallel)", "all_gather", "tensor",
+                     (3 * t.forward_per_layer * cfg.n_layers + top) * act)]
+
+
 def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Mapping,
                      sizes: Mapping[str, int], global_batch: int,
                      pipeline: Mapping[str, int] | None = None) -> list[Expected]:
@@ -101,7 +122,8 @@ def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Ma
     batch_axes = [a for a in rules.get("batch", ()) if sizes.get(a, 1) > 1]
     pipelined = bool(pipeline) and sizes.get("pipeline", 1) > 1
     out: list[Expected] = []
-    for axis in batch_axes:
+    context = sizes.get("context", 1)
+    for axis in batch_axes + (["context"] if context > 1 else []):  # context splits the work like the batch
         grads = gathered = gathers = 0.0
         for leaf, spec, is_lookup in zip(leaves, specs, lookup):
             if axis in spec_axes(spec):  # sharded over the batch axis: FSDP gathers and reduce-scatters
@@ -120,12 +142,23 @@ def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Ma
     if pipelined:
         out += _stage_replicated_gradients(leaves, specs, sizes, batch_axes)
     tensor = sizes.get("tensor", 1)
+    ways = math.prod(sizes[a] for a in batch_axes)
+    itemsize = jax.numpy.dtype(cfg.compute_dtype).itemsize
     if tensor > 1 and any("tensor" in spec_axes(s) for s in specs):
-        ways = math.prod(sizes[a] for a in batch_axes)
-        act = global_batch // ways * cfg.seq_len * cfg.d_model * jax.numpy.dtype(cfg.compute_dtype).itemsize
-        chunks = sizes["pipeline"] * pipeline.get("virtual_stages", 1) if pipelined else 0
-        out.append(Expected("activation all-reduce (Megatron)", "all_reduce", "tensor",
-                            _activation_all_reduces(cfg, chunks, sizes.get("pipeline", 1)) * act))
+        act = global_batch // ways * (cfg.seq_len // context) * cfg.d_model * itemsize  # one device's rows
+        if "tensor" in rules.get("seq", ()):
+            out += _sequence_parallel(cfg, act)
+        else:
+            chunks = sizes["pipeline"] * pipeline.get("virtual_stages", 1) if pipelined else 0
+            out.append(Expected("activation all-reduce (Megatron)", "all_reduce", "tensor",
+                                _activation_all_reduces(cfg, chunks, sizes.get("pipeline", 1)) * act))
+    if context > 1:
+        kv_heads = getattr(cfg, "n_kv_heads", None) or cfg.n_heads
+        heads_ways = math.prod(sizes[a] for a in rules.get("heads", ()) if sizes.get(a, 1) > 1)
+        block = global_batch // ways * (cfg.seq_len // context) * (kv_heads // heads_ways) * cfg.head_dim * itemsize
+        passes = 2 + (cfg.remat == "full")  # forward, backward (the gradients going back), full remat's recompute
+        out.append(Expected("ring attention K/V blocks", "collective_permute", "context",
+                            passes * 2 * (context - 1) * cfg.n_layers * block))
     if pipelined:
         ways = math.prod(sizes[a] for a in batch_axes)
         micro = global_batch // ways // pipeline["microbatches"]

@@ -17,8 +17,9 @@ Rules = dict[str, tuple[str, ...]]
 _TENSOR: Rules = {"heads": ("tensor",), "mlp": ("tensor",), "vocab": ("tensor",)}
 # Shared by every strategy: the `expert` axis splits the batch like `data` outside the mixture-of-experts
 # layers and holds a slice of the experts inside them (models/moe.py); the `context` axis splits every row's
-# sequence (ring attention passes the keys and values around it).
-_LONG_AND_SPARSE: Rules = {"seq": ("context",), "experts": ("expert",)}
+# sequence (ring attention passes the keys and values around it). `seq_context` is a sequence dimension that
+# only `context` splits, never sequence parallelism's `tensor` (the vocab-parallel embedding lookup's output).
+_LONG_AND_SPARSE: Rules = {"seq": ("context",), "seq_context": ("context",), "experts": ("expert",)}
 
 STRATEGIES: dict[str, Rules] = {
     # Parameters replicated, batch split over `data` (and `expert`).

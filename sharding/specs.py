@@ -9,12 +9,14 @@ import math
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mesh.layout import axis_sizes
 from models.contract import Hooks
+from sharding import context
 from sharding.rules import Rules, ShardingConfigError
 
 
@@ -26,12 +28,16 @@ def mesh_spec(logical: P, rules: Rules, shape: tuple[int, ...] | None = None,
               mesh_sizes: Mapping[str, int] | None = None, *, strict: bool = False, name: str = "") -> P:
     """Map one array's logical names to mesh axes.
 
-    A mesh axis serves at most one dimension (the first that claims it); axes of size 1 are dropped.
+    A mesh axis serves at most one dimension (the first that claims it, except `seq`, which claims last: with
+    sequence parallelism `seq -> (context, tensor)`, so the residual stream's sequence takes `tensor` while
+    inside attention and the MLP `heads`/`mlp` keep it); axes of size 1 are dropped.
     With `shape`, a dimension the axes do not divide raises (strict) or loses those axes (hint).
     """
     used: set[str] = set()
-    out = []
-    for dim, logical_name in enumerate(logical):
+    out: list = [None] * len(logical)
+    claim_order = sorted(range(len(logical)), key=lambda dim: logical[dim] == "seq")
+    for dim in claim_order:
+        logical_name = logical[dim]
         axes = [a for a in rules.get(logical_name, ()) if a not in used] if logical_name else []
         if mesh_sizes is not None:
             axes = [a for a in axes if mesh_sizes[a] > 1]
@@ -45,7 +51,7 @@ def mesh_spec(logical: P, rules: Rules, shape: tuple[int, ...] | None = None,
                         f"{shape[dim]}) is not divisible by mesh axes {split}; change the mesh or the model size")
                 axes = []
         used.update(axes)
-        out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+        out[dim] = None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
     while out and out[-1] is None:
         out.pop()
     return P(*out)
@@ -127,6 +133,22 @@ class ActivationSharding(Hooks):
     def __call__(self, x: jax.Array, names: tuple) -> jax.Array:
         spec = mesh_spec(P(*names), self.rules, x.shape, self.sizes)
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def context_order(self, length: int) -> jax.Array | None:
+        """With mesh.context > 1, the zigzag order of sharding/context.py; else the sequence stays in order."""
+        ways = self.sizes.get(context.AXIS, 1)
+        return None if ways == 1 else jnp.asarray(context.zigzag_order(length, ways))
+
+    def causal_attention(self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL=None):
+        """With mesh.context > 1, ring attention (XLA blocks; train/config.py rejects cuDNN and packed
+        documents there); else the model's own kernel."""
+        if self.sizes.get(context.AXIS, 1) == 1:
+            return super().causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL)
+        assert segment_ids_BxL is None and implementation == "xla", implementation
+        names = P("batch", "seq", "heads", "kv")
+        q_spec = mesh_spec(names, self.rules, q_BxLxHxK.shape, self.sizes)
+        kv_spec = mesh_spec(names, self.rules, k_BxLxGxK.shape, self.sizes)
+        return context.ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.mesh, q_spec, kv_spec)
 
 
 def constrainer(mesh: jax.sharding.Mesh, rules: Rules) -> ActivationSharding:

@@ -50,7 +50,9 @@ def base_config() -> ml_collections.ConfigDict:
                    # loss_chunk_size: positions per chunk of the head + loss, 0 = all at once (models/lm_loss.py)
                    attention=config_dict.placeholder(str), loss_chunk_size=config_dict.placeholder(int))
     c.mesh = dict(data=-1, pipeline=1, fsdp=1, expert=1, context=1, tensor=1)
-    c.sharding = dict(strategy=sharding_rules.DEFAULT_STRATEGY, rules={}, shard_opt_state=False)
+    # sequence_parallel: Megatron sequence parallelism, the residual stream split over the sequence on `tensor`
+    c.sharding = dict(strategy=sharding_rules.DEFAULT_STRATEGY, rules={}, shard_opt_state=False,
+                      sequence_parallel=False)
     c.pipeline = dict(schedule="1f1b", microbatches=4, virtual_stages=1)
     c.train = dict(steps=100, global_batch_size=16, seed=0, log_every=10, eval_every=50, eval_batches=4,
                    grad_accum_steps=1, profile_steps="", memory_check=True,
@@ -202,17 +204,54 @@ def _document_eos_id(data_config: Any, data: datadir.DataSpec | None) -> int:
     return int(data.eos_id)
 
 
-def _resolve_attention(model: models.ModelConfig, platform: str | None) -> models.ModelConfig:
-    """The model with `attention` resolved for the platform the run is on (auto -> xla on CPU); a family
-    without that setting is left as it is."""
+def _resolve_attention(model: models.ModelConfig, platform: str | None, context: int = 1) -> models.ModelConfig:
+    """The model with `attention` resolved for the platform the run is on (auto -> xla on CPU, and wherever
+    mesh.context > 1: the ring is built from XLA blocks); a family without that setting is left as it is."""
     if not hasattr(model, "attention"):
         return model
+    if context > 1:
+        if model.attention == "cudnn":
+            raise ConfigError(f"model.attention=cudnn with mesh.context={context}: ring attention is built from "
+                              f"XLA blocks only (a cuDNN ring needs its own backward); use model.attention=auto or xla")
+        return dataclasses.replace(model, attention="xla") if model.attention == "auto" else model
     platform = platform or jax.devices()[0].platform
     try:
         kernel = attention_lib.resolve(model.attention, platform, model.compute_dtype, model.head_dim)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return dataclasses.replace(model, attention=kernel)
+
+
+def _long_sequences(config: ml_collections.ConfigDict, model: models.ModelConfig, mesh_sizes: dict[str, int],
+                    rules: dict) -> dict:
+    """Check context parallelism (mesh.context) and sequence parallelism (sharding.sequence_parallel) against
+    the model and the other settings; returns the rules, with `seq -> tensor` added under sequence parallelism."""
+    context, tensor, sp = mesh_sizes["context"], mesh_sizes["tensor"], config.sharding.get("sequence_parallel", False)
+    if not isinstance(sp, bool):
+        raise ConfigError(f"sharding.sequence_parallel={sp!r}: use True or False")
+    if sp and tensor == 1:
+        raise ConfigError("sharding.sequence_parallel=True needs mesh.tensor > 1 (it splits the sequence over "
+                          "`tensor` between the tensor-parallel matmuls); set mesh.tensor or turn it off")
+    if sp and "tensor" not in rules.get("heads", ()):
+        raise ConfigError(f"sharding.sequence_parallel=True needs a tensor-parallel strategy (`heads` on `tensor`), "
+                          f"not sharding.strategy={config.sharding.strategy!r}; use tensor_parallel or fsdp_tensor")
+    if (sp or context > 1) and mesh_sizes["pipeline"] > 1:
+        what = "sharding.sequence_parallel=True" if sp else f"mesh.context={context}"
+        raise ConfigError(f"{what} with mesh.pipeline={mesh_sizes['pipeline']} is not supported; "
+                          f"set mesh.pipeline=1 or drop the sequence split")
+    if context > 1:
+        if model.seq_len % (2 * context):
+            raise ConfigError(f"model.seq_len={model.seq_len} is not divisible by 2 x mesh.context={context} (the "
+                              f"zigzag layout cuts every row into 2 x context chunks); change one of them")
+        if config.data.get("document_mask", False):
+            raise ConfigError(f"data.document_mask=True with mesh.context={context} is not supported (ring attention "
+                              f"takes no document segments yet); set data.document_mask=False or mesh.context=1")
+        if "context" not in rules.get("seq", ()):
+            raise ConfigError(f"mesh.context={context} needs the rule seq -> context; remove the override of "
+                              f"sharding.rules.seq")
+    if sp:
+        rules = {**rules, "seq": tuple(rules.get("seq", ())) + ("tensor",)}
+    return rules
 
 
 def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str | None = None) -> Plan:
@@ -229,9 +268,10 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str |
     if data and data.vocab_size and model.vocab_size < data.vocab_size:
         raise ConfigError(f"model.vocab_size={model.vocab_size} is smaller than the vocabulary of data.path "
                           f"({data.vocab_size}, its meta.json); raise it or leave it unset")
-    model = _resolve_attention(model, platform)
     mesh_sizes = resolve_axis_sizes(config.mesh.to_dict(), num_devices)
+    model = _resolve_attention(model, platform, mesh_sizes["context"])
     rules = sharding_rules.resolve(config.sharding.strategy, config.sharding.rules.to_dict(), mesh_sizes)
+    rules = _long_sequences(config, model, mesh_sizes, rules)
     _check_model_splits(model, rules, mesh_sizes)
     t = config.train
     _positive(t, "train", ("steps", "global_batch_size", "log_every", "grad_accum_steps"))
