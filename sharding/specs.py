@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from mesh.layout import axis_sizes
 from models.contract import Hooks
+from sharding import experts as experts_lib
 from sharding.rules import Rules, ShardingConfigError
 
 
@@ -127,6 +128,12 @@ class ActivationSharding(Hooks):
     def __call__(self, x: jax.Array, names: tuple) -> jax.Array:
         spec = mesh_spec(P(*names), self.rules, x.shape, self.sizes)
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def moe_experts(self, x_BxExCxD: jax.Array, experts: Any, expert_fn) -> jax.Array:
+        """Experts split over `expert`: all-to-all dispatch and combine (sharding/experts.py)."""
+        if self.sizes.get(experts_lib.AXIS, 1) == 1:
+            return super().moe_experts(x_BxExCxD, experts, expert_fn)
+        return experts_lib.dispatch_combine(self.mesh, x_BxExCxD, experts, expert_fn)
 
 
 def constrainer(mesh: jax.sharding.Mesh, rules: Rules) -> ActivationSharding:
