@@ -48,8 +48,10 @@ class Groups(nnx.Module):
         if k > 1:
             self.dense = blocks((G, k - 1), ("layers", None), True)
         self.moe = blocks((G,), ("layers",), False)
+        # Unit-variance initial logits (std 1/sqrt(D) on normed inputs): with 0.02 the logits of 8 experts differ
+        # by ~0.2 and a token's k-th and (k+1)-th choices are often within float32 rounding of a tie.
         self.router = param(rngs, (G, cfg.d_model, cfg.n_experts), ("layers", "embed", None),
-                            jnp.dtype(cfg.param_dtype), 0.02)
+                            jnp.dtype(cfg.param_dtype), cfg.d_model ** -0.5)
         self.experts = experts(G)
 
 
@@ -58,10 +60,33 @@ def route(router_DxE: jax.Array, h_BxLxD: jax.Array, cfg: Any):
     [B,k,L]: the top-k probabilities renormalized to sum to 1 (Mixtral), or the top-1 probability when k=1)."""
     logits = jnp.einsum("bld,de->ble", h_BxLxD.astype(jnp.float32), router_DxE.astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)
-    top_p, top_e = jax.lax.top_k(probs, cfg.experts_per_token)
-    if cfg.experts_per_token > 1:
+    k = cfg.experts_per_token
+    top_e = top_k_indices(logits, k)  # ranked by logits: two probabilities can round to one float32 value
+    top_p = jnp.take_along_axis(probs, top_e, axis=-1)
+    if k > 1:
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
     return logits, probs, jnp.moveaxis(top_e, -1, 1), jnp.moveaxis(top_p, -1, 1)
+
+
+def top_k_indices(x_BxLxE: jax.Array, k: int) -> jax.Array:
+    """[B, L, k]: lax.top_k's indices (ties to the lower index) as k argmaxes, which XLA's partitioner keeps
+    local to each device's rows where it gathers a top_k's input over the batch."""
+    picked = []
+    for _ in range(k):
+        index = jnp.argmax(x_BxLxE, axis=-1)
+        picked.append(index)
+        x_BxLxE = jnp.where(jax.nn.one_hot(index, x_BxLxE.shape[-1], dtype=jnp.bool_), -jnp.inf, x_BxLxE)
+    return jnp.stack(picked, axis=-1)
+
+
+def topk_margin(logits_BxLxE: jax.Array, top_e_BxKxL: jax.Array) -> jax.Array:
+    """The smallest gap, over tokens, between a token's k-th and (k+1)-th router logit: how far the routing
+    is from a tie that rounding could flip (infinite when every expert is chosen). Without a second top_k,
+    which XLA's partitioner gathers across the batch."""
+    chosen = jnp.sum(jax.nn.one_hot(top_e_BxKxL, logits_BxLxE.shape[-1], dtype=jnp.bool_), axis=1) > 0
+    kth = jnp.take_along_axis(logits_BxLxE, jnp.moveaxis(top_e_BxKxL, 1, -1)[..., -1:], axis=-1)[..., 0]
+    runner_up = jnp.max(jnp.where(chosen, -jnp.inf, logits_BxLxE), axis=-1)
+    return jnp.min(kth - runner_up)
 
 
 def slots(top_e_BxKxL: jax.Array, n_experts: int, cap: int):
@@ -99,14 +124,16 @@ def moe_mlp(router_DxE: jax.Array, experts: Params, h_BxLxD: jax.Array, cfg: Any
     load_E = jnp.mean(jax.nn.one_hot(top_e, E, dtype=jnp.float32), axis=(0, 1, 2))  # fraction routed to each
     stats = {"moe_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
              "moe_load_balance_loss": E * jnp.sum(load_E * jnp.mean(probs, axis=(0, 1))),
-             "moe_dropped_fraction": 1.0 - jnp.mean(kept.astype(jnp.float32)), "moe_load": load_E}
+             "moe_dropped_fraction": 1.0 - jnp.mean(kept.astype(jnp.float32)), "moe_load": load_E,
+             "topk_margin": topk_margin(jax.lax.stop_gradient(logits), top_e)}
     return constrain(y_BxLxD, ("batch", "seq", "embed")), stats
 
 
 def run_groups(layers: Params, x_BxLxD: jax.Array, cfg: Any, constrain: Constrain, dense_block: Callable,
                attention_residual: Callable, expert_fn: Callable) -> tuple[jax.Array, dict]:
     """The scanned groups; returns (x, aux): `aux_loss` (the weighted router losses, mean over MoE layers, for
-    the objective) and the statistics of METRICS and `moe_load` [E], each the mean over the MoE layers."""
+    the objective), the statistics of METRICS and `moe_load` [E], each the mean over the MoE layers, and
+    `topk_margin`, the smallest over them (not logged; the equivalence tests read it)."""
     def group(g, x):
         if "dense" in g:
             x, _ = jax.lax.scan(lambda x, p: (dense_block(p, x), None), x, g["dense"])
@@ -117,7 +144,8 @@ def run_groups(layers: Params, x_BxLxD: jax.Array, cfg: Any, constrain: Constrai
 
     body = remat(group, cfg.remat)
     x_BxLxD, stats = jax.lax.scan(lambda x, g: body(g, x), x_BxLxD, layers)
-    stats = jax.tree.map(lambda s: jnp.mean(s, axis=0), stats)
+    margin = jnp.min(stats.pop("topk_margin"))
+    stats = {**jax.tree.map(lambda s: jnp.mean(s, axis=0), stats), "topk_margin": margin}
     stats["aux_loss"] = (cfg.router_z_loss_weight * stats["moe_z_loss"]
                          + cfg.load_balance_weight * stats["moe_load_balance_loss"])
     return x_BxLxD, stats

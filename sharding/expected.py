@@ -12,6 +12,10 @@ Pipeline (sharding/pipeline.py): the lockstep executor sends one activation and 
 (pipeline.FSDP_GATHER), not in the forward and again in the backward; the embedding and head, replicated on
 every stage, have their gradients summed over `pipeline` too. Stages differ (only the first embeds, only
 the last runs the head), so per device means the mean over the stages, as the audit counts.
+Expert parallelism (sharding/experts.py): per mixture-of-experts layer, the dispatch and combine all-to-alls of
+the device's [rows, experts, capacity, d_model] buffers over `expert`, mirrored in the backward pass (and repeated
+when rematerialization recomputes the layer); under `tensor` the experts' MLP all-reduces move such buffers in
+place of the dense MLP's [rows, seq, d_model] activations.
 Audit part (what the layout must communicate); train/audit.py maps the parts of `--audit`.
 """
 from __future__ import annotations
@@ -24,6 +28,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 import models
+from models import moe
 from sharding.specs import spec_axes
 
 
@@ -61,6 +66,13 @@ def _stage_replicated_gradients(leaves, specs, sizes: Mapping[str, int], batch_a
             by_axes[axes] = by_axes.get(axes, 0.0) + _shard_bytes(leaf, spec, sizes)
     return [Expected("embedding/head gradient all-reduce (on every stage)", "all_reduce", axes, nbytes)
             for axes, nbytes in by_axes.items()]
+
+
+def _expert_buffer_bytes(cfg: Any, global_batch: int, batch_ways: int) -> float:
+    """One device's per-expert token buffers of one MoE layer: [rows, n_experts, capacity, d_model]."""
+    rows = global_batch // batch_ways
+    return (rows * cfg.n_experts * moe.capacity(cfg, cfg.seq_len) * cfg.d_model
+            * jax.numpy.dtype(cfg.compute_dtype).itemsize)
 
 
 def _activation_all_reduces(cfg: Any, chunks: int, stages: int) -> float:
@@ -101,17 +113,21 @@ def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Ma
     batch_axes = [a for a in rules.get("batch", ()) if sizes.get(a, 1) > 1]
     pipelined = bool(pipeline) and sizes.get("pipeline", 1) > 1
     out: list[Expected] = []
+    expert_axes = set(rules.get("experts", ()))  # experts held apart: no gather, no reduction over their axis
+    reduced: dict[tuple[str, ...], float] = {}
+    for leaf, spec in zip(leaves, specs):
+        if not (pipelined and _on_every_stage(spec)):  # those are summed over pipeline too, below
+            axes = tuple(a for a in batch_axes if a not in spec_axes(spec))  # one all-reduce over the replicas
+            if axes:
+                reduced[axes] = reduced.get(axes, 0.0) + _shard_bytes(leaf, spec, sizes)
+    out += [Expected("gradient all-reduce", "all_reduce", axes, nbytes) for axes, nbytes in reduced.items()]
     for axis in batch_axes:
-        grads = gathered = gathers = 0.0
+        gathered = gathers = 0.0
         for leaf, spec, is_lookup in zip(leaves, specs, lookup):
-            if axis in spec_axes(spec):  # sharded over the batch axis: FSDP gathers and reduce-scatters
+            if axis in spec_axes(spec) and axis not in expert_axes:  # FSDP gathers and reduce-scatters
                 full = _shard_bytes(leaf, spec, sizes, drop=axis)
                 gathered += full
                 gathers += full if (pipelined or is_lookup) else 2 * full
-            elif not (pipelined and _on_every_stage(spec)):  # those are summed over pipeline too, below
-                grads += _shard_bytes(leaf, spec, sizes)    # plain data-parallel all-reduce of its shard
-        if grads:
-            out.append(Expected("gradient all-reduce", "all_reduce", axis, grads))
         if gathered:
             purpose = "weight all-gather (once per step, pipeline)" if pipelined else \
                 "weight all-gather (forward + backward)"
@@ -124,8 +140,15 @@ def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Ma
         ways = math.prod(sizes[a] for a in batch_axes)
         act = global_batch // ways * cfg.seq_len * cfg.d_model * jax.numpy.dtype(cfg.compute_dtype).itemsize
         chunks = sizes["pipeline"] * pipeline.get("virtual_stages", 1) if pipelined else 0
-        out.append(Expected("activation all-reduce (Megatron)", "all_reduce", "tensor",
-                            _activation_all_reduces(cfg, chunks, sizes.get("pipeline", 1)) * act))
+        nbytes = _activation_all_reduces(cfg, chunks, sizes.get("pipeline", 1)) * act
+        if models.is_moe(cfg):  # the experts' MLP all-reduces (forward, backward) move buffers, not activations
+            nbytes += moe.groups(cfg) * 2 * (_expert_buffer_bytes(cfg, global_batch, ways) - act)
+        out.append(Expected("activation all-reduce (Megatron)", "all_reduce", "tensor", nbytes))
+    if models.is_moe(cfg) and sizes.get("expert", 1) > 1:
+        ways = math.prod(sizes[a] for a in batch_axes)
+        per_layer = 4 + 2 * (cfg.remat != "none")  # dispatch + combine, forward and backward (+ recomputed)
+        out.append(Expected("expert dispatch and combine", "all_to_all", "expert",
+                            moe.groups(cfg) * per_layer * _expert_buffer_bytes(cfg, global_batch, ways)))
     if pipelined:
         ways = math.prod(sizes[a] for a in batch_axes)
         micro = global_batch // ways // pipeline["microbatches"]

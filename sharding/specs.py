@@ -133,7 +133,8 @@ class ActivationSharding(Hooks):
         """Experts split over `expert`: all-to-all dispatch and combine (sharding/experts.py)."""
         if self.sizes.get(experts_lib.AXIS, 1) == 1:
             return super().moe_experts(x_BxExCxD, experts, expert_fn)
-        return experts_lib.dispatch_combine(self.mesh, x_BxExCxD, experts, expert_fn)
+        manual = experts_lib.batch_axes(self.rules, self.sizes)
+        return experts_lib.dispatch_combine(self.mesh, manual, x_BxExCxD, experts, expert_fn)
 
 
 def constrainer(mesh: jax.sharding.Mesh, rules: Rules) -> ActivationSharding:

@@ -208,6 +208,9 @@ def _check_experts(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str,
             raise ConfigError(f"mesh.{axis}={mesh_sizes[axis]} with model.n_experts={model.n_experts}: a mixture of "
                               f"experts does not run on a {axis} axis yet; set mesh.{axis}=1 (use mesh.expert, data, "
                               f"fsdp or tensor)")
+    if mesh_sizes.get("expert", 1) > 1 and mesh_sizes.get("fsdp", 1) > 1:
+        raise ConfigError(f"mesh.fsdp={mesh_sizes['fsdp']} with mesh.expert={mesh_sizes['expert']}: expert parallelism "
+                          f"does not shard the experts over fsdp yet; use mesh.data in place of mesh.fsdp")
     if mesh_sizes.get("expert", 1) > 1 and ("expert" not in rules.get("batch", ())
                                             or rules.get("experts", ()) != ("expert",)):
         raise ConfigError("mesh.expert > 1 needs sharding rules batch -> (..., 'expert') and experts -> ('expert',), "
