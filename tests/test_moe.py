@@ -44,9 +44,10 @@ def reference():
     _, metrics = trainer.train_step(state, trainer.batch(0))
     losses, _ = run_steps(trainer, 5, state)
     cfg, family, tokens = trainer.plan.model, models.family_of(trainer.plan.model), trainer.batch(0)[:, :-1]
-    x = family.embed(models.top_params(state["params"]), tokens, cfg)
-    margin = float(family.run_layers(state["params"]["layers"], x, tokens, cfg)[1]["topk_margin"])
-    return {"state": state, "grads": grads, "losses": losses, "metrics": jax.device_get(metrics), "margin": margin}
+    margin = jax.jit(lambda p: family.run_layers(p["layers"], family.embed(models.top_params(p), tokens, cfg), tokens,
+                                                 cfg)[1]["topk_margin"])(state["params"])
+    return {"state": state, "grads": grads, "losses": losses, "metrics": jax.device_get(metrics),
+            "margin": float(margin)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,8 +151,8 @@ def test_layer_matches_numpy(capacity_factor):
     h = jax.random.normal(keys[0], (3, 8, 16))
     router = jax.random.normal(keys[1], (16, 4)) * 0.5
     w = {"w_in": jax.random.normal(keys[2], (4, 16, 32)) * 0.2, "w_out": jax.random.normal(keys[3], (4, 32, 16)) * 0.2}
-    y, stats = moe.moe_mlp(router, w, h, cfg, models.contract.no_constraint,
-                           lambda w, x: models.gpt.expert_mlp(w, x, cfg))
+    y, stats = jax.jit(lambda *a: moe.moe_mlp(*a, cfg, models.contract.no_constraint,
+                                              lambda w, x: models.gpt.expert_mlp(w, x, cfg)))(router, w, h)
     ref_y, ref_stats = _numpy_moe(*(np.asarray(a, np.float64) for a in (h, router, w["w_in"], w["w_out"])),
                                   k=2, cap=moe.capacity(cfg, 8))
     np.testing.assert_allclose(y, ref_y, rtol=1e-4, atol=1e-5)
