@@ -41,10 +41,45 @@ def check_common(cfg: Any, positive: tuple[str, ...]) -> None:
         raise ModelConfigError(f"model.remat={cfg.remat!r}: use one of {', '.join(REMAT_POLICIES)}")
     if not cfg.norm_eps > 0:
         raise ModelConfigError(f"model.norm_eps={cfg.norm_eps}: must be a positive number")
+    check_moe(cfg)
+
+
+def check_moe(cfg: Any) -> None:
+    """The mixture-of-experts settings (models/moe.py); n_experts 0 is a dense model and ignores the rest."""
+    if not isinstance(cfg.n_experts, int) or cfg.n_experts < 0:
+        raise ModelConfigError(f"model.n_experts={cfg.n_experts!r}: an integer >= 0 (0: a dense model)")
+    if not cfg.n_experts:
+        return
+    if not isinstance(cfg.experts_per_token, int) or not 1 <= cfg.experts_per_token <= cfg.n_experts:
+        raise ModelConfigError(f"model.experts_per_token={cfg.experts_per_token!r}: the top-k experts of each token, "
+                               f"an integer from 1 to model.n_experts={cfg.n_experts}")
+    if not isinstance(cfg.capacity_factor, (int, float)) or cfg.capacity_factor < 0:
+        raise ModelConfigError(f"model.capacity_factor={cfg.capacity_factor!r}: a number >= 0 (0: dropless)")
+    if not isinstance(cfg.moe_every, int) or cfg.moe_every < 1 or cfg.n_layers % cfg.moe_every:
+        raise ModelConfigError(f"model.moe_every={cfg.moe_every!r}: every k-th block is a mixture of experts, and k "
+                               f"must divide model.n_layers={cfg.n_layers}; change one of them")
+    for key in ("router_z_loss_weight", "load_balance_weight"):
+        if not isinstance(getattr(cfg, key), (int, float)) or getattr(cfg, key) < 0:
+            raise ModelConfigError(f"model.{key}={getattr(cfg, key)!r}: a number >= 0 (0: not in the objective)")
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTConfig:
+class MoEFields:
+    """Mixture-of-experts settings shared by every family (models/moe.py). n_experts 0: dense MLPs.
+    Every `moe_every`-th block (the last of each group of moe_every) routes each token to its top
+    `experts_per_token` experts; capacity_factor 0 is dropless, else each expert takes at most
+    ceil(capacity_factor * seq_len * k / n_experts) tokens of a row. The router's z-loss (ST-MoE) and
+    load-balancing loss (Switch) join the objective with these weights (the usual 1e-3 and 1e-2)."""
+    n_experts: int = 0
+    experts_per_token: int = 2
+    capacity_factor: float = 0.0
+    moe_every: int = 1
+    router_z_loss_weight: float = 1e-3
+    load_balance_weight: float = 1e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig(MoEFields):
     family: ClassVar[str] = "gpt"
     vocab_size: int = 256
     seq_len: int = 64
@@ -82,6 +117,9 @@ LOSS_CHUNK = 256
 GPT_PRESETS: dict[str, dict[str, Any]] = {
     # Tests: 1.6M parameters, every width divisible by 8 so every 8-device layout applies.
     "tiny": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=8, n_heads=8, mlp_ratio=4),
+    # Tests of the mixture of experts: tiny's widths, 4 blocks of which every 2nd routes over 8 experts (top-2).
+    "moe-tiny": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=4, n_heads=8, mlp_ratio=2, n_experts=8,
+                     experts_per_token=2, moe_every=2),
     # The CPU default: trains visibly on the byte-level corpus within minutes on 2 cores.
     "small": dict(vocab_size=256, seq_len=128, d_model=192, n_layers=4, n_heads=8, mlp_ratio=4),
     # GPT-2 small/medium (Radford et al. 2019) with the vocabulary padded to a multiple of 64.

@@ -40,6 +40,12 @@ class Hooks:
         """Causal attention over the whole sequence (models/attention.attend); a context-parallel layout
         overrides it with a ring over its sequence shards."""
         return attention.attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL)
+    def moe_experts(self, x_BxExCxD: jax.Array, experts: Params, expert_fn: Callable) -> jax.Array:
+        """Run every expert on its slots of every row (models/moe.py): `expert_fn(experts, x_ExNxD) -> y_ExNxD`
+        on the buffers regrouped per expert. A mesh splitting the experts overrides this with all-to-alls."""
+        B, E, C, D = x_BxExCxD.shape
+        y_ExNxD = expert_fn(experts, jnp.swapaxes(x_BxExCxD, 0, 1).reshape(E, B * C, D))
+        return jnp.swapaxes(y_ExNxD.reshape(E, B, C, -1), 0, 1)
 
 
 Constrain = Hooks  # the name the families' signatures use: the hook is mostly an activation constraint
@@ -65,9 +71,10 @@ class Family:
     positions `run_layers` applies) and an activation hint `constrain`.
 
     embed(top, inputs_BxL, cfg, constrain) -> x_BxLxD
-    run_layers(layers, x_BxLxD, inputs_BxL, cfg, constrain) -> (x_BxLxD, aux_loss scalar)
-        `inputs_BxL` lets a family derive positions or document segments per chunk; `aux_loss` is an
-        extra loss term (mixture-of-experts balancing), 0.0 for dense families, added to the loss.
+    run_layers(layers, x_BxLxD, inputs_BxL, cfg, constrain) -> (x_BxLxD, aux)
+        `inputs_BxL` lets a family derive positions or document segments per chunk; `aux` is an extra loss
+        term added to the loss: a scalar (0.0 for dense models), or for a mixture of experts a dict whose
+        `aux_loss` joins the objective and whose other entries are router statistics (models/moe.py).
     head_loss(top, x_BxLxD, targets_BxL, cfg, constrain, loss_mask_BxL=None) -> mean loss over counted targets
     logits(top, x_BxLxD, cfg, constrain) -> float32 logits_BxLxV
     init_params(cfg, seed) -> params;  abstract_params(cfg) -> (shapes, logical axes PartitionSpecs)
@@ -126,8 +133,16 @@ def forward(params: Params, tokens_BxL: jax.Array, cfg: Any, constrain: Constrai
 
 
 def loss(params: Params, tokens_BxL1: jax.Array, cfg: Any, constrain: Constrain = no_constraint) -> jax.Array:
-    """Language-model loss of a batch of `seq_len + 1` tokens per row (inputs and shifted targets): the mean
-    over counted targets (all, or with packed documents those not after an end-of-document input)."""
+    """The training objective of a batch of `seq_len + 1` tokens per row (inputs and shifted targets): the
+    language-model loss, the mean over counted targets (all, or with packed documents those not after an
+    end-of-document input), plus any auxiliary loss of the layers."""
+    return loss_and_metrics(params, tokens_BxL1, cfg, constrain)[0]
+
+
+def loss_and_metrics(params: Params, tokens_BxL1: jax.Array, cfg: Any,
+                     constrain: Constrain = no_constraint) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(objective, metrics): `metrics["loss"]` is the language-model loss alone; a mixture of experts adds its
+    router statistics as their own scalars (models/moe.py log_fields)."""
     fam = family_of(cfg)
     tokens_BxL1 = constrain(tokens_BxL1, ("batch", None))  # the shift is local: every device has whole rows
     inputs, targets = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
@@ -137,7 +152,11 @@ def loss(params: Params, tokens_BxL1: jax.Array, cfg: Any, constrain: Constrain 
     top = top_params(params)
     x = fam.embed(top, inputs, cfg, constrain)
     x, aux = fam.run_layers(params[LAYERS], x, inputs, cfg, constrain)
-    return fam.head_loss(top, x, targets, cfg, constrain, documents.loss_mask(inputs, cfg)) + aux
+    lm = fam.head_loss(top, x, targets, cfg, constrain, documents.loss_mask(inputs, cfg))
+    if not isinstance(aux, dict):
+        return lm + aux, {"loss": lm}
+    from models import moe  # imported here: models/moe.py builds on this module
+    return lm + aux["aux_loss"], {"loss": lm, **moe.log_fields(aux)}
 
 
 def init_params(cfg: Any, seed: int) -> Params:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import contract, documents, lm_loss
+from models import contract, documents, lm_loss, moe
 from models.attention import attend_cached
 from models.config import GPT_PRESETS, GPTConfig
 from models.contract import Constrain, Params, no_constraint
@@ -26,18 +26,39 @@ from models.layers import (decode_with_cache, empty_kv_cache, logical_axes, para
 
 
 class Layers(nnx.Module):
-    """The stacked transformer blocks: every weight has a leading `layers` dimension."""
+    """The stacked transformer blocks: every weight has a leading `layers` dimension (or the `lead` dimensions
+    and their logical axes given, and no MLP matrices without `with_mlp`: a mixture-of-experts group's)."""
 
-    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
-        L, D, H, K, F = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_mlp
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs, lead: tuple = (), with_mlp: bool = True):
+        S, A = lead or ((cfg.n_layers,), ("layers",))
+        D, H, K, F = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_mlp
         dt = jnp.dtype(cfg.param_dtype)
-        out_std = 0.02 / math.sqrt(2 * L)  # GPT-2: residual projections scaled by depth
-        self.attn_norm = param(rngs, (L, D), ("layers", "embed"), dt, None)
-        self.wqkv = param(rngs, (L, D, 3, H, K), ("layers", "embed", None, "heads", "kv"), dt, 0.02)
-        self.wo = param(rngs, (L, H, K, D), ("layers", "heads", "kv", "embed"), dt, out_std)
-        self.mlp_norm = param(rngs, (L, D), ("layers", "embed"), dt, None)
-        self.w_in = param(rngs, (L, D, F), ("layers", "embed", "mlp"), dt, 0.02)
-        self.w_out = param(rngs, (L, F, D), ("layers", "mlp", "embed"), dt, out_std)
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2: residual projections scaled by depth
+        self.attn_norm = param(rngs, (*S, D), (*A, "embed"), dt, None)
+        self.wqkv = param(rngs, (*S, D, 3, H, K), (*A, "embed", None, "heads", "kv"), dt, 0.02)
+        self.wo = param(rngs, (*S, H, K, D), (*A, "heads", "kv", "embed"), dt, out_std)
+        self.mlp_norm = param(rngs, (*S, D), (*A, "embed"), dt, None)
+        if with_mlp:
+            self.w_in = param(rngs, (*S, D, F), (*A, "embed", "mlp"), dt, 0.02)
+            self.w_out = param(rngs, (*S, F, D), (*A, "mlp", "embed"), dt, out_std)
+
+
+class Experts(nnx.Module):
+    """G groups' experts, each a GELU MLP of the dense shape: w_in [G, E, D, F], w_out [G, E, F, D]."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs, G: int):
+        E, D, F, dt = cfg.n_experts, cfg.d_model, cfg.d_mlp, jnp.dtype(cfg.param_dtype)
+        self.w_in = param(rngs, (G, E, D, F), ("layers", "experts", "embed", "mlp"), dt, 0.02)
+        self.w_out = param(rngs, (G, E, F, D), ("layers", "experts", "mlp", "embed"), dt,
+                           0.02 / math.sqrt(2 * cfg.n_layers))
+
+
+def stack(cfg: GPTConfig, rngs: nnx.Rngs, layers_cls=Layers, experts_cls=Experts) -> nnx.Module:
+    """The layer stack of a family: dense blocks, or mixture-of-experts groups (models/moe.py)."""
+    if not moe.is_moe(cfg):
+        return layers_cls(cfg, rngs)
+    return moe.Groups(cfg, rngs, lambda shape, axes, with_mlp: layers_cls(cfg, rngs, (shape, axes), with_mlp),
+                      lambda G: experts_cls(cfg, rngs, G))
 
 
 class GPT(nnx.Module):
@@ -45,7 +66,7 @@ class GPT(nnx.Module):
         self.cfg = cfg
         dt = jnp.dtype(cfg.param_dtype)
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), dt, 0.02)
-        self.layers = Layers(cfg, rngs)
+        self.layers = stack(cfg, rngs)
         self.final_norm = param(rngs, (cfg.d_model,), ("embed",), dt, None)
         self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dt, 0.02)
 
@@ -108,9 +129,23 @@ def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: G
     segment_ids, positions = documents.segments(inputs_BxL, cfg)
     if positions is None:  # a context-parallel layout's permuted sequence keeps its global rotary positions
         positions = constrain.context_order(inputs_BxL.shape[1])
+    if moe.is_moe(cfg):
+        def attention_residual(p, x):
+            h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
+            return x + attention(p, h, cfg, constrain, segment_ids, positions)[0]
+        return moe.run_groups(layers, x_BxLxD, cfg, constrain,
+                              lambda p, x: block(p, x, cfg, constrain, segment_ids, positions), attention_residual,
+                              lambda w, x: expert_mlp(w, x, cfg))
     body = remat(lambda p, x: block(p, x, cfg, constrain, segment_ids, positions), cfg.remat)
     x_BxLxD, _ = jax.lax.scan(lambda x, p: (body(p, x), None), x_BxLxD, layers)
     return x_BxLxD, jnp.zeros((), jnp.float32)
+
+
+def expert_mlp(w: Params, x_ExNxD: jax.Array, cfg: GPTConfig) -> jax.Array:
+    """Each expert's GELU MLP on its own rows."""
+    cdt = jnp.dtype(cfg.compute_dtype)
+    u_ExNxF = jax.nn.gelu(jnp.einsum("end,edf->enf", x_ExNxD, w["w_in"].astype(cdt)))
+    return jnp.einsum("enf,efd->end", u_ExNxF, w["w_out"].astype(cdt))
 
 
 def embed(params: Params, tokens_BxL: jax.Array, cfg: GPTConfig, constrain: Constrain = no_constraint):
@@ -161,13 +196,16 @@ def decode(params: Params, tokens_BxT: jax.Array, cache: dict, length: jax.Array
 
 # ----------------------------------------------------------------------------- sizes
 
-def matmul_params(cfg: GPTConfig) -> int:
-    """Parameters that take part in matmuls (the blocks and the head; the embedding is a lookup)."""
-    per_layer = 4 * cfg.d_model * cfg.d_model + 2 * cfg.d_model * cfg.d_mlp
-    return cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size
+def matmul_params(cfg: GPTConfig, active: bool = False) -> int:
+    """Parameters that take part in matmuls (the blocks and the head; the embedding is a lookup); with experts,
+    all of them, or only the k a token runs through when `active`."""
+    attention = 4 * cfg.d_model * cfg.d_model
+    mlp = moe.mlp_matmul_params(cfg, 2 * cfg.d_model * cfg.d_mlp, active)
+    return cfg.n_layers * attention + mlp + cfg.d_model * cfg.vocab_size
 
 
 def param_count(cfg: GPTConfig) -> int:
+    """Every parameter (all experts of a mixture)."""
     norms = (2 * cfg.n_layers + 1) * cfg.d_model
     return matmul_params(cfg) + cfg.vocab_size * cfg.d_model + norms
 
@@ -180,13 +218,15 @@ def attention_flops_per_token(cfg: Any) -> float:
 def flops_per_token(cfg: GPTConfig) -> float:
     """Training FLOPs per token: 6N for the matmul weights (forward 2N, backward 4N) plus the
     attention scores and values, 12 * layers * d_model * seq_len (Chowdhery et al. 2022, PaLM, App. B).
-    Rematerialization is not counted: MFU measures useful model FLOPs."""
-    return 6.0 * matmul_params(cfg) + attention_flops_per_token(cfg)
+    Rematerialization is not counted: MFU measures useful model FLOPs; a mixture counts the k experts a token
+    runs through (and the router), not all of them."""
+    return 6.0 * matmul_params(cfg, active=True) + attention_flops_per_token(cfg)
 
 
 def divisibility(cfg: GPTConfig) -> dict:
     return {"heads": (("model.n_heads", cfg.n_heads),), "mlp": (("model.d_mlp", cfg.d_mlp),),
-            "vocab": (("model.vocab_size", cfg.vocab_size),), "embed": (("model.d_model", cfg.d_model),)}
+            "vocab": (("model.vocab_size", cfg.vocab_size),), "embed": (("model.d_model", cfg.d_model),),
+            **moe.divisibility(cfg)}
 
 
 FAMILY = contract.register(contract.Family(

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import contract, documents, gpt
+from models import contract, documents, gpt, moe
 from models.attention import attend_cached
 from models.contract import Constrain, Params, no_constraint
 from models.layers import (decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, remat, rms_norm,
@@ -26,23 +26,37 @@ from models.llama_config import LLAMA_PRESETS, LlamaConfig
 
 
 class Layers(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        L, D, H, G, K, F = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_mlp
+    """The stacked blocks (leading `layers`, or the `lead` dimensions given; as gpt.Layers)."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lead: tuple = (), with_mlp: bool = True):
+        S, A = lead or ((cfg.n_layers,), ("layers",))
+        D, H, G, K, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_mlp
         dt = jnp.dtype(cfg.param_dtype)
-        out_std = 0.02 / math.sqrt(2 * L)
-        self.attn_norm = param(rngs, (L, D), ("layers", "embed"), dt, None)
-        self.wqkv = param(rngs, (L, D, G, H // G + 2, K), ("layers", "embed", "heads", None, "kv"), dt, 0.02)
-        self.wo = param(rngs, (L, H, K, D), ("layers", "heads", "kv", "embed"), dt, out_std)
-        self.mlp_norm = param(rngs, (L, D), ("layers", "embed"), dt, None)
-        self.w_in = param(rngs, (L, D, 2, F), ("layers", "embed", None, "mlp"), dt, 0.02)
-        self.w_down = param(rngs, (L, F, D), ("layers", "mlp", "embed"), dt, out_std)
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+        self.attn_norm = param(rngs, (*S, D), (*A, "embed"), dt, None)
+        self.wqkv = param(rngs, (*S, D, G, H // G + 2, K), (*A, "embed", "heads", None, "kv"), dt, 0.02)
+        self.wo = param(rngs, (*S, H, K, D), (*A, "heads", "kv", "embed"), dt, out_std)
+        self.mlp_norm = param(rngs, (*S, D), (*A, "embed"), dt, None)
+        if with_mlp:
+            self.w_in = param(rngs, (*S, D, 2, F), (*A, "embed", None, "mlp"), dt, 0.02)
+            self.w_down = param(rngs, (*S, F, D), (*A, "mlp", "embed"), dt, out_std)
+
+
+class Experts(nnx.Module):
+    """G groups' SwiGLU experts: w_in [G, E, D, 2, F] (gate and up), w_down [G, E, F, D]."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, G: int):
+        E, D, F, dt = cfg.n_experts, cfg.d_model, cfg.d_mlp, jnp.dtype(cfg.param_dtype)
+        self.w_in = param(rngs, (G, E, D, 2, F), ("layers", "experts", "embed", None, "mlp"), dt, 0.02)
+        self.w_down = param(rngs, (G, E, F, D), ("layers", "experts", "mlp", "embed"), dt,
+                            0.02 / math.sqrt(2 * cfg.n_layers))
 
 
 class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.param_dtype)
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), dt, 0.02)
-        self.layers = Layers(cfg, rngs)
+        self.layers = gpt.stack(cfg, rngs, Layers, Experts)
         self.final_norm = param(rngs, (cfg.d_model,), ("embed",), dt, None)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dt, 0.02)
@@ -122,9 +136,23 @@ def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: L
     segment_ids, positions = documents.segments(inputs_BxL, cfg)
     if positions is None:  # a context-parallel layout's permuted sequence keeps its global rotary positions
         positions = constrain.context_order(inputs_BxL.shape[1])
+    if moe.is_moe(cfg):
+        def attention_residual(p, x):
+            h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
+            return x + attention(p, h, cfg, constrain, positions, None, segment_ids)[0]
+        return moe.run_groups(layers, x_BxLxD, cfg, constrain,
+                              lambda p, x: block(p, x, cfg, constrain, positions, None, segment_ids)[0],
+                              attention_residual, lambda w, x: expert_mlp(w, x, cfg))
     body = remat(lambda p, x: block(p, x, cfg, constrain, positions, None, segment_ids)[0], cfg.remat)
     x_BxLxD, _ = jax.lax.scan(lambda x, p: (body(p, x), None), x_BxLxD, layers)
     return x_BxLxD, jnp.zeros((), jnp.float32)
+
+
+def expert_mlp(w: Params, x_ExNxD: jax.Array, cfg: LlamaConfig) -> jax.Array:
+    """Each expert's SwiGLU MLP on its own rows."""
+    cdt = jnp.dtype(cfg.compute_dtype)
+    gate_up = jnp.einsum("end,edtf->tenf", x_ExNxD, w["w_in"].astype(cdt))
+    return jnp.einsum("enf,efd->end", jax.nn.silu(gate_up[0]) * gate_up[1], w["w_down"].astype(cdt))
 
 
 def head_matrix(params: Params, cfg: LlamaConfig) -> jax.Array:
@@ -161,10 +189,11 @@ def decode(params: Params, tokens_BxT: jax.Array, cache: dict, length: jax.Array
 
 # ----------------------------------------------------------------------------- sizes
 
-def matmul_params(cfg: LlamaConfig) -> int:
+def matmul_params(cfg: LlamaConfig, active: bool = False) -> int:
+    """As gpt.matmul_params: every expert, or the k a token runs through when `active`."""
     D, H, G, K, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_mlp
-    per_layer = 2 * D * H * K + 2 * D * G * K + 3 * D * F
-    return cfg.n_layers * per_layer + D * cfg.vocab_size
+    per_layer = 2 * D * H * K + 2 * D * G * K
+    return cfg.n_layers * per_layer + moe.mlp_matmul_params(cfg, 3 * D * F, active) + D * cfg.vocab_size
 
 
 def param_count(cfg: LlamaConfig) -> int:
@@ -174,14 +203,14 @@ def param_count(cfg: LlamaConfig) -> int:
 
 
 def flops_per_token(cfg: LlamaConfig) -> float:
-    """6N for the matmul weights plus attention (as GPT; remat not counted)."""
-    return 6.0 * matmul_params(cfg) + gpt.attention_flops_per_token(cfg)
+    """6N for the matmul weights (a mixture's active experts) plus attention (as GPT; remat not counted)."""
+    return 6.0 * matmul_params(cfg, active=True) + gpt.attention_flops_per_token(cfg)
 
 
 def divisibility(cfg: LlamaConfig) -> dict:
     return {"heads": (("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.n_kv_heads)),
             "mlp": (("model.d_mlp", cfg.d_mlp),), "vocab": (("model.vocab_size", cfg.vocab_size),),
-            "embed": (("model.d_model", cfg.d_model),)}
+            "embed": (("model.d_model", cfg.d_model),), **moe.divisibility(cfg)}
 
 
 FAMILY = contract.register(contract.Family(

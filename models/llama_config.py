@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from models.config import LOSS_CHUNK, ModelConfigError, check_common
+from models.config import LOSS_CHUNK, ModelConfigError, MoEFields, check_common
 
 # Llama 3.1's rotary frequency scaling: (factor, low_freq_factor, high_freq_factor, original context).
 ROPE_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -31,7 +31,7 @@ def parse_rope_scaling(value: Any) -> tuple[float, float, float, int] | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(MoEFields):
     family: ClassVar[str] = "llama"
     vocab_size: int = 256
     seq_len: int = 64
@@ -86,4 +86,9 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
                         rope_scaling=(8.0, 1.0, 4.0, 8192), remat="full"),
     "llama3.1-70b": dict(_LLAMA3, seq_len=2048, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_mlp=28672,
                          rope_scaling=(8.0, 1.0, 4.0, 8192), remat="full"),
+    # Mixtral 8x7B (Jiang et al. 2024): Mistral 7B's shape with 8 SwiGLU experts per block, top-2; 46.7B parameters,
+    # 12.9B active per token.
+    "mixtral-8x7b": dict(vocab_size=32000, seq_len=2048, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                         d_mlp=14336, norm_eps=1e-5, rope_theta=1e6, compute_dtype="bfloat16", remat="full",
+                         loss_chunk_size=LOSS_CHUNK, n_experts=8, experts_per_token=2),
 }

@@ -16,6 +16,10 @@ Sequence parallelism (Megatron, `seq -> tensor`): each forward all-reduce become
 all-gather of the next block's input; the backward mirrors both and gathers each matmul input again for its
 weight gradient (the gathered copy is not kept). Context parallelism: the ring passes every layer's K and V
 blocks c-1 hops forward, their gradients c-1 hops back, and the weight gradients are summed over `context`.
+Expert parallelism (sharding/experts.py): per mixture-of-experts layer, the dispatch and combine all-to-alls of
+the device's [rows, experts, capacity, d_model] buffers over `expert`, mirrored in the backward pass (and repeated
+when rematerialization recomputes the layer); under `tensor` the experts' MLP all-reduces move such buffers in
+place of the dense MLP's [rows, seq, d_model] activations.
 Audit part (what the layout must communicate); train/audit.py maps the parts of `--audit`.
 """
 from __future__ import annotations
@@ -28,6 +32,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 import models
+from models import moe
 from sharding.specs import spec_axes
 
 
@@ -65,6 +70,13 @@ def _stage_replicated_gradients(leaves, specs, sizes: Mapping[str, int], batch_a
             by_axes[axes] = by_axes.get(axes, 0.0) + _shard_bytes(leaf, spec, sizes)
     return [Expected("embedding/head gradient all-reduce (on every stage)", "all_reduce", axes, nbytes)
             for axes, nbytes in by_axes.items()]
+
+
+def _expert_buffer_bytes(cfg: Any, global_batch: int, batch_ways: int) -> float:
+    """One device's per-expert token buffers of one MoE layer: [rows, n_experts, capacity, d_model]."""
+    rows = global_batch // batch_ways
+    return (rows * cfg.n_experts * moe.capacity(cfg, cfg.seq_len) * cfg.d_model
+            * jax.numpy.dtype(cfg.compute_dtype).itemsize)
 
 
 def _activation_all_reduces(cfg: Any, chunks: int, stages: int) -> float:
@@ -122,18 +134,25 @@ def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Ma
     batch_axes = [a for a in rules.get("batch", ()) if sizes.get(a, 1) > 1]
     pipelined = bool(pipeline) and sizes.get("pipeline", 1) > 1
     out: list[Expected] = []
+    expert_axes = set(rules.get("experts", ()))  # experts held apart: no gather, no reduction over their axis
+    reduced: dict[tuple[str, ...], float] = {}
+    for leaf, spec in zip(leaves, specs):
+        if not (pipelined and _on_every_stage(spec)):  # those are summed over pipeline too, below
+            axes = tuple(a for a in batch_axes if a not in spec_axes(spec))  # one all-reduce over the replicas
+            if axes:
+                reduced[axes] = reduced.get(axes, 0.0) + _shard_bytes(leaf, spec, sizes)
     context = sizes.get("context", 1)
-    for axis in batch_axes + (["context"] if context > 1 else []):  # context splits the work like the batch
-        grads = gathered = gathers = 0.0
+    if context > 1:  # context splits the work like the batch; XLA sums the weight gradients over it on its own
+        reduced[("context",)] = sum(_shard_bytes(leaf, spec, sizes) for leaf, spec in zip(leaves, specs)
+                                    if "context" not in spec_axes(spec))
+    out += [Expected("gradient all-reduce", "all_reduce", axes, nbytes) for axes, nbytes in reduced.items()]
+    for axis in batch_axes:
+        gathered = gathers = 0.0
         for leaf, spec, is_lookup in zip(leaves, specs, lookup):
-            if axis in spec_axes(spec):  # sharded over the batch axis: FSDP gathers and reduce-scatters
+            if axis in spec_axes(spec) and axis not in expert_axes:  # FSDP gathers and reduce-scatters
                 full = _shard_bytes(leaf, spec, sizes, drop=axis)
                 gathered += full
                 gathers += full if (pipelined or is_lookup) else 2 * full
-            elif not (pipelined and _on_every_stage(spec)):  # those are summed over pipeline too, below
-                grads += _shard_bytes(leaf, spec, sizes)    # plain data-parallel all-reduce of its shard
-        if grads:
-            out.append(Expected("gradient all-reduce", "all_reduce", axis, grads))
         if gathered:
             purpose = "weight all-gather (once per step, pipeline)" if pipelined else \
                 "weight all-gather (forward + backward)"
@@ -150,8 +169,10 @@ def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Ma
             out += _sequence_parallel(cfg, act)
         else:
             chunks = sizes["pipeline"] * pipeline.get("virtual_stages", 1) if pipelined else 0
-            out.append(Expected("activation all-reduce (Megatron)", "all_reduce", "tensor",
-                                _activation_all_reduces(cfg, chunks, sizes.get("pipeline", 1)) * act))
+            nbytes = _activation_all_reduces(cfg, chunks, sizes.get("pipeline", 1)) * act
+            if models.is_moe(cfg):  # the experts' MLP all-reduces (forward, backward) move buffers, not activations
+                nbytes += moe.groups(cfg) * 2 * (_expert_buffer_bytes(cfg, global_batch, ways) - act)
+            out.append(Expected("activation all-reduce (Megatron)", "all_reduce", "tensor", nbytes))
     if context > 1:
         kv_heads = getattr(cfg, "n_kv_heads", None) or cfg.n_heads
         heads_ways = math.prod(sizes[a] for a in rules.get("heads", ()) if sizes.get(a, 1) > 1)
@@ -159,6 +180,10 @@ def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Ma
         passes = 2 + (cfg.remat == "full")  # forward, backward (the gradients going back), full remat's recompute
         out.append(Expected("ring attention K/V blocks", "collective_permute", "context",
                             passes * 2 * (context - 1) * cfg.n_layers * block))
+    if models.is_moe(cfg) and sizes.get("expert", 1) > 1:
+        per_layer = 4 + 2 * (cfg.remat != "none")  # dispatch + combine, forward and backward (+ recomputed)
+        out.append(Expected("expert dispatch and combine", "all_to_all", "expert",
+                            moe.groups(cfg) * per_layer * _expert_buffer_bytes(cfg, global_batch, ways)))
     if pipelined:
         ways = math.prod(sizes[a] for a in batch_axes)
         micro = global_batch // ways // pipeline["microbatches"]

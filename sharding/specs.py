@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from mesh.layout import axis_sizes
 from models.contract import Hooks
 from sharding import context
+from sharding import experts as experts_lib
 from sharding.rules import Rules, ShardingConfigError
 
 
@@ -149,6 +150,12 @@ class ActivationSharding(Hooks):
         q_spec = mesh_spec(names, self.rules, q_BxLxHxK.shape, self.sizes)
         kv_spec = mesh_spec(names, self.rules, k_BxLxGxK.shape, self.sizes)
         return context.ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.mesh, q_spec, kv_spec)
+    def moe_experts(self, x_BxExCxD: jax.Array, experts: Any, expert_fn) -> jax.Array:
+        """Experts split over `expert`: all-to-all dispatch and combine (sharding/experts.py)."""
+        if self.sizes.get(experts_lib.AXIS, 1) == 1:
+            return super().moe_experts(x_BxExCxD, experts, expert_fn)
+        manual = experts_lib.batch_axes(self.rules, self.sizes)
+        return experts_lib.dispatch_combine(self.mesh, manual, x_BxExCxD, experts, expert_fn)
 
 
 def constrainer(mesh: jax.sharding.Mesh, rules: Rules) -> ActivationSharding:

@@ -48,7 +48,13 @@ def base_config() -> ml_collections.ConfigDict:
                    compute_dtype=config_dict.placeholder(str), remat=config_dict.placeholder(str),
                    # attention: auto|xla|cudnn (auto: cuDNN's flash kernel where it runs, else XLA's);
                    # loss_chunk_size: positions per chunk of the head + loss, 0 = all at once (models/lm_loss.py)
-                   attention=config_dict.placeholder(str), loss_chunk_size=config_dict.placeholder(int))
+                   attention=config_dict.placeholder(str), loss_chunk_size=config_dict.placeholder(int),
+                   # Mixture of experts (models/moe.py; n_experts 0 = dense): top-k experts_per_token, capacity_factor
+                   # 0 = dropless, every moe_every-th block routes; router losses' weights (defaults 1e-3, 1e-2)
+                   n_experts=config_dict.placeholder(int), experts_per_token=config_dict.placeholder(int),
+                   capacity_factor=config_dict.placeholder(float), moe_every=config_dict.placeholder(int),
+                   router_z_loss_weight=config_dict.placeholder(float),
+                   load_balance_weight=config_dict.placeholder(float))
     c.mesh = dict(data=-1, pipeline=1, fsdp=1, expert=1, context=1, tensor=1)
     # sequence_parallel: Megatron sequence parallelism, the residual stream split over the sequence on `tensor`
     c.sharding = dict(strategy=sharding_rules.DEFAULT_STRATEGY, rules={}, shard_opt_state=False,
@@ -194,6 +200,28 @@ def _check_model_splits(model: models.ModelConfig, rules: dict, mesh_sizes: dict
                                   f"`{logical}`); change mesh.* or the model")
 
 
+def _check_experts(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str, int]) -> None:
+    """The layouts a mixture of experts supports (README, "Mixture of experts"): data, fsdp, expert and tensor;
+    the `expert` axis must split both the batch and the experts, as every built-in strategy does."""
+    if not models.is_moe(model):
+        return
+    for axis in ("pipeline", "context"):
+        if mesh_sizes.get(axis, 1) > 1:
+            raise ConfigError(f"mesh.{axis}={mesh_sizes[axis]} with model.n_experts={model.n_experts}: a mixture of "
+                              f"experts does not run on a {axis} axis yet; set mesh.{axis}=1 (use mesh.expert, data, "
+                              f"fsdp or tensor)")
+    if "tensor" in rules.get("seq", ()):
+        raise ConfigError(f"sharding.sequence_parallel=True with model.n_experts={model.n_experts}: the expert layers "
+                          f"take whole sequences; set sharding.sequence_parallel=False")
+    if mesh_sizes.get("expert", 1) > 1 and mesh_sizes.get("fsdp", 1) > 1:
+        raise ConfigError(f"mesh.fsdp={mesh_sizes['fsdp']} with mesh.expert={mesh_sizes['expert']}: expert parallelism "
+                          f"does not shard the experts over fsdp yet; use mesh.data in place of mesh.fsdp")
+    if mesh_sizes.get("expert", 1) > 1 and ("expert" not in rules.get("batch", ())
+                                            or rules.get("experts", ()) != ("expert",)):
+        raise ConfigError("mesh.expert > 1 needs sharding rules batch -> (..., 'expert') and experts -> ('expert',), "
+                          "as the built-in strategies have; fix sharding.rules")
+
+
 def _document_eos_id(data_config: Any, data: datadir.DataSpec | None) -> int:
     """The model's `document_eos_id`: the DATADIR's eos id with data.document_mask on, else -1 (off)."""
     if not data_config.get("document_mask", False):
@@ -273,6 +301,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str |
     rules = sharding_rules.resolve(config.sharding.strategy, config.sharding.rules.to_dict(), mesh_sizes)
     rules = _long_sequences(config, model, mesh_sizes, rules)
     _check_model_splits(model, rules, mesh_sizes)
+    _check_experts(model, rules, mesh_sizes)
     t = config.train
     _positive(t, "train", ("steps", "global_batch_size", "log_every", "grad_accum_steps"))
     _positive(t, "train", ("eval_every", "eval_batches"), allow_zero=("eval_every", "eval_batches"))

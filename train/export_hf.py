@@ -126,6 +126,10 @@ def main(argv: list[str]) -> int:
         if not isinstance(cfg, models.LlamaConfig):
             raise exit_codes.Stop(exit_codes.USER_ERROR, f"error: --workdir={workdir} trains a {cfg.family} model; "
                                                          f"only Llama runs export to Hugging Face")
+        if models.is_moe(cfg):
+            raise exit_codes.Stop(exit_codes.USER_ERROR, f"error: --workdir={workdir} trains a mixture of experts "
+                                                         f"(model.n_experts={cfg.n_experts}); its export is not "
+                                                         f"implemented, only dense Llama runs export")
         write(out, cfg, params, FLAGS.dtype, codec if codec.from_run else None, FLAGS.max_shard_gb * 1e9)
     except Exception as e:  # noqa: BLE001
         status = exit_codes.USER_ERROR if isinstance(e, tok_lib.TokenizerError) else exit_codes.status_of(e)

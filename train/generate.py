@@ -46,6 +46,9 @@ class Generator:
         if family.decode is None:
             raise models.ModelConfigError(f"model.family={cfg.family!r} has no KV-cache decoding; "
                                           f"this family implements none (models/contract.py init_cache, decode)")
+        if getattr(cfg, "n_experts", 0):
+            raise models.ModelConfigError(f"model.n_experts={cfg.n_experts}: KV-cache decoding of a mixture of "
+                                          f"experts is not implemented; sample from a dense model")
         self.cfg, self.family, self.sampling, self.mesh = cfg, family, sampling, mesh
 
         def run(params, tokens, cache, length, key):

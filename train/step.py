@@ -18,7 +18,12 @@ LossAndGrad = Callable[[Any, jax.Array], tuple[jax.Array, Any]]
 
 
 def model_loss_and_grad(cfg: models.ModelConfig, constrain) -> LossAndGrad:
-    """Loss and gradients of the unpipelined model on a [batch, seq+1] token batch."""
+    """Loss and gradients of the unpipelined model on a [batch, seq+1] token batch. A mixture of experts
+    returns, in place of the loss, its metrics (`loss`: the language-model loss; the router's statistics),
+    while the gradients are those of the objective (models.loss_and_metrics)."""
+    if models.is_moe(cfg):
+        grad_fn = jax.value_and_grad(lambda p, t: models.loss_and_metrics(p, t, cfg, constrain), has_aux=True)
+        return lambda params, tokens: (lambda out: (out[0][1], out[1]))(grad_fn(params, tokens))
     return jax.value_and_grad(lambda params, tokens: models.loss(params, tokens, cfg, constrain))
 
 
@@ -56,8 +61,8 @@ def accumulate(loss_and_grad: LossAndGrad, accum: int, batch_sharding: NamedShar
                 loss, grads = jax.tree.map(lambda x: x * weight.astype(x.dtype), (loss, grads))
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
         micro = _slices(tokens_BxL, accum, batch_sharding)
+        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_and_grad, params, micro[0]))
         weights = slice_weights(micro, count_targets)
         (loss, grads), _ = jax.lax.scan(body, zeros, (micro, weights))
         if weights is not None:
@@ -82,6 +87,8 @@ def make_train_step(loss_and_grad: LossAndGrad, tx: optax.GradientTransformation
 
     def step(state: State, tokens: jax.Array):
         loss, grads = loss_and_grad(state["params"], tokens)
+        values = loss if isinstance(loss, dict) else {}  # a mixture's metrics (model_loss_and_grad)
+        loss = values.pop("loss", loss)
         if nan_at_step:
             poison = jnp.where(state["step"] + 1 == nan_at_step, jnp.nan, 1.0).astype(loss.dtype)
             loss, grads = loss * poison, jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
@@ -90,7 +97,7 @@ def make_train_step(loss_and_grad: LossAndGrad, tx: optax.GradientTransformation
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), **values}
         if skip_nonfinite:
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
@@ -114,6 +121,8 @@ def make_eval_step(cfg: models.ModelConfig, layout: Layout, loss_fn: Callable | 
     """jit(params, batch) -> mean loss, forward only (`loss_fn`, e.g. a pipeline's, or the plain model),
     over the same `accum` slices as training, so evaluation needs no more memory than a train step."""
     constrain = layout.constrain()
+    if loss_fn is None and models.is_moe(cfg):  # evaluate the language-model loss, without the router's
+        loss_fn = lambda params, tokens: models.loss_and_metrics(params, tokens, cfg, constrain)[1]["loss"]  # noqa: E731
     loss_fn = loss_fn or (lambda params, tokens: models.loss(params, tokens, cfg, constrain))
     count_targets = models.target_counter(cfg)
     if accum > 1:

@@ -1,0 +1,172 @@
+"""Mixture-of-experts blocks (Shazeer et al. 2017; GShard; Switch; Mixtral): a float32 router picks each token's
+top-k experts, tokens are copied into fixed-size per-expert buffers (one row of the batch at a time, so every
+layout drops the same tokens), the experts run on their buffers, and the outputs are gathered back, weighted.
+
+The layer stack of an MoE model is a scan over groups of `moe_every` blocks: (moe_every - 1) dense blocks, then
+one block whose MLP is the mixture. Each group's weights keep the leading `layers` axis (of n_layers / moe_every).
+Where the experts run is the caller's business (`Hooks.moe_experts`): on one device here, with all-to-alls over
+the `expert` mesh axis in sharding/experts.py.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.contract import Constrain, Params
+from models.layers import param, remat, rms_norm
+
+# The scalars a mixture logs beside the language-model loss (per-expert load: moe_load_e0, moe_load_e1, ...).
+METRICS = ("moe_z_loss", "moe_load_balance_loss", "moe_dropped_fraction")
+
+
+def is_moe(cfg: Any) -> bool:
+    return getattr(cfg, "n_experts", 0) > 0
+
+
+def groups(cfg: Any) -> int:
+    return cfg.n_layers // cfg.moe_every
+
+
+def capacity(cfg: Any, seq_len: int) -> int:
+    """Slots per expert per row: every token fits when dropless (a token picks an expert at most once)."""
+    if not cfg.capacity_factor:
+        return seq_len
+    return min(seq_len, math.ceil(cfg.capacity_factor * seq_len * cfg.experts_per_token / cfg.n_experts))
+
+
+class Groups(nnx.Module):
+    """The stacked groups: `dense` blocks [G, moe_every-1, ...] (absent when moe_every is 1), the MoE block's
+    attention and norms `moe` [G, ...], the `router` [G, D, E] and the family's `experts` [G, E, ...].
+    `blocks(lead_shape, lead_axes, with_mlp)` makes a family's stacked block weights."""
+
+    def __init__(self, cfg: Any, rngs: nnx.Rngs, blocks: Callable, experts: Callable):
+        G, k = groups(cfg), cfg.moe_every
+        if k > 1:
+            self.dense = blocks((G, k - 1), ("layers", None), True)
+        self.moe = blocks((G,), ("layers",), False)
+        # Unit-variance initial logits (std 1/sqrt(D) on normed inputs): with 0.02 the logits of 8 experts differ
+        # by ~0.2 and a token's k-th and (k+1)-th choices are often within float32 rounding of a tie.
+        self.router = param(rngs, (G, cfg.d_model, cfg.n_experts), ("layers", "embed", None),
+                            jnp.dtype(cfg.param_dtype), cfg.d_model ** -0.5)
+        self.experts = experts(G)
+
+
+def route(router_DxE: jax.Array, h_BxLxD: jax.Array, cfg: Any):
+    """float32 router: (logits [B,L,E], probabilities [B,L,E], top-k experts [B,k,L] and their combine weights
+    [B,k,L]: the top-k probabilities renormalized to sum to 1 (Mixtral), or the top-1 probability when k=1)."""
+    logits = jnp.einsum("bld,de->ble", h_BxLxD.astype(jnp.float32), router_DxE.astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    k = cfg.experts_per_token
+    top_e = top_k_indices(logits, k)  # ranked by logits: two probabilities can round to one float32 value
+    top_p = jnp.take_along_axis(probs, top_e, axis=-1)
+    if k > 1:
+        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    return logits, probs, jnp.moveaxis(top_e, -1, 1), jnp.moveaxis(top_p, -1, 1)
+
+
+def top_k_indices(x_BxLxE: jax.Array, k: int) -> jax.Array:
+    """[B, L, k]: lax.top_k's indices (ties to the lower index) as k argmaxes, which XLA's partitioner keeps
+    local to each device's rows where it gathers a top_k's input over the batch."""
+    picked = []
+    for _ in range(k):
+        index = jnp.argmax(x_BxLxE, axis=-1)
+        picked.append(index)
+        x_BxLxE = jnp.where(jax.nn.one_hot(index, x_BxLxE.shape[-1], dtype=jnp.bool_), -jnp.inf, x_BxLxE)
+    return jnp.stack(picked, axis=-1)
+
+
+def topk_margin(logits_BxLxE: jax.Array, top_e_BxKxL: jax.Array) -> jax.Array:
+    """The smallest gap, over tokens, between a token's k-th and (k+1)-th router logit: how far the routing
+    is from a tie that rounding could flip (infinite when every expert is chosen). Without a second top_k,
+    which XLA's partitioner gathers across the batch."""
+    chosen = jnp.sum(jax.nn.one_hot(top_e_BxKxL, logits_BxLxE.shape[-1], dtype=jnp.bool_), axis=1) > 0
+    kth = jnp.take_along_axis(logits_BxLxE, jnp.moveaxis(top_e_BxKxL, 1, -1)[..., -1:], axis=-1)[..., 0]
+    runner_up = jnp.max(jnp.where(chosen, -jnp.inf, logits_BxLxE), axis=-1)
+    return jnp.min(kth - runner_up)
+
+
+def slots(top_e_BxKxL: jax.Array, n_experts: int, cap: int):
+    """Each (row, choice, token)'s slot in its expert's buffer, E*C when dropped: first choices before second
+    ones, then token order (GShard's priority). Also the token filling each slot, L for an empty one."""
+    B, K, L = top_e_BxKxL.shape
+    onehot = jax.nn.one_hot(top_e_BxKxL.reshape(B, K * L), n_experts, dtype=jnp.int32)
+    position = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)  # [B, K*L]
+    kept = position < cap
+    slot = jnp.where(kept, top_e_BxKxL.reshape(B, K * L) * cap + position, n_experts * cap)
+    token = jnp.tile(jnp.arange(L), K)
+    source = jax.vmap(lambda s: jnp.full((n_experts * cap,), L).at[s].set(token, mode="drop"))(slot)
+    return slot.reshape(B, K, L), kept.reshape(B, K, L), source
+
+
+def _take_rows(x_BxNxD: jax.Array, index_BxM: jax.Array) -> jax.Array:
+    """x[b, index[b, m]] with a zero row appended at N (what empty slots and dropped tokens read)."""
+    padded = jnp.concatenate([x_BxNxD, jnp.zeros_like(x_BxNxD[:, :1])], axis=1)
+    return jnp.take_along_axis(padded, index_BxM[..., None], axis=1)
+
+
+def moe_mlp(router_DxE: jax.Array, experts: Params, h_BxLxD: jax.Array, cfg: Any, constrain: Constrain,
+            expert_fn: Callable) -> tuple[jax.Array, dict]:
+    """The mixture on normed inputs: (output [B,L,D], this layer's router statistics over the whole batch).
+    `expert_fn(experts, x_ExNxD) -> y_ExNxD` is the family's MLP applied per expert."""
+    B, L, D = h_BxLxD.shape
+    E, cap = cfg.n_experts, capacity(cfg, L)
+    logits, probs, top_e, top_w = route(router_DxE, h_BxLxD, cfg)
+    slot, kept, source = slots(top_e, E, cap)
+    buffer_BxExCxD = _take_rows(h_BxLxD, source).reshape(B, E, cap, D)
+    out_BxExCxD = constrain.moe_experts(buffer_BxExCxD, experts, expert_fn)
+    picked = _take_rows(out_BxExCxD.reshape(B, E * cap, D), slot.reshape(B, -1)).reshape(B, -1, L, D)
+    weight_BxKxL = (top_w * kept).astype(h_BxLxD.dtype)
+    y_BxLxD = jnp.einsum("bkld,bkl->bld", picked, weight_BxKxL)
+    load_E = jnp.mean(jax.nn.one_hot(top_e, E, dtype=jnp.float32), axis=(0, 1, 2))  # fraction routed to each
+    stats = {"moe_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+             "moe_load_balance_loss": E * jnp.sum(load_E * jnp.mean(probs, axis=(0, 1))),
+             "moe_dropped_fraction": 1.0 - jnp.mean(kept.astype(jnp.float32)), "moe_load": load_E,
+             "topk_margin": topk_margin(jax.lax.stop_gradient(logits), top_e)}
+    return constrain(y_BxLxD, ("batch", "seq", "embed")), stats
+
+
+def run_groups(layers: Params, x_BxLxD: jax.Array, cfg: Any, constrain: Constrain, dense_block: Callable,
+               attention_residual: Callable, expert_fn: Callable) -> tuple[jax.Array, dict]:
+    """The scanned groups; returns (x, aux): `aux_loss` (the weighted router losses, mean over MoE layers, for
+    the objective), the statistics of METRICS and `moe_load` [E], each the mean over the MoE layers, and
+    `topk_margin`, the smallest over them (not logged; the equivalence tests read it)."""
+    def group(g, x):
+        if "dense" in g:
+            x, _ = jax.lax.scan(lambda x, p: (dense_block(p, x), None), x, g["dense"])
+        x = attention_residual(g["moe"], x)
+        y, stats = moe_mlp(g["router"], g["experts"], rms_norm(x, g["moe"]["mlp_norm"], cfg.norm_eps), cfg,
+                           constrain, expert_fn)
+        return constrain(x + y, ("batch", "seq", "embed")), stats
+
+    body = remat(group, cfg.remat)
+    x_BxLxD, stats = jax.lax.scan(lambda x, g: body(g, x), x_BxLxD, layers)
+    margin = jnp.min(stats.pop("topk_margin"))
+    stats = {**jax.tree.map(lambda s: jnp.mean(s, axis=0), stats), "topk_margin": margin}
+    stats["aux_loss"] = (cfg.router_z_loss_weight * stats["moe_z_loss"]
+                         + cfg.load_balance_weight * stats["moe_load_balance_loss"])
+    return x_BxLxD, stats
+
+
+def log_fields(aux: dict) -> dict:
+    """The statistics as scalar metrics: METRICS plus moe_load_e{i} per expert."""
+    out = {k: aux[k] for k in METRICS}
+    out.update({f"moe_load_e{i}": aux["moe_load"][i] for i in range(aux["moe_load"].shape[0])})
+    return out
+
+
+def mlp_matmul_params(cfg: Any, per_mlp: int, active: bool = False) -> int:
+    """MLP matmul parameters of the whole stack, `per_mlp` being one dense MLP's: the experts (all of them, or
+    the k a token runs through when `active`) plus the router in each MoE block."""
+    if not is_moe(cfg):
+        return cfg.n_layers * per_mlp
+    experts = cfg.experts_per_token if active else cfg.n_experts
+    moe_layers = groups(cfg)
+    return (cfg.n_layers - moe_layers) * per_mlp + moe_layers * (experts * per_mlp + cfg.d_model * cfg.n_experts)
+
+
+def divisibility(cfg: Any) -> dict:
+    return {"experts": (("model.n_experts", cfg.n_experts),)} if is_moe(cfg) else {}
