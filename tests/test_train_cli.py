@@ -14,7 +14,7 @@ def test_compile_only_writes_the_report_and_nothing_else(tmp_path):
                      "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2")
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((workdir / "compile_report.json").read_text())
-    assert report["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 2}
+    assert report["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
     assert report["param_bytes"] == 4 * report["param_count"] == 4 * 1_640_576
     assert report["flops_per_step"] > 6 * report["param_count"] * report["tokens_per_step"] * 0.9
     assert set(report["memory_per_device"]) == {"argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
