@@ -94,7 +94,7 @@ def time_save(trainer, state, directory: str, pinned_host_copy: bool | None = No
     import jax
     jax.block_until_ready((tree, sums))  # the step's own work is not the save's
     t0 = time.perf_counter()
-    blocked = ckpts.save(1, tree, describe_run(trainer.config, trainer), checksums=sums)
+    blocked = ckpts.save(1, tree, describe_run(trainer), checksums=sums)
     records = ckpts.wait()
     total = time.perf_counter() - t0
     ckpts.close()

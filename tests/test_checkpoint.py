@@ -119,7 +119,8 @@ def test_restore_params_only_starts_a_fresh_optimizer(tmp_path, trained):
     source.wait()
     config = tiny_config(data=8)
     config.checkpoint.update(restore_from=f"{tmp_path / 'src'}:2", restore_params_only=True)
-    begin = resume.start(config, trainer, checkpoint.Checkpoints(tmp_path / "run" / "checkpoints"), print)
+    trainer = Trainer.build(config)  # the restore settings are the plan's: a trainer of this config restores
+    begin = resume.start(trainer, checkpoint.Checkpoints(tmp_path / "run" / "checkpoints"), print)
     assert begin.step == 0 and not begin.resumed and "params of" in begin.origin
     for a, b in zip(jax.tree.leaves(begin.state["params"]), jax.tree.leaves(state["params"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

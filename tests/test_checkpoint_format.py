@@ -30,7 +30,7 @@ def test_a_checkpoint_from_before_the_change_resumes_bit_for_bit(tmp_path):
     config = fixture_config()
     config.train.steps = 4  # the run continues past its saved step
     trainer = Trainer.build(config)
-    begin = resume.start(config, trainer, checkpoint.Checkpoints(tmp_path / "checkpoints"), print)
+    begin = resume.start(trainer, checkpoint.Checkpoints(tmp_path / "checkpoints"), print)
     assert begin.resumed and begin.step == 3
     expected = np.load(FIXTURE / "expected_arrays.npz")
     saved = plain.flatten(ckpt_format.to_tree(trainer, begin.state, begin.rng))

@@ -1,11 +1,14 @@
-"""Several processes form one run: same numbers as one process, and a dead process ends the launch."""
+"""Several processes form one run: same numbers as one process, a one-process checkpoint continues in two,
+and a dead process ends the launch. Three training runs in all: one process, and two launches of two."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
 
 import numpy as np
+import pytest
 
 from tests import helpers
 from tests.helpers import run_cli, start_cli
@@ -29,41 +32,49 @@ def committed(workdir) -> list[int]:
     return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
 
 
-def test_two_processes_match_one_and_share_checkpoints(tmp_path):
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """One process, 4 steps, checkpoints 2 and 4: the numbers two processes must match, and the checkpoint
+    two processes continue from."""
+    workdir = tmp_path_factory.mktemp("single") / "one"
     # data=2 is the outermost axis, so its two halves live in different processes.
-    single = run_cli(*TRAIN, f"--workdir={tmp_path / 'one'}", "--config.train.steps=4",
-                     "--config.checkpoint.every_steps=2")
+    single = run_cli(*TRAIN, f"--workdir={workdir}", "--config.train.steps=4", "--config.checkpoint.every_steps=2")
     assert single.returncode == 0, single.stderr[-3000:]
+    return workdir
+
+
+def test_two_processes_match_one(tmp_path, single):
     proc = launch(*TRAIN, f"--workdir={tmp_path / 'two'}", "--config.train.steps=4")
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]
-    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(single), rtol=1e-5)
     assert len(losses(tmp_path / "two")) == 4  # only process 0 writes metrics
     records = [json.loads(l) for l in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert all(len(r["host_step_time_s"]) == 2 for r in records if "loss" in r)  # per-host step times
-    # A checkpoint written by one process continues in two.
-    proc = launch(*TRAIN, f"--workdir={tmp_path / 'one'}", "--config.train.steps=5")
-    out, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, out[-3000:]
-    assert "from step 4" in out and len(losses(tmp_path / "one")) == 5
 
 
-def test_killing_one_process_ends_the_launch_and_a_relaunch_resumes(tmp_path):
+def test_one_process_checkpoint_continues_in_two_then_killing_one_ends_the_launch_and_a_relaunch_resumes(
+        tmp_path, single):
+    """The launch starts from the one-process run's step 4 (a checkpoint written by one process continues in
+    two); process 1 is killed once it has saved a checkpoint of its own; the relaunch resumes that."""
+    shutil.copytree(single, tmp_path / "run")
     run = [*TRAIN, f"--workdir={tmp_path / 'run'}", "--config.checkpoint.every_steps=2"]
     proc = launch(*run, "--config.train.steps=100000")
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not committed(tmp_path / "run"):
+    while time.monotonic() < deadline and max(committed(tmp_path / "run")) <= 4:
         time.sleep(0.5)
     victim = subprocess.run(["pgrep", "-f", f"workdir={tmp_path / 'run'} .*--process_id=1"], capture_output=True,
                             text=True).stdout.split()
     assert victim, "process 1 not found"
     os.kill(int(victim[0]), signal.SIGKILL)
     killed_at = time.monotonic()
-    proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert time.monotonic() - killed_at < 60
+    assert "from step 4" in out
     saved = max(committed(tmp_path / "run"))
     proc = launch(*run, f"--config.train.steps={saved + 1}")
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]
     assert f"from step {saved}" in out
+    assert len(losses(tmp_path / "run")) == saved + 1  # every step logged once, from the one-process run's on

@@ -43,5 +43,7 @@ class Every:
         return self.fn(step, state, metrics)
 
 
-def build(config: Any) -> list[UserAction]:
-    return [REGISTRY[name](config) for name in names(config.train.actions)]
+def build(listed: tuple[str, ...], config: Any) -> list[UserAction]:
+    """The actions `listed` (Plan.train.actions), each from its factory; `config` is handed to the factories
+    untouched: an experiment's own action may read its own settings there, train/ reads none of it."""
+    return [REGISTRY[name](config) for name in listed]

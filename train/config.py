@@ -110,6 +110,9 @@ class Plan:
     train: sections.TrainSection | None = None
     checkpoint: sections.CheckpointSection | None = None
     faults: sections.FaultSection | None = None
+    optimizer: sections.OptimizerSection | None = None
+    source: sections.DataSection | None = None  # the data.* settings (data/load); `data` is the token files
+    shard_opt_state: bool = False  # sharding.shard_opt_state: optimizer moments also split over data
 
 
 def _positive(section: Any, prefix: str, keys: tuple[str, ...], allow_zero: tuple[str, ...] = ()) -> None:
@@ -329,4 +332,5 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str |
     return Plan(model=model, mesh_sizes=mesh_sizes, rules=rules, global_batch=t.global_batch_size,
                 grad_accum=t.grad_accum_steps, steps=t.steps, decay_steps=decay_steps,
                 profile_steps=_profile_range(t.profile_steps, t.steps), pipeline=pipeline, data=data,
-                train=train, checkpoint=ckpt, faults=faults)
+                train=train, checkpoint=ckpt, faults=faults, optimizer=sections.optimizer_of(config),
+                source=sections.data_of(config), shard_opt_state=bool(config.sharding.shard_opt_state))

@@ -98,7 +98,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
 
 def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Options) -> Compiled:
     """Compile (with the memory check and the audit), then write compile_report.json and config.json."""
-    config, plan, is_main = trainer.config, trainer.plan, jax.process_index() == 0
+    plan, is_main = trainer.plan, jax.process_index() == 0
     t0 = time.perf_counter()
     audit = options.audit
     compiled, xla_log = audit_lib.compile_logged(trainer.compile) if audit else (trainer.compile(), "")
@@ -115,7 +115,7 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
             print(audit_lib.format_table(rep["audit"]), flush=True)
     if is_main:
         report_lib.write(rep, path)
-    resolved = {"config": config.to_dict(), "model": vars(plan.model) | {"param_count": rep["param_count"]},
+    resolved = {"config": trainer.config.to_dict(), "model": vars(plan.model) | {"param_count": rep["param_count"]},
                 "mesh": rep["mesh"], "versions": versions.environment(),
                 "runtime_defaults": dict(xla_env.APPLIED)}  # GPU XLA flags / memory fraction set for the user
     if is_main and not options.compile_only:  # a what-if compile leaves the run's own config.json alone
@@ -127,27 +127,27 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
 def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preemption.StopSignals) -> dict[str, Any]:
     """Resume (or start), then loop; the exit paths (done, preempted, non-finite, failed save) all wait
     for the save in flight and record goodput."""
-    trainer, plan, config = run.trainer, run.trainer.plan, run.trainer.config
+    trainer, plan = run.trainer, run.trainer.plan
     enabled = plan.checkpoint.enabled
     if not enabled:
         say(f"warning: checkpoint.enabled=False: this run writes no checkpoint (an existing one in {path} "
             f"is restored, never overwritten); a crash or preemption loses its progress")
     ckpts = checkpoint.Checkpoints(path / "checkpoints", keep=plan.checkpoint.keep,
                                    keep_period=plan.checkpoint.keep_period, read_only=not enabled)
-    begin = resume.start(config, trainer, ckpts, say)
+    begin = resume.start(trainer, ckpts, say)
     goodput.add("init_s" if begin.origin == "initialized" else "restore_s", begin.seconds)
     if begin.step >= plan.steps:
         say(f"the run in {path} already reached train.steps={plan.steps} ({begin.origin}); nothing to do")
         goodput.flush(exit_codes.OK)
         return {"state": begin.state, "summary": {"workdir": str(path), "step": begin.step}, "compile_report": run.rep}
     log = _open_log(run, path, begin)
-    saver = Saver(ckpts, config, trainer, log, goodput, last_saved=begin.step if begin.resumed else -1)
+    saver = Saver(ckpts, trainer, log, goodput, last_saved=begin.step if begin.resumed else -1)
     goodput.add("compile_s", saver.warm_up(begin.state, begin.rng))
     peak = hardware.peak_flops_per_device(plan.model.compute_dtype, run.peak_tflops) * jax.device_count()
     with Watchdog(plan.train.step_timeout_s, exit_codes.WATCHDOG,
                   before_exit=lambda: goodput.flush(exit_codes.WATCHDOG)) as dog:
         services = Services(trainer, run.compiled, path, log, saver, goodput, signals, dog, run.rep, peak)
-        state, last = _supervised(Scheduler(services, begin, actions_lib.build(config)))
+        state, last = _supervised(Scheduler(services, begin, actions_lib.build(plan.train.actions, trainer.config)))
     summary = _summary(last, run.rep, path, peak)
     say(f"done: loss {summary['final_loss']:.4f}, eval loss {summary['eval_loss']:.4f}, "
         f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}%; {goodput.line()}; outputs in "

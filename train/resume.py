@@ -12,7 +12,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import checkpoint
 from checkpoint import meta as meta_lib
 from train import checkpoint_format as ckpt_format
@@ -73,30 +72,42 @@ class Start:
     seconds: float
 
 
-def start(config: ml_collections.ConfigDict, trainer: Trainer, ckpts: checkpoint.Checkpoints,
-          say: Callable[[str], None]) -> Start:
+def start(trainer: Trainer, ckpts: checkpoint.Checkpoints, say: Callable[[str], None]) -> Start:
     """The state to train from: the run's newest checkpoint, else checkpoint.restore_from, else a fresh one.
-    It takes the settings from `config` (tests restore into a trainer built without restore_from)."""
+    The settings come from trainer.plan; the raw config only as the record compared with the checkpoint's."""
     t0 = time.perf_counter()
-    rng = ckpt_format.rng_of(config.train.seed, trainer.mesh)
     restored = checkpoint.restore_newest(ckpts, ckpt_format.target(trainer), warn=say)
     if restored:
-        changes = meta_lib.config_changes(restored.meta.get("config", {}), config.to_dict())
+        changes = meta_lib.config_changes(restored.meta.get("config", {}), trainer.config.to_dict())
         if changes:
             say(f"resuming with changed settings: {'; '.join(changes)}")
         if "order" not in restored.meta.get("config", {}).get("data", {"order": None}):  # written before data.order
-            config.data.order = "random"  # what it trained with, so the batches replay exactly (and meta says so)
-            trainer.source = dataclasses.replace(trainer.source, order="random")
+            _train_with_random_windows(trainer)
         return Start(ckpt_format.from_tree(trainer, restored.tree), restored.tree["rng"], restored.step,
                      f"resumed from {restored.where}", True, time.perf_counter() - t0)
-    spec = config.checkpoint.restore_from
+    return _from_elsewhere(trainer, t0)
+
+
+def _train_with_random_windows(trainer: Trainer) -> None:
+    """What a checkpoint from before data.order trained with, so the batches replay exactly (the plan, and so
+    the checkpoint meta, say so)."""
+    source = dataclasses.replace(trainer.plan.source, order="random")
+    trainer.plan = dataclasses.replace(trainer.plan, source=source)
+    trainer.source = dataclasses.replace(trainer.source, order="random")
+
+
+def _from_elsewhere(trainer: Trainer, t0: float) -> Start:
+    """No checkpoint of the run's own: checkpoint.restore_from (a run's checkpoint or Hugging Face weights),
+    else a fresh init."""
+    rng = ckpt_format.rng_of(trainer.plan.train.seed, trainer.mesh)
+    spec, params_only = trainer.plan.checkpoint.restore_from, trainer.plan.checkpoint.restore_params_only
     if not spec:
         return Start(trainer.init_state(), rng, 0, "initialized", False, time.perf_counter() - t0)
     if spec.startswith(hf_import.PREFIX):  # Hugging Face weights: params only, fresh optimizer, step 0
         state, origin = hf_import.load_state(spec, trainer)
         return Start(state, rng, 0, origin, False, time.perf_counter() - t0)
     source, step = checkpoint.open_source(spec)
-    if config.checkpoint.restore_params_only:
+    if params_only:
         got = checkpoint.restore_source(source, step, {"params": ckpt_format.target(trainer)["params"]}, True, spec)
         params = ckpt_format.params_from_tree(trainer, got.tree["params"])
         opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.layout.state["opt_state"])(params)

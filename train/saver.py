@@ -9,7 +9,6 @@ import time
 from typing import Any
 
 import jax
-import ml_collections
 
 import checkpoint
 from checkpoint import plain
@@ -24,12 +23,20 @@ def _spec(spec) -> list:
     return [list(e) if isinstance(e, tuple) else e for e in spec]
 
 
-def describe_run(config: ml_collections.ConfigDict, trainer: Trainer) -> dict[str, Any]:
+def recorded_config(trainer: Trainer) -> dict[str, Any]:
+    """The run's config as meta records it: the raw config, JSON-safe now (not in the commit), with the data
+    order the plan trains with (resume sets `random` for a checkpoint from before data.order)."""
+    config = json.loads(json.dumps(trainer.config.to_dict(), default=str))
+    config.setdefault("data", {})["order"] = trainer.plan.source.order
+    return config
+
+
+def describe_run(trainer: Trainer) -> dict[str, Any]:
     """Everything about the writer that meta records besides the arrays."""
     layout = trainer.layout
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     return {
-        "config": json.loads(json.dumps(config.to_dict(), default=str)),  # JSON-safe now, not in the commit
+        "config": recorded_config(trainer),
         "mesh": axis_sizes(trainer.mesh), "device_count": jax.device_count(), "process_count": jax.process_count(),
         "logical_axes": {k: _spec(v) for k, v in plain.flatten(layout.logical_axes, is_leaf=is_spec).items()},
         "partition_specs": {k: _spec(s.spec) for k, s in plain.flatten(layout.state).items()},
@@ -38,15 +45,15 @@ def describe_run(config: ml_collections.ConfigDict, trainer: Trainer) -> dict[st
 
 
 class Saver:
-    def __init__(self, ckpts: checkpoint.Checkpoints, config: ml_collections.ConfigDict, trainer: Trainer,
-                 log: MetricsLog, goodput: Goodput, last_saved: int):
+    def __init__(self, ckpts: checkpoint.Checkpoints, trainer: Trainer, log: MetricsLog, goodput: Goodput,
+                 last_saved: int):
         self.ckpts, self.trainer = ckpts, trainer
         every = trainer.plan.checkpoint
         self.enabled = every.enabled  # False (checkpoint.enabled): the loop schedules no save (loop_actions)
         self.policy = (checkpoint.SavePolicy(every.every_steps, every.every_minutes, every.mtbf_hours)
                        if self.enabled else checkpoint.SavePolicy())  # disabled: never due
         self._blocked: list[float] = []  # measured save costs, for the mtbf_hours interval
-        self.run_info = describe_run(config, trainer)
+        self.run_info = describe_run(trainer)
         self.log, self.goodput = log, goodput
         self.last_saved = last_saved
         self._since = time.monotonic()

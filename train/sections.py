@@ -1,5 +1,6 @@
-"""The typed sections of `Plan` (train/config.py) that the loop, its actions and the saver read instead of
-the raw config: `train`, `checkpoint`, `faults`. resolve() builds them once the config is validated.
+"""The typed sections of `Plan` (train/config.py) that the trainer, resume, the loop, its actions and the saver
+read instead of the raw config: `train`, `checkpoint`, `faults`, `optimizer`, `source` (the data settings).
+resolve() builds them once the config is validated.
 
 How a new setting joins Plan: give it a default in base_config (train/config.py), validate it in resolve
 (one-line ConfigError naming the setting), add a typed field to the section here that owns it (or a new
@@ -54,6 +55,43 @@ class FaultSection:
     def in_loop(self) -> bool:
         """A fault the loop injects (a delay or a hang); nan_at_step lives in the compiled step."""
         return bool(self.step_delay_s or self.hang_at_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSection:
+    """AdamW with warmup and cosine decay after clipping (train/state.make_optimizer)."""
+    lr: float
+    warmup_steps: int
+    decay_steps: int     # 0: train.steps
+    min_lr_ratio: float
+    weight_decay: float
+    b1: float
+    b2: float
+    eps: float
+    clip_norm: float     # 0: no clipping
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """Where the tokens come from (train/data.load); the token files themselves are Plan.data."""
+    source: str          # text, tokens or synthetic
+    path: str
+    eval_percent: int
+    cache_dir: str
+    order: str           # epochs or random
+    document_mask: bool
+
+
+def optimizer_of(config: Any) -> OptimizerSection:
+    o = config.optimizer
+    return OptimizerSection(float(o.lr), int(o.warmup_steps), int(o.decay_steps), float(o.min_lr_ratio),
+                            float(o.weight_decay), float(o.b1), float(o.b2), float(o.eps), float(o.clip_norm))
+
+
+def data_of(config: Any) -> DataSection:
+    d = config.data
+    return DataSection(str(d.source), str(d.path), int(d.eval_percent), str(d.cache_dir),
+                       str(d.get("order", "epochs")), bool(d.get("document_mask", False)))
 
 
 def from_config(config: Any) -> tuple[TrainSection, CheckpointSection, FaultSection]:

@@ -22,7 +22,7 @@ from train.planner import auto as planner_auto
 
 @dataclasses.dataclass
 class Trainer:
-    config: ml_collections.ConfigDict
+    config: ml_collections.ConfigDict  # the raw config, read only as a whole (to_dict) for config.json and meta
     plan: Plan
     mesh: jax.sharding.Mesh
     layout: state_lib.Layout
@@ -39,10 +39,10 @@ class Trainer:
         n = num_devices or jax.device_count()
         config = planner_auto.apply(config, n)  # plan.auto: the planner's layout replaces mesh.* (printed)
         plan = resolve(config, n)
-        source = data_lib.load(config.data, plan.model.vocab_size, plan.model.seq_len + 1, plan.data)
+        source = data_lib.load(plan.source, plan.model.vocab_size, plan.model.seq_len + 1, plan.data)
         mesh = make_mesh(plan.mesh_sizes, num_devices=num_devices)
-        tx, schedule = state_lib.make_optimizer(config.optimizer, plan.decay_steps)
-        layout = state_lib.plan_layout(plan, mesh, tx, config.sharding.shard_opt_state)
+        tx, schedule = state_lib.make_optimizer(plan.optimizer, plan.decay_steps)
+        layout = state_lib.plan_layout(plan, mesh, tx, plan.shard_opt_state)
         if plan.pipeline:
             table = plan.pipeline.build()
             loss_and_grad = pipeline_lib.loss_and_grad(plan.model, mesh, plan.rules, table)
