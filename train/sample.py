@@ -1,7 +1,8 @@
 """`python -m train.sample --workdir=DIR [--step=N] (--prompt=TEXT | --prompt_tokens=1,2,3) --max_new_tokens=N
 [--temperature=T --top_k=K --top_p=P --seed=S] [--json]`, or `--eval_batches=N` for the held-out loss and
 perplexity. The model runs sharded on the run's mesh (`--config.mesh.*` overrides it); a pipelined run's
-`pipeline` axis is folded into `data`, since decoding runs the whole layer stack on every device."""
+`pipeline` axis (and a context-parallel run's `context`) is folded into `data`, since decoding runs the whole layer
+stack on every device."""
 from __future__ import annotations
 
 import math
@@ -36,12 +37,13 @@ def _fail(message: str):
 
 
 def _mesh_overrides(config) -> None:
-    """The run's mesh, with the --config.mesh.* flags given and `pipeline` folded into `data`."""
+    """The run's mesh, with the --config.mesh.* flags given and `pipeline` and `context` folded into `data`
+    (decoding runs the whole stack on every device, one new token at a time)."""
     for name in AXES:
         if any(arg.startswith(f"--config.mesh.{name}=") for arg in sys.argv):
             config.mesh[name] = _CONFIG.value.mesh[name]
-    folded = config.mesh.pipeline
-    config.mesh.pipeline = 1
+    folded = config.mesh.pipeline * config.mesh.context
+    config.mesh.pipeline = config.mesh.context = 1
     if config.mesh.data != -1:
         config.mesh.data *= folded
 
