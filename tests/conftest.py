@@ -23,16 +23,3 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
-
-# With `--dist loadfile` each worker takes whole files in collection order, round robin at first, then the
-# next file as one finishes; the run ends when the last file does. Collecting the longest files first
-# (longest-first scheduling) leaves only short files for the end, so the two workers finish together.
-# Seconds per file, cold compilation cache, 2-core CPU dev VM, 2026-12-01; files not listed keep their order.
-LONGEST_FILES = ("test_checkpoint_runs.py", "test_pipeline.py", "test_multiprocess.py", "test_context.py",
-                 "test_moe.py", "test_train_cli.py", "test_planner.py", "test_equivalence.py",
-                 "test_attention_loss.py", "test_audit.py", "test_llama.py", "test_documents.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
