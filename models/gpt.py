@@ -17,12 +17,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import contract, documents, lm_loss, moe
+from models import contract, lm_loss, moe
 from models.attention import attend_cached
 from models.config import GPT_PRESETS, GPTConfig
 from models.contract import Constrain, Params, no_constraint
-from models.layers import (decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, remat, rms_norm,
+from models.layers import (decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, rms_norm,
                            rotary)
+from models.stack import run_stack
 
 
 class Layers(nnx.Module):
@@ -124,21 +125,11 @@ def block(p: Params, x_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain = 
 
 def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: GPTConfig,
                constrain: Constrain = no_constraint):
-    """Apply a stack (or any contiguous slice of it) of blocks with one scanned, rematerialized body.
-    Returns (x, aux loss 0.0): a dense model adds nothing to the loss."""
-    segment_ids, positions = documents.segments(inputs_BxL, cfg)
-    if positions is None:  # a context-parallel layout's permuted sequence keeps its global rotary positions
-        positions = constrain.context_order(inputs_BxL.shape[1])
-    if moe.is_moe(cfg):
-        def attention_residual(p, x):
-            h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
-            return x + attention(p, h, cfg, constrain, segment_ids, positions)[0]
-        return moe.run_groups(layers, x_BxLxD, cfg, constrain,
-                              lambda p, x: block(p, x, cfg, constrain, segment_ids, positions), attention_residual,
-                              lambda w, x: expert_mlp(w, x, cfg))
-    body = remat(lambda p, x: block(p, x, cfg, constrain, segment_ids, positions), cfg.remat)
-    x_BxLxD, _ = jax.lax.scan(lambda x, p: (body(p, x), None), x_BxLxD, layers)
-    return x_BxLxD, jnp.zeros((), jnp.float32)
+    """The stack (or any contiguous slice of it) with GPT's blocks (models/stack.py); returns (x, aux)."""
+    return run_stack(layers, x_BxLxD, inputs_BxL, cfg, constrain,
+                     lambda p, x, segments, positions: block(p, x, cfg, constrain, segments, positions),
+                     lambda p, h, segments, positions: attention(p, h, cfg, constrain, segments, positions)[0],
+                     expert_mlp)
 
 
 def expert_mlp(w: Params, x_ExNxD: jax.Array, cfg: GPTConfig) -> jax.Array:

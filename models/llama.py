@@ -17,12 +17,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import contract, documents, gpt, moe
+from models import contract, gpt, moe
 from models.attention import attend_cached
 from models.contract import Constrain, Params, no_constraint
-from models.layers import (decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, remat, rms_norm,
+from models.layers import (decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, rms_norm,
                            rotary)
 from models.llama_config import LLAMA_PRESETS, LlamaConfig
+from models.stack import run_stack
 
 
 class Layers(nnx.Module):
@@ -132,20 +133,11 @@ def block(p: Params, x_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain 
 
 def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: LlamaConfig,
                constrain: Constrain = no_constraint):
-    """The scanned, rematerialized stack (or a contiguous slice of it); returns (x, aux loss 0.0)."""
-    segment_ids, positions = documents.segments(inputs_BxL, cfg)
-    if positions is None:  # a context-parallel layout's permuted sequence keeps its global rotary positions
-        positions = constrain.context_order(inputs_BxL.shape[1])
-    if moe.is_moe(cfg):
-        def attention_residual(p, x):
-            h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
-            return x + attention(p, h, cfg, constrain, positions, None, segment_ids)[0]
-        return moe.run_groups(layers, x_BxLxD, cfg, constrain,
-                              lambda p, x: block(p, x, cfg, constrain, positions, None, segment_ids)[0],
-                              attention_residual, lambda w, x: expert_mlp(w, x, cfg))
-    body = remat(lambda p, x: block(p, x, cfg, constrain, positions, None, segment_ids)[0], cfg.remat)
-    x_BxLxD, _ = jax.lax.scan(lambda x, p: (body(p, x), None), x_BxLxD, layers)
-    return x_BxLxD, jnp.zeros((), jnp.float32)
+    """The stack (or any contiguous slice of it) with Llama's blocks (models/stack.py); returns (x, aux)."""
+    return run_stack(layers, x_BxLxD, inputs_BxL, cfg, constrain,
+                     lambda p, x, segments, positions: block(p, x, cfg, constrain, positions, None, segments)[0],
+                     lambda p, h, segments, positions: attention(p, h, cfg, constrain, positions, None, segments)[0],
+                     expert_mlp)
 
 
 def expert_mlp(w: Params, x_ExNxD: jax.Array, cfg: LlamaConfig) -> jax.Array:

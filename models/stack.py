@@ -1,0 +1,36 @@
+"""The layer stack both families run as their `run_layers`: packed-document segments and rotary positions from
+the inputs (or a context-parallel layout's global order), then one scanned, rematerialized block per layer, or,
+for a mixture of experts, the groups of models/moe.py. A family lends its block, attention and expert MLP."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from models import documents, moe
+from models.contract import Constrain, Params
+from models.layers import remat, rms_norm
+
+
+def run_stack(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: Any, constrain: Constrain,
+        block: Callable, attention: Callable, expert_mlp: Callable):
+    """Apply a stack (or any contiguous slice of it). `block(p, x, segment_ids, positions) -> x` is one dense
+    layer, `attention(p, h, segment_ids, positions) -> out` its attention on the normed input, `expert_mlp(w,
+    x_ExNxD, cfg) -> y_ExNxD` one expert's MLP. Returns (x, aux): 0.0 for a dense stack (it adds nothing to the
+    loss), the router's losses and statistics for a mixture (moe.run_groups)."""
+    segment_ids, positions = documents.segments(inputs_BxL, cfg)
+    if positions is None:  # a context-parallel layout's permuted sequence keeps its global rotary positions
+        positions = constrain.context_order(inputs_BxL.shape[1])
+
+    def dense(p, x):
+        return block(p, x, segment_ids, positions)
+
+    if moe.is_moe(cfg):
+        def attention_residual(p, x):
+            return x + attention(p, rms_norm(x, p["attn_norm"], cfg.norm_eps), segment_ids, positions)
+        return moe.run_groups(layers, x_BxLxD, cfg, constrain, dense, attention_residual,
+                              lambda w, x: expert_mlp(w, x, cfg))
+    body = remat(dense, cfg.remat)
+    x_BxLxD, _ = jax.lax.scan(lambda x, p: (body(p, x), None), x_BxLxD, layers)
+    return x_BxLxD, jnp.zeros((), jnp.float32)
