@@ -40,6 +40,7 @@ class Hooks:
         """Causal attention over the whole sequence (models/attention.attend); a context-parallel layout
         overrides it with a ring over its sequence shards."""
         return attention.attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL)
+
     def moe_experts(self, x_BxExCxD: jax.Array, experts: Params, expert_fn: Callable) -> jax.Array:
         """Run every expert on its slots of every row (models/moe.py): `expert_fn(experts, x_ExNxD) -> y_ExNxD`
         on the buffers regrouped per expert. A mesh splitting the experts overrides this with all-to-alls."""

@@ -185,9 +185,8 @@ def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Ma
         out.append(Expected("expert dispatch and combine", "all_to_all", "expert",
                             moe.groups(cfg) * per_layer * _expert_buffer_bytes(cfg, global_batch, ways)))
     if pipelined:
-        ways = math.prod(sizes[a] for a in batch_axes)
         micro = global_batch // ways // pipeline["microbatches"]
-        act = micro * cfg.seq_len * cfg.d_model * jax.numpy.dtype(cfg.compute_dtype).itemsize
+        act = micro * cfg.seq_len * cfg.d_model * itemsize
         slots = 2 * (pipeline.get("virtual_stages", 1) * pipeline["microbatches"] + sizes["pipeline"] - 1)
         sends = 2 * slots  # idle cells send zeros: SPMD collectives run on every device every slot
         out.append(Expected("stage activations and gradients", "collective_permute", "pipeline", sends * act))

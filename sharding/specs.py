@@ -150,6 +150,7 @@ class ActivationSharding(Hooks):
         q_spec = mesh_spec(names, self.rules, q_BxLxHxK.shape, self.sizes)
         kv_spec = mesh_spec(names, self.rules, k_BxLxGxK.shape, self.sizes)
         return context.ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.mesh, q_spec, kv_spec)
+
     def moe_experts(self, x_BxExCxD: jax.Array, experts: Any, expert_fn) -> jax.Array:
         """Experts split over `expert`: all-to-all dispatch and combine (sharding/experts.py)."""
         if self.sizes.get(experts_lib.AXIS, 1) == 1:

@@ -23,7 +23,11 @@ def model_loss_and_grad(cfg: models.ModelConfig, constrain) -> LossAndGrad:
     while the gradients are those of the objective (models.loss_and_metrics)."""
     if models.is_moe(cfg):
         grad_fn = jax.value_and_grad(lambda p, t: models.loss_and_metrics(p, t, cfg, constrain), has_aux=True)
-        return lambda params, tokens: (lambda out: (out[0][1], out[1]))(grad_fn(params, tokens))
+
+        def metrics_and_grad(params, tokens):
+            (_, metrics), grads = grad_fn(params, tokens)
+            return metrics, grads
+        return metrics_and_grad
     return jax.value_and_grad(lambda params, tokens: models.loss(params, tokens, cfg, constrain))
 
 
