@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -90,3 +91,12 @@ def losses(workdir) -> dict[int, float]:
     steps = [r["step"] for r in records if "loss" in r]
     assert len(steps) == len(set(steps)), f"a step is logged twice: {steps}"
     return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def wait_for(condition, process: subprocess.Popen, timeout: float = 120):
+    """Poll `condition` until it holds; fail if the background `process` ends first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the run ended early with status {process.returncode}"
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)

@@ -1,10 +1,8 @@
-"""Fault tolerance end to end, through `python -m train` subprocesses on the tiny model: SIGKILL chaos
-with exact replay, SIGTERM requeue, damaged checkpoints, a model-shape change, resharding, a failing
-background save, the non-finite stop, the watchdog, bad inputs, restore_from and a two-process
-preemption. Every run but the reference shares the tests' compilation cache; together they take about
-two minutes on 2 shared cores."""
+"""Fault tolerance end to end, through `python -m train` subprocesses on a half-size tiny model: SIGKILL
+chaos with exact replay, SIGTERM requeue, damaged checkpoints, a model-shape change, resharding, a failing
+background save, the non-finite stop, the watchdog, bad inputs and restore_from (test_multiprocess.py
+preempts one of two processes). Every run but the reference shares the tests' compilation cache."""
 import json
-import os
 import random
 import re
 import resource
@@ -17,11 +15,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.helpers import ROOT, losses, run_cli, start_cli
+from tests.helpers import ROOT, losses, run_cli, start_cli, wait_for
 from train import exit_codes, prepare
 
 STEPS = 12
+# Half the tiny model's width and layers (4 still splits into 2 stages x 2 virtual stages): a warm run then
+# takes about half the CPU time, and what these tests check does not depend on the model's size.
 BASE = ["--config=experiments/tiny.py", "--config.data.source=tokens", "--config.data.path=", "--config.mesh.data=8",
+        "--config.model.d_model=64", "--config.model.n_layers=4",
         f"--config.train.steps={STEPS}", "--config.train.log_every=1", "--config.train.eval_every=6",
         "--config.train.eval_batches=1", "--config.optimizer.warmup_steps=2",
         f"--config.optimizer.decay_steps={STEPS}",  # fixed, so runs stopped early share the schedule
@@ -66,14 +67,6 @@ def assert_bitwise_equal(workdir, reference):
     for name in ref:
         np.testing.assert_array_equal(ours[name], ref[name], err_msg=name)
     assert losses(workdir) == losses(reference)
-
-
-def wait_for(condition, process, timeout=120):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert process.poll() is None, f"the run ended early with status {process.returncode}"
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.02)
 
 
 def listing(path):
@@ -143,7 +136,10 @@ def test_second_ctrl_c_aborts_at_once(tmp_path):
     process = start(workdir, "--config.fault_injection.step_delay_s=0.3")
     wait_for(lambda: last_step(workdir) >= 2, process)
     process.send_signal(signal.SIGINT)
-    time.sleep(0.05)
+    # The second signal waits for the first one's handler (it prints at once): two signals that arrive before
+    # Python runs its handler are one signal to it, so a fixed pause flaked under load.
+    out = workdir.with_suffix(".out")
+    wait_for(lambda: "SIGINT: finishing the step in flight" in out.read_text(), process)
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=30) == -signal.SIGINT
     assert "SIGINT: finishing the step in flight" in workdir.with_suffix(".out").read_text()
@@ -175,7 +171,7 @@ def test_model_shape_change_is_a_config_error_that_moves_nothing(tmp_path, parti
     workdir = tmp_path / "run"
     shutil.copytree(partial, workdir)
     before = listing(workdir)
-    result = train(workdir, "--config.model.d_model=64")
+    result = train(workdir, "--config.model.d_model=32")
     assert result.returncode == exit_codes.USER_ERROR
     message = result.stderr.strip().splitlines()[-1]
     assert re.match(r"error: checkpoint .*/checkpoints/8 holds a different model or optimizer shape than the "
@@ -280,28 +276,3 @@ def test_restore_from_continues_another_runs_state(tmp_path, reference, partial)
     ours, ref = losses(workdir), losses(reference)
     assert sorted(ours) == list(range(9, STEPS + 1)) and all(ours[s] == ref[s] for s in ours)
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [10, 12]
-
-
-def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path):
-    """The stop flag is agreed by an all-reduce: both processes save one step, the launch exits 75, and
-    one process then resumes the two-process checkpoint."""
-    workdir = tmp_path / "run"
-    mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
-    workdir.mkdir()
-    with open(tmp_path / "launch.out", "w") as out:
-        launch = start_cli("train.launch", "--num_processes=2", "--num_cpu_devices=4", "--", *BASE, *mesh,
-                           f"--workdir={workdir}", "--config.checkpoint.every_steps=0",
-                           "--config.fault_injection.step_delay_s=0.3", stdout=out, stderr=subprocess.STDOUT)
-        wait_for(lambda: last_step(workdir) >= 2, launch, timeout=180)
-        victim = subprocess.run(["pgrep", "-f", f"workdir={workdir} .*--process_id=1"], capture_output=True,
-                                text=True).stdout.split()
-        assert victim, "process 1 not found"
-        os.kill(int(victim[0]), signal.SIGTERM)
-        assert launch.wait(timeout=120) == exit_codes.REQUEUE
-    saved = re.findall(r"\[p(\d)\] preempted: saved checkpoint .*/checkpoints/(\d+)", (tmp_path / "launch.out").read_text())
-    assert sorted(p for p, _ in saved) == ["0", "1"] and len({s for _, s in saved}) == 1, saved
-    step = int(saved[0][1])
-    assert [int(p.name) for p in (workdir / "checkpoints").iterdir()] == [step]
-    result = train(workdir, *mesh, "--config.checkpoint.every_steps=0", f"--config.train.steps={step + 2}")
-    assert result.returncode == exit_codes.OK, result.stderr[-3000:]
-    assert f"from step {step}" in result.stdout

@@ -30,6 +30,7 @@ def test_training_run_learns_and_writes_its_outputs(tmp_path):
     workdir = tmp_path / "run"
     relative = os.path.relpath(workdir, ROOT)  # as `make train` passes it; Orbax itself wants absolute paths
     result = run_cli("--config=experiments/tiny.py", f"--workdir={relative}", "--config.train.steps=50",
+                     "--config.model.d_model=64", "--config.model.n_layers=4",  # half the tiny model: twice as fast
                      "--config.train.log_every=10", "--config.train.eval_every=25", "--config.mesh.data=4",
                      "--config.mesh.tensor=2", "--config.train.profile_steps=3:4")
     assert result.returncode == 0, result.stderr[-2000:]
