@@ -7,6 +7,7 @@ HF_STAMP := $(VENV)/.installed-hf
 WORKDIR ?= runs/default
 # Test files spread over this many processes (pytest-xdist), one file per process at a time so module
 # fixtures and shared compiled steps are built once; most tests wait on one core (XLA compiles serially).
+# Files go out slowest first, in tests/conftest.py's order rather than xdist's (most tests first).
 TEST_WORKERS ?= 2
 
 .PHONY: train test install clean
@@ -28,7 +29,7 @@ $(HF_STAMP): $(STAMP)
 	touch $(HF_STAMP)
 
 test: $(HF_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 clean:
 	rm -rf $(VENV) runs .cache
