@@ -8,11 +8,14 @@ import pathlib
 import subprocess
 import sys
 import time
+import weakref
+from typing import Any
 
 import jax
 import numpy as np
 
 from experiments.tiny import get_config
+from train import step as step_lib
 from train.trainer import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -35,18 +38,33 @@ def run_steps(trainer: Trainer, steps: int, state=None):
     return np.array(losses), state
 
 
-def first_grads(trainer: Trainer, state=None):
-    """Gradients of the first batch at `state` (a fresh state when None); `state` is left intact."""
+_WITH_GRADS: dict[int, Any] = {}  # id(trainer) -> its step_with_grads, dropped when the trainer is freed
+
+
+def step_with_grads(trainer: Trainer):
+    """jit(state, batch) -> (state, metrics, grads): the trainer's train step built from its own pieces with
+    return_grads, so a run yields its first gradients without compiling loss_and_grad as a second program.
+    Built once per trainer: tests that run twice on one trainer reuse the compiled step."""
+    key = id(trainer)
+    if key not in _WITH_GRADS:
+        _WITH_GRADS[key] = step_lib.make_train_step(trainer.loss_and_grad, trainer.tx, trainer.schedule,
+                                                    trainer.layout, return_grads=True,
+                                                    **step_lib.guard_options(trainer.plan))
+        weakref.finalize(trainer, _WITH_GRADS.pop, key, None)
+    return _WITH_GRADS[key]
+
+
+def grads_and_run(trainer: Trainer, steps: int, state=None):
+    """(first-step gradients, losses of `steps` updates, final state) from `state` (a fresh state when None;
+    it is donated), every step run by one compiled program (step_with_grads)."""
+    assert steps >= 1, steps
     state = trainer.init_state() if state is None else state
-    _, grads = jax.jit(trainer.loss_and_grad)(state["params"], trainer.batch(0))
-    return jax.device_get(grads)
-
-
-def grads_and_run(trainer: Trainer, steps: int):
-    """first_grads and run_steps from one initial state: the state is initialized (traced, compiled) once."""
-    state = trainer.init_state()
-    grads = first_grads(trainer, state)
-    return (grads, *run_steps(trainer, steps, state))
+    step_fn, grads, losses = step_with_grads(trainer), None, []
+    for step in range(steps):
+        state, metrics, step_grads = step_fn(state, trainer.batch(step))
+        grads = jax.device_get(step_grads) if step == 0 else grads
+        losses.append(float(metrics["loss"]))
+    return grads, np.array(losses), state
 
 
 def rel_norm(a, b) -> float:

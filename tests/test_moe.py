@@ -11,7 +11,7 @@ import pytest
 
 import models
 from models import moe
-from tests.helpers import first_grads, rel_norm, run_steps, tiny_config
+from tests.helpers import grads_and_run, rel_norm, step_with_grads, tiny_config
 from train import audit as audit_lib
 from train import loop, report
 from train.config import USER_ERRORS, resolve
@@ -40,9 +40,8 @@ def reference():
     metrics and the routing margin of the first batch."""
     trainer = Trainer.build(moe_config(), num_devices=1)
     state = jax.device_get(trainer.init_state())
-    grads = first_grads(trainer, state)
-    _, metrics = trainer.train_step(state, trainer.batch(0))
-    losses, _ = run_steps(trainer, 5, state)
+    grads, losses, _ = grads_and_run(trainer, 5, state)
+    _, metrics, _ = step_with_grads(trainer)(state, trainer.batch(0))  # the first step again, compiled once
     cfg, family, tokens = trainer.plan.model, models.family_of(trainer.plan.model), trainer.batch(0)[:, :-1]
     def forward(p):  # the objective, its metrics, and the routing margin (one compiled program)
         x = family.embed(models.top_params(p), tokens, cfg)
@@ -69,8 +68,7 @@ def test_expert_layout_matches_single_device(layout):
     ref = reference()
     trainer = layout_trainer(tuple(layout.items()))
     state = jax.device_put(ref["state"], trainer.layout.state)
-    grads = first_grads(trainer, state)
-    losses, _ = run_steps(trainer, 5, state)
+    grads, losses, _ = grads_and_run(trainer, 5, state)
     np.testing.assert_allclose(losses, ref["losses"], rtol=1e-4)
     assert rel_norm(grads, ref["grads"]) < 1e-5
 

@@ -77,7 +77,8 @@ def accumulate(loss_and_grad: LossAndGrad, accum: int, batch_sharding: NamedShar
 
 
 def make_train_step(loss_and_grad: LossAndGrad, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    layout: Layout, *, skip_nonfinite: bool = False, nan_at_step: int = 0):
+                    layout: Layout, *, skip_nonfinite: bool = False, nan_at_step: int = 0,
+                    return_grads: bool = False):
     """jit(state, batch) -> (state, metrics); metrics are replicated scalars. On accelerators the state
     is donated (its buffers become the new state's, halving its memory); XLA's CPU backend instead adds
     copies around the layer scan when the state is donated (8% slower, more temp memory, measured on the
@@ -86,6 +87,10 @@ def make_train_step(loss_and_grad: LossAndGrad, tx: optax.GradientTransformation
     `skip_nonfinite`: a step whose loss or gradient norm is not finite leaves params and optimizer state
     as they were (decided inside the step, so a bad update never reaches the state) and reports
     `skipped`=1. `nan_at_step` (fault injection, for tests) makes step number k's loss and gradients NaN.
+
+    `return_grads`: jit(state, batch) -> (state, metrics, grads), the (accumulated, pinned) gradients the
+    update used, laid out as the parameters: tests and debugging read the gradients of a step without
+    compiling loss_and_grad a second time. False builds the production step, unchanged.
     """
     param_shardings = layout.state["params"]
 
@@ -108,11 +113,11 @@ def make_train_step(loss_and_grad: LossAndGrad, tx: optax.GradientTransformation
                                              (params, opt_state), (state["params"], state["opt_state"]))
             metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
-        return new_state, metrics
+        return (new_state, metrics, grads) if return_grads else (new_state, metrics)
 
     replicated = NamedSharding(layout.mesh, P())
-    return jax.jit(step, in_shardings=(layout.state, layout.batch),
-                   out_shardings=(layout.state, replicated),
+    out_shardings = (layout.state, replicated) + ((param_shardings,) if return_grads else ())
+    return jax.jit(step, in_shardings=(layout.state, layout.batch), out_shardings=out_shardings,
                    donate_argnums=() if layout.mesh.devices.flat[0].platform == "cpu" else 0)
 
 
