@@ -1,5 +1,6 @@
 """The loop as a scheduler of actions: a user action from an experiment runs at its cadence and W&B
-(offline) records the run (with checkpoint.enabled=False: nothing saved); the house rules of train/ (function length, loop parameters) hold."""
+(offline) records the run (with checkpoint.enabled=False: nothing saved); TensorBoard writes its scalars
+without importing torch; the house rules of train/ (function length, loop parameters) hold."""
 import ast
 import json
 import math
@@ -51,6 +52,34 @@ def test_user_action_runs_at_its_cadence_and_wandb_writes_offline(tmp_path, monk
     runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     assert list((tmp_path / "run" / "tensorboard").iterdir())
+
+
+_TENSORBOARD_PROBE = """
+import pathlib, sys
+from train.metrics import TensorBoard
+board = TensorBoard(pathlib.Path(sys.argv[1]), None)
+board.scalars(7, {"loss": 1.5})
+board.close()
+print("torch" in sys.modules)
+"""
+
+
+def test_tensorboard_writes_scalars_without_importing_torch(tmp_path):
+    """A fresh process (torch is installed with the hf extra): the writer does not pay torch's import."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _TENSORBOARD_PROBE, str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", (out.stdout, out.stderr[-2000:])
+    from tensorboardX.proto import event_pb2
+    (path,) = (tmp_path / "tensorboard").iterdir()
+    data, values = path.read_bytes(), []
+    while data:  # TFRecord framing: u64 length, u32 crc, payload, u32 crc
+        length = int.from_bytes(data[:8], "little")
+        event = event_pb2.Event.FromString(data[12:12 + length])
+        values += [(event.step, v.tag, v.simple_value) for v in event.summary.value]
+        data = data[16 + length:]
+    assert values == [(7, "loss", 1.5)]
 
 
 def test_unknown_action_or_logger_is_a_config_error(tmp_path):

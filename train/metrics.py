@@ -22,10 +22,25 @@ def _fmt_duration(seconds: float) -> str:
 LOGGERS = ("tensorboard", "wandb")
 
 
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported late. tensorboardX imports torch whenever torch is installed
+    (1.2 s and about 300 MB at every start, measured here with the hf extra), only to accept torch tensors;
+    scalars never need it, so torch is hidden during the import unless something already imported it
+    (tensorboardX falls back to numpy on the ImportError)."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]  # makes `import torch` raise ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoard:
     def __init__(self, workdir: pathlib.Path, purge_step: int | None):
-        from tensorboardX import SummaryWriter  # imported late: it is slow to import
-        self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=purge_step)
+        self._tb = _summary_writer_class()(str(workdir / "tensorboard"), purge_step=purge_step)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
