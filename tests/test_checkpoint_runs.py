@@ -198,15 +198,14 @@ def test_checkpoint_from_before_data_order_resumes_with_random(tmp_path, referen
 
 
 def test_resume_on_other_meshes_continues_the_same_losses(tmp_path, reference, partial):
-    """Saved on data=8 (step 8), resumed on data=2,fsdp=2,tensor=2 (to 10), on an interleaved pipeline,
-    whose in-memory layer order differs (to 11), then on 4 devices (to 12)."""
+    """Saved on data=8 (step 8), resumed on data=2,fsdp=2,tensor=2 (to 10), then on 4 devices as an
+    interleaved pipeline, whose in-memory layer order differs (to 12)."""
     workdir = tmp_path / "run"
     shutil.copytree(partial, workdir)
     runs = [("--config.train.steps=10", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"),
-            ("--config.train.steps=11", "--config.mesh.data=2", "--config.mesh.pipeline=2", "--config.mesh.tensor=2",
-             "--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=2"),
-            ("--num_cpu_devices=4", "--config.mesh.data=2", "--config.mesh.tensor=2")]
-    for args, restored in zip(runs, (8, 10, 11)):
+            ("--num_cpu_devices=4", "--config.mesh.data=1", "--config.mesh.pipeline=2", "--config.mesh.tensor=2",
+             "--config.pipeline.schedule=interleaved", "--config.pipeline.virtual_stages=2")]
+    for args, restored in zip(runs, (8, 10)):
         result = train(workdir, "--config.checkpoint.every_steps=1", *args)
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"from step {restored}" in result.stdout

@@ -92,7 +92,7 @@ def test_expert_layout_audit():
 def test_router_fields_in_metrics_jsonl(tmp_path):
     """The loop logs the router's statistics beside `loss`, which stays the language-model loss."""
     config = moe_config(**LAYOUTS[1])
-    config.train.update(eval_batches=0, log_every=5, loggers="")
+    config.train.update(steps=5, eval_batches=0, log_every=5, loggers="")
     config.checkpoint.enabled = False
     loop.run(config, str(tmp_path / "run"))
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
