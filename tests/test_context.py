@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sharding.context import zigzag_order
-from tests.helpers import grads_and_run, rel_norm, single_device_reference, tiny_config
+from tests.helpers import grads_and_run, reference_config, rel_norm, single_device_reference, tiny_config
 from tests.test_documents import _datadir
 from train import audit as audit_lib
 from train import loop, report
@@ -23,7 +23,7 @@ LAYOUTS = [  # (mesh, sequence parallelism); each runs on as many devices as its
 
 
 def _config(mesh: dict, sequence_parallel: bool = False):
-    config = tiny_config(**mesh)
+    config = reference_config(**mesh)
     config.sharding.sequence_parallel = sequence_parallel
     return config
 

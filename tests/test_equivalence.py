@@ -3,7 +3,8 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import grads_and_run, rel_norm, run_steps, single_device_reference, step_with_grads, tiny_config
+from tests.helpers import (grads_and_run, reference_config, rel_norm, run_steps, single_device_reference,
+                           step_with_grads)
 from train.trainer import Trainer
 
 LAYOUTS = [
@@ -17,7 +18,7 @@ LAYOUTS = [
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
 def test_layout_matches_single_device(layout):
     ref_losses, ref_grads = single_device_reference(5)
-    trainer = Trainer.build(tiny_config(**layout))
+    trainer = Trainer.build(reference_config(**layout))
     grads, losses, _ = grads_and_run(trainer, 5)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     assert rel_norm(grads, ref_grads) < 1e-5
@@ -25,13 +26,13 @@ def test_layout_matches_single_device(layout):
 
 def test_gradient_accumulation_matches_one_big_batch():
     ref_losses, _ = single_device_reference(5)
-    config = tiny_config(data=4, fsdp=2)
+    config = reference_config(data=4, fsdp=2)
     config.train.grad_accum_steps = 2
     trainer = Trainer.build(config)
     losses, state = run_steps(trainer, 5)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     # Evaluation goes through the same slices, and averages to the whole batch's loss.
-    whole = Trainer.build(tiny_config(data=4, fsdp=2))
+    whole = Trainer.build(reference_config(data=4, fsdp=2))
     batch = trainer.batch(0, split="eval")
     np.testing.assert_allclose(trainer.eval_step(state["params"], batch), whole.eval_step(state["params"], batch),
                                rtol=1e-5)
@@ -39,7 +40,7 @@ def test_gradient_accumulation_matches_one_big_batch():
 
 def test_optimizer_state_sharding_keeps_the_numbers():
     ref_losses, _ = single_device_reference(5)
-    config = tiny_config(data=8)
+    config = reference_config(data=8)
     config.sharding.shard_opt_state = True
     losses, _ = run_steps(Trainer.build(config), 5)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
@@ -48,7 +49,7 @@ def test_optimizer_state_sharding_keeps_the_numbers():
 def test_step_with_grads_returns_the_gradients_and_keeps_the_update():
     """The equivalence tests read gradients from step_with_grads: they are loss_and_grad's (accumulated over
     two slices here), and the step's new state and metrics are the production step's."""
-    config = tiny_config()
+    config = reference_config()
     config.model.update(n_layers=2, d_model=32, n_heads=4)
     config.train.grad_accum_steps = 2
     trainer = Trainer.build(config, num_devices=1)

@@ -10,7 +10,7 @@ from mesh import hlo
 from sharding import pipeline as pipeline_lib
 from sharding import pipeline_stages as stages
 from sharding import schedules
-from tests.helpers import grads_and_run, rel_norm, single_device_run, tiny_config
+from tests.helpers import grads_and_run, reference_config, rel_norm, single_device_run, tiny_config
 from train.config import USER_ERRORS, resolve
 from train.trainer import Trainer
 
@@ -23,8 +23,8 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
 FSDP_TENSOR = (("pipeline", 2), ("fsdp", 2), ("tensor", 2))
 
 
-def _config(layout, schedule="1f1b", virtual_stages=1, microbatches=4, batch=16):
-    config = tiny_config(**dict(layout))
+def _config(layout, schedule="1f1b", virtual_stages=1, microbatches=4, batch=16, model=reference_config):
+    config = model(**dict(layout))
     config.pipeline.update(schedule=schedule, virtual_stages=virtual_stages, microbatches=microbatches)
     config.train.global_batch_size = batch
     return config
@@ -80,8 +80,8 @@ def test_one_f_one_b_memory_is_flat_and_gpipe_grows():
     """Microbatch size fixed at 2 rows per replica: the batch grows with m. GPipe keeps m inputs per stage,
     1F1B at most p, so only GPipe's temp memory grows, by one [2, seq, d_model] input per extra microbatch."""
     layout = LAYOUTS[0]
-    temp = {(s, m): _trainer(layout, s, 1, m, 2 * 2 * m).compile().memory_analysis().temp_size_in_bytes
-            for s in ("1f1b", "gpipe") for m in (4, 16)}
+    temp = {(s, m): Trainer.build(_config(layout, s, 1, m, 2 * 2 * m, model=tiny_config)).compile()
+            .memory_analysis().temp_size_in_bytes for s in ("1f1b", "gpipe") for m in (4, 16)}
     assert temp["1f1b", 16] <= 1.3 * temp["1f1b", 4], temp
     entry = 2 * 64 * 128 * 4
     assert temp["gpipe", 16] - temp["gpipe", 4] >= 0.9 * (16 - 4) * entry, temp
