@@ -98,12 +98,17 @@ def single_device_reference(steps: int = 5):
     return ref["losses"], ref["grads"]
 
 
+def run_python(*args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python ARGS` in the repository, its environment (with `env` added) sharing the tests' compilation
+    cache; text output captured."""
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def run_cli(*args: str, timeout: float = 240, env: dict | None = None,
             module: str = "train") -> subprocess.CompletedProcess:
     """`python -m train ARGS` (or another `module`) in a subprocess sharing the tests' compilation cache."""
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_python("-m", module, *args, timeout=timeout, env=env)
 
 
 def start_cli(module: str, *args: str, **popen) -> subprocess.Popen:

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, tiny_config
+from tests.helpers import ROOT, run_python, tiny_config
 from train import actions, loop
 from train.config import ConfigError
 
@@ -66,10 +66,7 @@ print("torch" in sys.modules)
 
 def test_tensorboard_writes_scalars_without_importing_torch(tmp_path):
     """A fresh process (torch is installed with the hf extra): the writer does not pay torch's import."""
-    import subprocess
-    import sys
-    out = subprocess.run([sys.executable, "-c", _TENSORBOARD_PROBE, str(tmp_path)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    out = run_python("-c", _TENSORBOARD_PROBE, str(tmp_path), timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", (out.stdout, out.stderr[-2000:])
     from tensorboardX.proto import event_pb2
     (path,) = (tmp_path / "tensorboard").iterdir()

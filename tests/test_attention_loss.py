@@ -6,6 +6,7 @@ import pytest
 
 from models import attention
 from models import lm_loss as loss_lib
+from tests.helpers import run_python
 
 
 def test_auto_resolves_to_xla_on_cpu_and_cudnn_where_it_can_run():
@@ -75,9 +76,6 @@ def test_chunked_loss_equals_plain_loss_and_gradients(chunk, masked):
 
 
 def test_gpu_defaults_parse_and_respect_the_users_settings():
-    import subprocess
-    import sys
-
     from train import xla_env
     changes = xla_env.gpu_defaults({"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"})
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in changes["XLA_FLAGS"]
@@ -86,9 +84,8 @@ def test_gpu_defaults_parse_and_respect_the_users_settings():
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in xla_env.gpu_defaults({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"})
     assert not xla_env.gpu_expected({"JAX_PLATFORMS": "cpu"})
     # XLA aborts the process on a flag it does not know: the defaults must parse (on CPU too).
-    env = {"XLA_FLAGS": xla_env.gpu_defaults({})["XLA_FLAGS"], "JAX_PLATFORMS": "cpu", "PATH": ""}
-    run = subprocess.run([sys.executable, "-c", "import jax; print(jax.numpy.ones(3).sum())"], env=env,
-                         capture_output=True, text=True, timeout=120)
+    env = {"XLA_FLAGS": xla_env.gpu_defaults({})["XLA_FLAGS"], "JAX_PLATFORMS": "cpu"}
+    run = run_python("-c", "import jax; print(jax.numpy.ones(3).sum())", env=env, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "3.0", run.stderr[-500:]
 
 

@@ -1,18 +1,11 @@
 """The communication audit finds exactly the collectives each layout needs, with loop trips counted."""
 import functools
 import math
-import os
-import subprocess
-import sys
 
-import jax
-import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mesh import make_mesh
 from sharding.expected import Expected
-from tests.helpers import ROOT, tiny_config
+from tests.helpers import run_python, tiny_config
 from train import audit as audit_lib
 from train import report
 from train.trainer import Trainer
@@ -101,8 +94,7 @@ print(log.count(audit_lib.REMAT_WARNING))
 def test_xla_remat_warning_is_caught():
     # In a fresh process: XLA logs this warning a limited number of times per process, so an earlier test's
     # compile in the same pytest worker could use them up (a `--audit` run is its own process).
-    run = subprocess.run([sys.executable, "-c", _REMAT_PROBE], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    run = run_python("-c", _REMAT_PROBE, timeout=120, env={"JAX_PLATFORMS": "cpu"})
     assert run.returncode == 0, run.stderr[-2000:]
     assert int(run.stdout.strip().splitlines()[-1]) >= 1
 

@@ -1,16 +1,11 @@
 """A tiny collective sweep on 8 virtual devices gives consistent records; the fit recovers known parameters."""
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from mesh import bench, cost, topology
 from mesh.layout import MeshConfigError, make_mesh
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +66,10 @@ def test_flag_errors():
 
 def test_command_line(tmp_path):
     out, fitted, png = tmp_path / "rows.jsonl", tmp_path / "local.json", tmp_path / "busbw.png"
-    cmd = [sys.executable, "-m", "mesh.bench", "--num_cpu_devices=8", "--mesh=data:2,tensor:4",
-           "--min_bytes=1024", "--max_bytes=2048", "--collectives=all_reduce,permute", "--iters=2",
-           f"--json={out}", "--fit", f"--topology_out={fitted}", f"--plot={png}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_cli("--num_cpu_devices=8", "--mesh=data:2,tensor:4", "--min_bytes=1024", "--max_bytes=2048",
+                   "--collectives=all_reduce,permute", "--iters=2", f"--json={out}", "--fit",
+                   f"--topology_out={fitted}", f"--plot={png}", module="mesh.bench", timeout=120,
+                   env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "fit median relative error" in proc.stdout and "busbw" in proc.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -1,5 +1,4 @@
 """Bad configurations fail with one line naming the setting, before compiling, and leave the workdir alone."""
-import pathlib
 
 import pytest
 

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch", reason="the `hf` extra (transformers, torch
 
 import models  # noqa: E402
 from checkpoint import RestoreFromError, safetensors_io  # noqa: E402
-from tests.helpers import ROOT, run_steps, tiny_config  # noqa: E402
+from tests.helpers import run_cli, run_steps, tiny_config  # noqa: E402
 from train import export_hf, generate, hf_import  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
@@ -128,13 +128,10 @@ def _with(**model):
 
 
 def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path):
-    import subprocess
-    import sys
     workdir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "train", "--config=experiments/tiny.py", f"--workdir={workdir}",
-                          "--config.model.preset=llama3-tiny", f"--config.checkpoint.restore_from=hf:{tmp_path}/none",
-                          "--config.data.source=synthetic", "--num_cpu_devices=1", "--config.mesh.data=1"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    out = run_cli("--config=experiments/tiny.py", f"--workdir={workdir}", "--config.model.preset=llama3-tiny",
+                  f"--config.checkpoint.restore_from=hf:{tmp_path}/none", "--config.data.source=synthetic",
+                  "--num_cpu_devices=1", "--config.mesh.data=1")
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("error: checkpoint.restore_from='hf:"), out.stderr
     assert not (workdir / "checkpoints").exists()

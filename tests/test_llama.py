@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import models
-from tests.helpers import grads_and_run, rel_norm, tiny_config
+from tests.helpers import grads_and_run, rel_norm, run_cli, tiny_config
 from train import audit as audit_lib
 from train import config as config_lib
 from train import report
@@ -74,13 +74,8 @@ def test_tensor_split_must_divide_kv_heads():
 
 
 def test_sample_and_export_name_a_bad_workdir_in_one_line(tmp_path):
-    import subprocess
-    import sys
-
-    from tests.helpers import ROOT
     for module, extra in (("train.sample", ["--prompt=hi"]), ("train.export_hf", [f"--out={tmp_path / 'out'}"])):
-        out = subprocess.run([sys.executable, "-m", module, f"--workdir={tmp_path}", *extra], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
+        out = run_cli(f"--workdir={tmp_path}", *extra, module=module, timeout=120)
         assert out.returncode == 2, out.stderr
         assert out.stderr.strip().splitlines() == [f"error: --workdir={tmp_path}: no config.json there; give the "
                                                    f"directory of a training run"], out.stderr

@@ -12,7 +12,7 @@ from checkpoint import cadence
 from experiments.default import get_config as default_config
 from mesh import topology as T
 from sharding import schedules
-from tests.helpers import ROOT, run_cli, tiny_config
+from tests.helpers import run_cli, tiny_config
 from train import audit as audit_lib, report as report_lib
 from train.planner import memory, search, timing
 from train.planner.candidate import Candidate, mesh_of

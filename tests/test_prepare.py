@@ -2,8 +2,6 @@
 writes, meta.json counts match the files, re-runs are no-ops, bad input is one line with nothing left."""
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow as pa
@@ -11,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
 
-from tests.helpers import ROOT
+from tests.helpers import run_cli
 from train import prepare, tokenizer as tok_lib
 from train.corpus import CorpusError
 from train.prepare import PrepareError
@@ -65,9 +63,8 @@ def test_mixed_corpus_ids_counts_and_rerun(tmp_path, corpus):
 def test_bytes_split_by_document_hash_and_workers_agree(tmp_path, corpus):
     """The CLI with 2 workers writes the same files as 1 worker in-process; val holds the hashed documents."""
     one = prepare.prepare(corpus, str(tmp_path / "one"), "bytes", val_percent=30, num_workers=1)
-    result = subprocess.run([sys.executable, "-m", "train.prepare", f"--input={','.join(corpus)}",
-                             f"--out={tmp_path / 'two'}", "--tokenizer=bytes", "--val_percent=30", "--num_workers=2"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = run_cli(f"--input={','.join(corpus)}", f"--out={tmp_path / 'two'}", "--tokenizer=bytes",
+                     "--val_percent=30", "--num_workers=2", module="train.prepare", timeout=120)
     assert result.returncode == 0, result.stderr
     assert "docs" in result.stderr and "tokens/s" in result.stderr and "wrote" in result.stdout
     for name in ("train.bin", "val.bin"):
@@ -121,7 +118,6 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, case):
 
 
 def test_cli_bad_input_exits_2_with_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "train.prepare", f"--input={tmp_path / 'nope'}",
-                             f"--out={tmp_path / 'out'}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = run_cli(f"--input={tmp_path / 'nope'}", f"--out={tmp_path / 'out'}", module="train.prepare", timeout=60)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         f"error: --input={tmp_path / 'nope'}: no such file or directory"]
