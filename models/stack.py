@@ -14,7 +14,7 @@ from models.layers import remat, rms_norm
 
 
 def run_stack(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: Any, constrain: Constrain,
-        block: Callable, attention: Callable, expert_mlp: Callable):
+              block: Callable, attention: Callable, expert_mlp: Callable):
     """Apply a stack (or any contiguous slice of it). `block(p, x, segment_ids, positions) -> x` is one dense
     layer, `attention(p, h, segment_ids, positions) -> out` its attention on the normed input, `expert_mlp(w,
     x_ExNxD, cfg) -> y_ExNxD` one expert's MLP. Returns (x, aux): 0.0 for a dense stack (it adds nothing to the

@@ -27,17 +27,11 @@ def zigzag_order(length: int, ways: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * ways - 1 - i]]) for i in range(ways)])
 
 
-def _local_positions(device: jax.Array, chunk: int, ways: int) -> jax.Array:
-    """Global positions of one device's 2 chunks, in its local order."""
-    offsets = jnp.arange(chunk, dtype=jnp.int32)
-    return jnp.concatenate([device * chunk + offsets, (2 * ways - 1 - device) * chunk + offsets])
-
-
 def _ring(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways: int) -> jax.Array:
     """One device's causal attention over the whole sequence (in shard_map: L is its 2 chunks)."""
     me = jax.lax.axis_index(AXIS)
     C = q_BxLxHxK.shape[1] // 2
-    positions = _local_positions(me, C, ways)
+    positions = jnp.asarray(zigzag_order(2 * C * ways, ways)).reshape(ways, 2 * C)[me]  # my chunks' global positions
     out, lse = attention_block(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions[:, None] >= positions[None, :])
     q_top, q_bottom = q_BxLxHxK[:, :C], q_BxLxHxK[:, C:]
     to_next = [(d, (d + 1) % ways) for d in range(ways)]

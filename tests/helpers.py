@@ -124,6 +124,11 @@ def losses(workdir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+def last_step(workdir) -> int:
+    """The newest step a run's metrics.jsonl logs a loss for; 0 before it has one."""
+    return max(losses(workdir), default=0) if (workdir / "metrics.jsonl").exists() else 0
+
+
 def wait_for(condition, process: subprocess.Popen, timeout: float = 120):
     """Poll `condition` until it holds; fail if the background `process` ends first or time runs out."""
     deadline = time.monotonic() + timeout

@@ -15,7 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.helpers import ROOT, losses, run_cli, start_cli, wait_for
+from tests.helpers import ROOT, last_step, losses, run_cli, start_cli, wait_for
 from train import exit_codes, prepare
 
 STEPS = 12
@@ -47,11 +47,6 @@ def start(workdir, *extra):
     workdir.mkdir(parents=True, exist_ok=True)
     out = open(workdir.with_suffix(".out"), "a")
     return start_cli("train", *BASE, f"--workdir={workdir}", *extra, stdout=out, stderr=subprocess.STDOUT)
-
-
-def last_step(workdir) -> int:
-    path = workdir / "metrics.jsonl"
-    return max(losses(workdir), default=0) if path.exists() else 0
 
 
 def state_arrays(workdir, step=STEPS) -> dict[str, np.ndarray]:

@@ -56,16 +56,12 @@ def kill_process_1(workdir, signum: int) -> None:
     os.kill(int(victim[0]), signum)
 
 
-def last_logged(workdir) -> int:
-    return max(helpers.losses(workdir), default=0) if (workdir / "metrics.jsonl").exists() else 0
-
-
 def test_two_processes_match_one_and_a_preemption_stops_both_at_one_step(tmp_path, single):
     """Two processes from scratch compute the one-process run's losses. SIGTERM to process 1: the stop flag is
     agreed by an all-reduce, both processes save one step, the same, and the launch exits 75."""
     workdir = tmp_path / "two"
     proc = launch(*TRAIN, f"--workdir={workdir}", "--config.train.steps=100000", "--config.checkpoint.every_steps=0")
-    wait_for(lambda: last_logged(workdir) >= 5, proc, timeout=180)
+    wait_for(lambda: helpers.last_step(workdir) >= 5, proc, timeout=180)
     kill_process_1(workdir, signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == exit_codes.REQUEUE, out[-3000:]
