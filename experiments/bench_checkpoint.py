@@ -44,7 +44,7 @@ def measure(d_model: int, n_layers: int, root: str) -> list[tuple[str, str]]:
     import jax
     import checkpoint
     from checkpoint import integrity
-    from train import checkpoint_format as ckpt_format
+    from checkpoint import format as ckpt_format
     med = statistics.median
     n = _REPEATS.value
     trainer = build(d_model, n_layers, {"fsdp": jax.device_count()})
@@ -89,7 +89,7 @@ def measure(d_model: int, n_layers: int, root: str) -> list[tuple[str, str]]:
 def _restores(ckpts, trainer) -> list[float]:
     import jax
     import checkpoint
-    from train import checkpoint_format as ckpt_format
+    from checkpoint import format as ckpt_format
     times = []
     for _ in range(_REPEATS.value):
         t0 = time.perf_counter()

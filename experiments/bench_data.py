@@ -23,7 +23,7 @@ _SKIP_SHARE = flags.DEFINE_boolean("skip_share", False, "Only train.prepare.")
 
 def make_corpus(directory: pathlib.Path, megabytes: float) -> pathlib.Path:
     """A JSONL of standard-library files (one document each, undecodable bytes replaced), repeated to size."""
-    from train.data import stdlib_files
+    from train.data.loader import stdlib_files
     path, written = directory / "corpus.jsonl", 0
     with open(path, "w") as f:
         while written < megabytes * 1e6:

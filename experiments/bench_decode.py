@@ -1,4 +1,4 @@
-"""Decoding speed with the KV cache (train/generate.py) on one device: tokens/s per sequence (batch 1) and
+"""Decoding speed with the KV cache (train/generate/decode.py) on one device: tokens/s per sequence (batch 1) and
 batched, after a warm-up call that compiles the prefill and the step. Weights are random: speed does not
 depend on their values.
 
@@ -24,7 +24,7 @@ def measure(cfg, params, batch: int) -> dict:
     import jax
     import numpy as np
 
-    from train import generate
+    from train.generate import decode as generate
     gen = generate.Generator(cfg, generate.Sampling(temperature=0))
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, _PROMPT_LEN.value))
     gen(params, prompt, _NEW.value)  # compile the prefill and the step

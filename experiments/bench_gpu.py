@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from train import xla_env
+from train.runtime import xla_env
 
 # (name, model settings, global batch, save one checkpoint of its state)
 WORKLOADS = (("gpt2-125m", dict(preset="gpt2-125m", seq_len=1024), 16, True),
@@ -41,7 +41,7 @@ def _peak_bytes(compiled) -> int:
     """The allocator's high-water mark on a GPU (process-wide: a later workload's is at least an earlier
     one's, so the rows also carry the compiled step's own `compiled_peak_gib`); that estimate elsewhere."""
     import jax
-    from train import report
+    from train.planner import compile_report as report
     stats = jax.devices()[0].memory_stats() or {}
     return int(stats.get("peak_bytes_in_use") or report.memory_per_device(compiled)["peak_bytes"])
 
@@ -50,7 +50,9 @@ def run_workload(name: str, model: dict, batch: int, steps: int) -> tuple[dict, 
     """(row, trainer, final state): `steps` timed steps after two warm-up ones, on one device."""
     import jax
     import models
-    from train import hardware, loop, report
+    from train.runtime import hardware
+    from train.loop import runner as loop
+    from train.planner import compile_report as report
     from train.trainer import Trainer
     trainer = Trainer.build(_config(model, batch, steps + 2), num_devices=1)
     model = trainer.plan.model  # the resolved model: its compute dtype sets the peak
@@ -86,8 +88,8 @@ def time_save(trainer, state, directory: str, pinned_host_copy: bool | None = No
     """One save through the loop's own path (checksums, tree, async Orbax save): blocked and total seconds.
     `pinned_host_copy` None: the loop's choice (checkpoint/manager.py); False: Orbax's own transfer."""
     import checkpoint
-    from train import checkpoint_format as ckpt_format
-    from train.saver import describe_run
+    from checkpoint import format as ckpt_format
+    from train.loop.saver import describe_run
     ckpts = checkpoint.Checkpoints(directory, keep=1, pinned_host_copy=pinned_host_copy)
     rng = ckpt_format.rng_of(0, trainer.mesh)
     tree, sums = ckpt_format.to_tree_with_checksums(trainer, state, rng)

@@ -34,7 +34,8 @@ def _trainer(preset: str, layout: dict[str, int], capacity_factor: float):
 def row(preset: str, layout: dict[str, int], capacity_factor: float) -> dict:
     """Construction, compiled, dgx-h100 and local figures of one layout's all-to-alls."""
     from mesh import cost, topology
-    from train import audit, report
+    from train.planner import audit
+    from train.planner import compile_report as report
     trainer = _trainer(preset, layout, capacity_factor)
     rep = report.build(trainer.plan, trainer.mesh, trainer.compile())
     rows = audit.audit(trainer, rep, "", "", 1, 0.4)["rows"]

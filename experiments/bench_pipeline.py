@@ -44,7 +44,7 @@ def measure(config) -> dict:
     CPU, other processes only ever add time, so the fastest step is the best estimate of the program's own."""
     import jax
 
-    from train import report
+    from train.planner import compile_report as report
     from train.trainer import Trainer
     trainer = Trainer.build(config)
     t = time.perf_counter()

@@ -90,7 +90,7 @@ def minimal_step_time(config) -> float:
 def framework_row(config, num_devices: int | None, peak_per_device: float) -> dict:
     import jax
 
-    from train import report
+    from train.planner import compile_report as report
     from train.trainer import Trainer
     trainer = Trainer.build(config, num_devices=num_devices)
     compiled = trainer.compile()
@@ -108,7 +108,7 @@ def main(argv):
     use_cpu_devices(_NUM_CPU_DEVICES.value)
     import jax
 
-    from train import hardware
+    from train.runtime import hardware
     from train.config import USER_ERRORS
 
     rows = []

@@ -1,5 +1,5 @@
 """Datasheet peak FLOP/s of each accelerator, keyed by JAX's `device_kind`: the one table behind MFU
-(train/hardware.py), the memory check's report and the audit's projected compute time (train/audit.py).
+(train/runtime/hardware.py), the memory check's report and the audit's projected compute time (train/planner/audit.py).
 
 Dense peaks (no 2:4 sparsity) in TFLOP/s per chip, as (bf16, fp16, fp32):
 - NVIDIA A100 (SXM and PCIe): 312 / 312 / 19.5 (fp32 without TF32); A100 datasheet.

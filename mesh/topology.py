@@ -2,7 +2,7 @@
 
 Answers where each mesh axis's collectives travel (which level, how many hosts, how many groups share a
 host's links) and gives a hybrid device order that keeps the inner mesh axes inside one host.
-Audit part (where each mesh axis's traffic travels); train/audit.py maps the parts of `--audit`.
+Audit part (where each mesh axis's traffic travels); train/planner/audit.py maps the parts of `--audit`.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ Expert parallelism (sharding/experts.py): per mixture-of-experts layer, the disp
 the device's [rows, experts, capacity, d_model] buffers over `expert`, mirrored in the backward pass (and repeated
 when rematerialization recomputes the layer); under `tensor` the experts' MLP all-reduces move such buffers in
 place of the dense MLP's [rows, seq, d_model] activations.
-Audit part (what the layout must communicate); train/audit.py maps the parts of `--audit`.
+Audit part (what the layout must communicate); train/planner/audit.py maps the parts of `--audit`.
 """
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import ROOT, run_python, tiny_config
-from train import actions, loop
+from train.loop import actions
+from train.loop import runner as loop
 from train.config import ConfigError
 
 
@@ -56,7 +57,7 @@ def test_user_action_runs_at_its_cadence_and_wandb_writes_offline(tmp_path, monk
 
 _TENSORBOARD_PROBE = """
 import pathlib, sys
-from train.metrics import TensorBoard
+from train.loop.metrics import TensorBoard
 board = TensorBoard(pathlib.Path(sys.argv[1]), None)
 board.scalars(7, {"loss": 1.5})
 board.close()
@@ -126,7 +127,8 @@ def test_fault_injection_is_an_action_only_a_test_config_adds():
     import dataclasses
     import types
 
-    from train import loop_actions, sections
+    from train import sections
+    from train.loop import builtin as loop_actions
     from train.config import base_config
     config = base_config()
     _, checkpoint_section, faults = sections.from_config(config)

@@ -76,7 +76,7 @@ def test_chunked_loss_equals_plain_loss_and_gradients(chunk, masked):
 
 
 def test_gpu_defaults_parse_and_respect_the_users_settings():
-    from train import xla_env
+    from train.runtime import xla_env
     changes = xla_env.gpu_defaults({"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"})
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in changes["XLA_FLAGS"]
     assert changes["XLA_FLAGS"].startswith("--xla_gpu_enable_latency_hiding_scheduler=false ")
@@ -93,7 +93,7 @@ def test_preset_loss_chunk_drops_the_float32_logits_from_temporaries():
     """gpt2-125m, batch 8 on one device: the chunked loss no longer holds the [8, 1024, 50304] float32 logits
     and their gradient (1.65 GB each), so XLA's temporaries shrink by at least 1.5 GB."""
     from tests.helpers import tiny_config
-    from train.report import memory_per_device
+    from train.planner.compile_report import memory_per_device
     from train.trainer import Trainer
 
     def temp_bytes(chunk):

@@ -14,8 +14,10 @@ from jax.sharding import PartitionSpec as P
 import checkpoint
 from checkpoint import integrity, meta as meta_lib, plain
 from tests.helpers import tiny_config
-from train import checkpoint_format as ckpt_format, preemption, resume
-from train.goodput import Goodput
+from checkpoint import format as ckpt_format
+from train.loop import preemption
+from train.loop import resume
+from train.loop.goodput import Goodput
 from train.trainer import Trainer
 
 

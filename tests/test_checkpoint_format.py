@@ -1,4 +1,4 @@
-"""Checkpoints written before the checkpoint format moved into train/checkpoint_format.py still restore:
+"""Checkpoints written before the checkpoint format moved into checkpoint/format.py still restore:
 the fixture was written by commit 604b7c2 (tests/fixtures/checkpoint_604b7c2/README.md)."""
 import shutil
 
@@ -9,7 +9,8 @@ import checkpoint
 from checkpoint import plain
 from experiments.tiny import get_config
 from tests.helpers import ROOT
-from train import checkpoint_format as ckpt_format, resume
+from checkpoint import format as ckpt_format
+from train.loop import resume
 from train.trainer import Trainer
 
 FIXTURE = ROOT / "tests" / "fixtures" / "checkpoint_604b7c2"

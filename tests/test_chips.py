@@ -4,7 +4,8 @@ import pytest
 
 from experiments.tiny import get_config
 from mesh import chips
-from train import audit, hardware
+from train.planner import audit
+from train.runtime import hardware
 
 # device_kind strings as JAX reports them, and the datasheet dense peak (TFLOP/s) per dtype.
 KINDS = {

@@ -2,7 +2,7 @@
 import pytest
 
 from tests.helpers import run_cli
-from train import exit_codes
+from train.loop import exit_codes
 
 CASES = {
     "misspelled override": (["--config.model.presett=x", "--workdir=W"],

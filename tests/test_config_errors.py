@@ -3,7 +3,7 @@
 import pytest
 
 from tests.helpers import run_cli, tiny_config
-from train import loop
+from train.loop import runner as loop
 from train.config import USER_ERRORS
 
 

@@ -9,8 +9,9 @@ import pytest
 from sharding.context import zigzag_order
 from tests.helpers import grads_and_run, reference_config, rel_norm, single_device_reference, tiny_config
 from tests.test_documents import _datadir
-from train import audit as audit_lib
-from train import loop, report
+from train.planner import audit as audit_lib
+from train.loop import runner as loop
+from train.planner import compile_report as report
 from train.config import USER_ERRORS
 from train.trainer import Trainer
 

@@ -6,7 +6,9 @@ import pytest
 from ml_collections import ConfigDict
 
 from mesh import make_mesh
-from train import data as data_lib, datadir, order as order_lib
+from train.data import loader as data_lib
+from train.data import datadir
+from train.data import order as order_lib
 from train.config import ConfigError
 from jax.sharding import NamedSharding, PartitionSpec as P
 

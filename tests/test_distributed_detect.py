@@ -1,7 +1,7 @@
 """Which runs join a cluster: flags, JAX variables, a multi-task SLURM step, Open MPI; never a lone process."""
 import pytest
 
-from train.distributed import Cluster, detect
+from train.runtime.distributed import Cluster, detect
 
 CLEAN = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_STEP_NUM_TASKS",
          "SLURM_JOB_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")

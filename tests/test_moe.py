@@ -12,8 +12,9 @@ import pytest
 import models
 from models import moe
 from tests.helpers import grads_and_run, rel_norm, step_with_grads, tiny_config
-from train import audit as audit_lib
-from train import loop, report
+from train.planner import audit as audit_lib
+from train.loop import runner as loop
+from train.planner import compile_report as report
 from train.config import USER_ERRORS, resolve
 from train.trainer import Trainer
 

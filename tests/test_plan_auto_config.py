@@ -4,7 +4,7 @@ import json
 
 from experiments.tiny import get_config
 from mesh.layout import axis_sizes
-from train import run_config
+from train import config as run_config
 from train.trainer import Trainer
 
 
@@ -17,7 +17,7 @@ def test_config_json_of_an_auto_run_holds_the_mesh_it_used(tmp_path):
     used = axis_sizes(trainer.mesh)
     assert trainer.config.mesh.to_dict() == used  # loop._compile writes trainer.config to config.json
     (tmp_path / "config.json").write_text(json.dumps({"config": trainer.config.to_dict()}))
-    loaded = run_config.load(tmp_path)
+    loaded = run_config.load_run_config(tmp_path)
     assert loaded.plan.auto is False and loaded.mesh.to_dict() == used
     again = Trainer.build(loaded, 8)
     assert axis_sizes(again.mesh) == used and again.plan.rules == trainer.plan.rules

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import run_steps, tiny_config
-from train import loop
+from train.loop import runner as loop
 from train.trainer import Trainer
 
 

@@ -13,7 +13,8 @@ from experiments.default import get_config as default_config
 from mesh import topology as T
 from sharding import schedules
 from tests.helpers import run_cli, tiny_config
-from train import audit as audit_lib, report as report_lib
+from train.planner import audit as audit_lib
+from train.planner import compile_report as report_lib
 from train.planner import memory, search, timing
 from train.planner.candidate import Candidate, mesh_of
 from train.trainer import Trainer

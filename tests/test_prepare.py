@@ -10,10 +10,11 @@ import pytest
 from tokenizers import Tokenizer
 
 from tests.helpers import run_cli
-from train import prepare, tokenizer as tok_lib
-from train.corpus import CorpusError
-from train.prepare import PrepareError
-from train.tokenizer import TokenizerError
+from train.data import prepare
+from train.data import tokenizer as tok_lib
+from train.data.corpus import CorpusError
+from train.data.prepare import PrepareError
+from train.data.tokenizer import TokenizerError
 
 TEXTS = [f"Text file {i}: the quick brown fox jumps over the lazy dog, {i * 'ünïcode '}\n" * (3 + i)
          for i in range(3)]

@@ -45,7 +45,7 @@ def test_training_run_learns_and_writes_its_outputs(tmp_path):
     assert train[-1]["loss"] < 0.8 * math.log(256), train
     config = json.loads((workdir / "config.json").read_text())
     assert config["versions"]["jax"] and config["config"]["train"]["steps"] == 50
-    assert config["runtime_defaults"] == {}  # the GPU defaults (train/xla_env.py) stay off on CPU
+    assert config["runtime_defaults"] == {}  # the GPU defaults (train/runtime/xla_env.py) stay off on CPU
     assert config["model"]["attention"] == "xla"  # auto, resolved for CPU
     assert list((workdir / "tensorboard").iterdir())
     assert list((workdir / "profile").rglob("*.xplane.pb"))

@@ -33,12 +33,13 @@ def main(argv: list[str]) -> int:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     from absl import logging
     logging.set_verbosity(logging.WARNING)  # keep the progress line readable
-    from train import xla_env
+    from train.runtime import xla_env
     xla_env.apply()  # GPU XLA flags and memory fraction the user has not set; recorded in config.json
     import jax  # configured before any backend starts
 
     from mesh import use_cpu_devices
-    from train import distributed, exit_codes
+    from train.runtime import distributed
+    from train.loop import exit_codes
     from train.config import USER_ERRORS
 
     try:
@@ -51,7 +52,7 @@ def main(argv: list[str]) -> int:
                            shutdown_timeout_s=_SHUTDOWN_TIMEOUT.value)
     if _CACHE.value and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(_CACHE.value))
-    from train import loop
+    from train.loop import runner as loop
 
     audit = dict(topology=_TOPOLOGY.value, hosts=_HOSTS.value, mfu=_AUDIT_MFU.value) if _AUDIT.value else None
     loop.run(_CONFIG.value, _WORKDIR.value, compile_only=_COMPILE_ONLY.value, peak_tflops=_PEAK_TFLOPS.value,

@@ -116,13 +116,13 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def run(main: Callable[[list[str]], int | None]) -> NoReturn:
     """app.run(main) with one-line, exit-2 errors for flags, config files and settings (USER_ERRORS), and the
-    documented exit status of every other expected failure (train/exit_codes.py)."""
+    documented exit status of every other expected failure (train/loop/exit_codes.py)."""
 
     def guarded(argv: list[str]) -> int:
         try:
             return main(argv) or 0
         except Exception as e:  # noqa: BLE001  (anything else is re-raised: a crash keeps its traceback)
-            from train import exit_codes
+            from train.loop import exit_codes
             from train.config import USER_ERRORS  # imported only now: a tool need not load jax to start
             if isinstance(e, (app.UsageError, *USER_ERRORS)):
                 fail(str(e))

@@ -6,13 +6,16 @@ a one-line error that names the setting and what to do.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import pathlib
 from typing import Any
 
 import jax
 import ml_collections
 from ml_collections import config_dict
 
+import checkpoint
 import models
 from mesh import MeshConfigError, resolve_axis_sizes
 from models import ModelConfigError
@@ -21,8 +24,9 @@ from sharding import rules as sharding_rules
 from sharding import schedules
 from sharding.rules import ShardingConfigError
 from sharding.schedules import ScheduleConfigError
-from train import datadir, sections
-from train.datadir import DataConfigError
+from train import sections
+from train.data import datadir
+from train.data.datadir import DataConfigError
 
 
 class ConfigError(ValueError):
@@ -74,7 +78,7 @@ def base_config() -> ml_collections.ConfigDict:
     # The planner (train/planner): plan.auto takes its best layout for the devices at hand, keeping the
     # mesh sizes in plan.fixed ("tensor:8,pipeline:4").
     c.plan = dict(auto=False, fixed="", topology="")
-    c.train.update(on_nonfinite="stop", step_timeout_s=1800.0)  # fault tolerance: see train/resume.py
+    c.train.update(on_nonfinite="stop", step_timeout_s=1800.0)  # fault tolerance: see train/loop/resume.py
     # Faults on purpose, for tests of the fault handling (0 = off): never set them in a real run.
     c.fault_injection = dict(nan_at_step=0, hang_at_step=0, hang_s=0.0, step_delay_s=0.0)
     return c
@@ -179,7 +183,8 @@ def _fault_tolerance(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_names(t: Any) -> None:
-    from train import actions, metrics  # the registry fills as experiment files import
+    from train.loop import actions
+    from train.loop import metrics  # the registry fills as experiment files import
     for name in actions.names(t.loggers):
         if name not in metrics.LOGGERS:
             raise ConfigError(f"train.loggers={t.loggers!r}: unknown logger {name!r}; use {', '.join(metrics.LOGGERS)}")
@@ -334,3 +339,37 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str |
                 profile_steps=_profile_range(t.profile_steps, t.steps), pipeline=pipeline, data=data,
                 train=train, checkpoint=ckpt, faults=faults, optimizer=sections.optimizer_of(config),
                 source=sections.data_of(config), shard_opt_state=bool(config.sharding.shard_opt_state))
+
+
+def _apply_saved(section: ml_collections.ConfigDict, values: dict[str, Any]) -> None:
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(section.get(key), ml_collections.ConfigDict):
+            _apply_saved(section[key], value)
+        else:
+            section[key] = value
+
+
+def load_run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
+    """A finished run's config, read back from the config.json its training wrote (for export and sampling)."""
+    path = workdir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"--workdir={workdir}: no config.json there; give the directory of a training run")
+    try:
+        saved = json.loads(path.read_text())["config"]
+    except (ValueError, KeyError):
+        raise ConfigError(f"--workdir={workdir}: {path} is not a run's config.json (no 'config' entry)") from None
+    config = base_config()
+    _apply_saved(config, saved)
+    # With plan.auto the saved mesh.* and layout knobs are the planner's choice, the layout actually trained:
+    # use it as written (and let --config.mesh.* override it) rather than planning again.
+    config.plan.auto = False
+    return config
+
+
+def run_checkpoints(workdir: pathlib.Path, step: int | None) -> tuple[checkpoint.Checkpoints, int, str]:
+    """(the run's checkpoints, read-only; the step to use, the newest by default; the spec for messages)."""
+    if not (workdir / "checkpoints").is_dir():
+        raise ConfigError(f"--workdir={workdir}: no checkpoints/ there; give the directory of a training run")
+    spec = str(workdir) + (f":{step}" if step is not None else "")
+    source, step = checkpoint.open_source(spec)
+    return source, step, spec

@@ -19,7 +19,7 @@ import time
 from absl import app, flags
 
 from train import cli
-from train.exit_codes import REQUEUE
+from train.loop.exit_codes import REQUEUE
 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 _NUM_CPU_DEVICES = flags.DEFINE_integer("num_cpu_devices", 4, "Virtual CPU devices per process.")

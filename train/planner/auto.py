@@ -1,6 +1,6 @@
 """`plan.auto=True`: before the run is resolved, replace the mesh sizes and the layout knobs with the planner's
 best fitting candidate for the devices at hand (links from plan.topology, default the fitted `local` file;
-memory and peak from the devices themselves, train/hardware.py), keeping plan.fixed."""
+memory and peak from the devices themselves, train/runtime/hardware.py), keeping plan.fixed."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +10,7 @@ import ml_collections
 
 import models
 from mesh import topology as topology_lib
-from train import hardware
+from train.runtime import hardware
 from train.planner import report, search
 from train.planner.candidate import Prediction
 

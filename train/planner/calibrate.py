@@ -8,7 +8,7 @@ import pathlib
 import jax
 
 from mesh import topology as topology_lib
-from train import hardware
+from train.runtime import hardware
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)

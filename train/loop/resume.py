@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import checkpoint
 from checkpoint import meta as meta_lib
-from train import checkpoint_format as ckpt_format
-from train import hf_import
+from checkpoint import format as ckpt_format
+from train.hf import restore as hf_import
 from train.config import ConfigError
-from train.hardware import GiB
+from train.runtime.hardware import GiB
 from train.trainer import Trainer
 
 def _newest_meta(ckpts: checkpoint.Checkpoints) -> tuple[int, dict[str, Any]] | None:

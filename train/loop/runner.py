@@ -1,6 +1,6 @@
 """The training run: validate, compile (with the fits-in-memory check and the compile report), resume or
-initialize, then hand the loop to train/scheduler.py (checkpoints, preemption, evaluation, logging,
-watchdog and goodput as periodic actions, ordered as train/actions.py documents)."""
+initialize, then hand the loop to train/loop/scheduler.py (checkpoints, preemption, evaluation, logging,
+watchdog and goodput as periodic actions, ordered as train/loop/actions.py documents)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,17 +16,25 @@ import ml_collections
 import numpy as np
 
 import checkpoint
-from train import actions as actions_lib, audit as audit_lib, exit_codes, hardware, preemption, report as report_lib
-from train import data as data_lib, resume, versions, xla_env
-from train.hardware import GiB
-from train.loop_actions import say
+from train.loop import actions as actions_lib
+from train.planner import audit as audit_lib
+from train.loop import exit_codes
+from train.runtime import hardware
+from train.loop import preemption
+from train.planner import compile_report as report_lib
+from train.data import loader as data_lib
+from train.loop import resume
+from train.runtime import versions
+from train.runtime import xla_env
+from train.runtime.hardware import GiB
+from train.loop.builtin import say
 from train.config import ConfigError
-from train.goodput import Goodput
-from train.metrics import MetricsLog
-from train.saver import Saver
-from train.scheduler import Scheduler, Services
+from train.loop.goodput import Goodput
+from train.loop.metrics import MetricsLog
+from train.loop.saver import Saver
+from train.loop.scheduler import Scheduler, Services
 from train.trainer import Trainer
-from train.watchdog import Watchdog
+from train.loop.watchdog import Watchdog
 
 
 

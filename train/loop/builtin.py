@@ -1,5 +1,5 @@
 """The loop's built-in periodic actions, each an object with `due(step)` and `run(step, ...)`, and the one
-place that orders them (`metric_actions`, `step_actions`). They act on the loop (train/scheduler.py: the
+place that orders them (`metric_actions`, `step_actions`). They act on the loop (train/loop/scheduler.py: the
 state, the pending step, the agreed flags) through the services it holds; every process runs them, and
 only process 0 writes files (MetricsLog, the saver and goodput check it)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from train import exit_codes
+from train.loop import exit_codes
 
 
 def say(text: str) -> None:
@@ -197,7 +197,7 @@ def loop_pending(loop: Any, step: int) -> bool:
 
 
 class UserActions(Action):
-    """The actions of train.actions (train/actions.py), each at its own cadence."""
+    """The actions of train.actions (train/loop/actions.py), each at its own cadence."""
 
     def __init__(self, loop: Any, actions: list):
         super().__init__(loop)

@@ -1,20 +1,34 @@
 """The checkpoint format in one place: a live state <-> the saved tree, for the saver and resume alike.
 
-The saved tree is {"params", "opt_state", "step", "rng"} as plain nested dicts (checkpoint/plain.py), every
+The saved tree is {"params", "opt_state", "step", "rng"} as plain nested dicts (plain.py), every
 stacked-layer array in logical layer order, so any pipeline layout restores it; meta carries each array's
-checksum (checkpoint/integrity.py). This layout on disk is the one written since before issue 14
+checksum (integrity.py). This layout on disk is unchanged since commit 604b7c2
 (tests/fixtures/checkpoint_604b7c2 proves it).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from checkpoint import integrity, plain
-from train.trainer import Trainer
+
+
+class _Layout(Protocol):
+    abstract_state: dict[str, Any]
+
+
+class Trainer(Protocol):
+    """What a run supplies (train.trainer.Trainer does): its mesh, the abstract state in its shardings, and
+    the maps between its in-memory layer order and the logical order a checkpoint keeps."""
+    mesh: jax.sharding.Mesh
+    layout: _Layout
+
+    def to_logical(self, state: dict[str, Any]) -> dict[str, Any]: ...
+
+    def from_logical(self, state: dict[str, Any]) -> dict[str, Any]: ...
 
 STATE_KEYS = ("params", "opt_state", "step")
 

@@ -1,6 +1,6 @@
 """`compile_report.json`: what the compiled step will cost before it runs: mesh, parameter bytes,
 analytic FLOPs, per-device memory from XLA's buffer assignment, and the collectives in the HLO.
-Audit part (the compile report that carries the found collectives); train/audit.py maps the parts of `--audit`.
+Audit part (the compile report that carries the found collectives); train/planner/audit.py maps the parts of `--audit`.
 """
 from __future__ import annotations
 

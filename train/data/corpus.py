@@ -17,7 +17,7 @@ class CorpusError(ValueError):
 
 def files_under(root: pathlib.Path, skip_dirs: tuple[str, ...] = ()) -> list[pathlib.Path]:
     """Every file below `root` in sorted order, without hidden entries (.git/) or folders named in `skip_dirs`;
-    the one directory walk of the text sources (train/data.py) and of train.prepare's inputs."""
+    the one directory walk of the text sources (train/data/loader.py) and of train.prepare's inputs."""
     return sorted(f for f in root.rglob("*") if f.is_file()
                   and not any(part.startswith(".") or part in skip_dirs for part in f.relative_to(root).parts))
 

@@ -5,7 +5,7 @@ communication time per axis on a chosen cluster (mesh.cost) against the step's c
 The audit's parts stay where the import rule puts them, each naming its part in its docstring:
 mesh/hlo.py (what XLA emitted), sharding/expected.py (what the layout must communicate: it knows the
 model and the strategy), mesh/topology.py and mesh/cost.py (where each axis's traffic travels, what it
-costs), mesh/chips.py (the compute side's peak), train/report.py (the compile report carrying the found
+costs), mesh/chips.py (the compute side's peak), train/planner/compile_report.py (the compile report carrying the found
 collectives) and this module, which joins them.
 """
 from __future__ import annotations

@@ -13,9 +13,10 @@ import jax
 import checkpoint
 from checkpoint import plain
 from mesh.layout import axis_sizes
-from train import checkpoint_format as ckpt_format, versions
-from train.goodput import Goodput
-from train.metrics import MetricsLog
+from checkpoint import format as ckpt_format
+from train.runtime import versions
+from train.loop.goodput import Goodput
+from train.loop.metrics import MetricsLog
 from train.trainer import Trainer
 
 

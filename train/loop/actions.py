@@ -1,5 +1,5 @@
 """User actions: periodic work an experiment adds to the training loop, beside the built-in actions
-(evaluation, saves, profiling, logging, watchdog, stop/save agreement, goodput) of train/loop_actions.py,
+(evaluation, saves, profiling, logging, watchdog, stop/save agreement, goodput) of train/loop/builtin.py,
 whose `step_actions` documents the order they all run in (user actions run after the save of step s and
 before the preemption stop). Actions run on every process; only process 0 writes files.
 

@@ -1,5 +1,5 @@
 """The loop body as a scheduler: dispatch step s, fetch step s-1's metrics, run the actions that are due
-(train/loop_actions.py defines them and their order). Metrics of step s are fetched after step s+1 is
+(train/loop/builtin.py defines them and their order). Metrics of step s are fetched after step s+1 is
 dispatched, so logging never stalls the device."""
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from train import loop_actions, preemption
+from train.loop import builtin as loop_actions
+from train.loop import preemption
 
 
 @dataclasses.dataclass
 class Services:
-    """What the actions act through, built once per run by train/loop.py."""
+    """What the actions act through, built once per run by train/loop/runner.py."""
     trainer: Any
     compiled: Any  # the compiled train step
     path: Any

@@ -4,7 +4,7 @@ rows its own devices hold.
 
 Sources: `text` (bytes of a file or directory; by default the running interpreter's standard library),
 `tokens` (a DATADIR of train.prepare, a mixture of them, or a flat nanoGPT train.bin; memory-mapped),
-`synthetic` (random). `data.order=epochs` reads every window once per epoch (train/order.py).
+`synthetic` (random). `data.order=epochs` reads every window once per epoch (train/data/order.py).
 """
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from train import corpus, datadir, order as order_lib
+from train.data import corpus
+from train.data import datadir
+from train.data import order as order_lib
 from train.config import ConfigError
 
 EVAL_STREAM = 1 << 30  # eval batches draw from (seed, EVAL_STREAM + k): never a training step's stream

@@ -1,0 +1,146 @@
+"""`python -m train.export_hf --workdir=DIR [--step=N] [--dtype=float32|bfloat16] --out=HFDIR`: a Llama run's
+checkpoint as a directory transformers' AutoModelForCausalLM.from_pretrained loads (config.json,
+generation_config.json, model.safetensors or shards with an index, and the run's tokenizer when it has one:
+tokenizer.json with a tokenizer_config.json, and its bos/eos ids in both configs)."""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import sys
+
+import ml_dtypes
+import numpy as np
+from absl import app, flags
+
+from train import cli
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command's flags, defined only when it runs as a command: importing `write` from a process that has
+    its own --out or --workdir (train.prepare, tests) must not collide with them."""
+    flags.DEFINE_string("workdir", None, "The training run's directory.", required=True)
+    flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the newest).")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dtype of the written tensors.")
+    flags.DEFINE_string("out", None, "Directory to write; must not exist or be empty.", required=True)
+    flags.DEFINE_float("max_shard_gb", 5.0, "Split model.safetensors into shards of at most this size.")
+
+
+def restore_params(workdir: pathlib.Path, step: int | None):
+    """(model config, params as numpy in logical layer order, step) from a run's checkpoint, on one device."""
+    import jax
+
+    import checkpoint
+    import models
+    from checkpoint import plain
+    from train import config as run_config
+
+    config = run_config.load_run_config(workdir)
+    values = config.model.to_dict()
+    data_meta = workdir / "data_meta.json"  # a DATADIR run's vocabulary comes from its meta.json (train.config)
+    if values.get("vocab_size") is None and data_meta.is_file():
+        values["vocab_size"] = int(json.loads(data_meta.read_text())["vocab_size"])
+    cfg = models.from_dict(values)
+    source, step, spec = run_config.run_checkpoints(workdir, step)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract, _ = models.abstract_params(cfg)
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+    got = checkpoint.restore_source(source, step, {"params": plain.to_plain(target)}, True, spec)
+    params = plain.from_plain(got.tree["params"], target)
+    return cfg, jax.tree.map(np.asarray, jax.device_get(params)), step
+
+
+def _shards(tensors: dict[str, np.ndarray], max_bytes: float) -> list[dict[str, np.ndarray]]:
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        if shards[-1] and size + tensors[name].nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += tensors[name].nbytes
+    return shards
+
+
+def write(out: pathlib.Path, cfg, params, dtype: str, codec=None, max_shard_bytes: float = 5e9) -> None:
+    """Write HFDIR (through a temporary sibling, renamed at the end). `codec` is the run's
+    train.tokenizer.Codec, or None for a byte-level run (no tokenizer, no bos/eos ids)."""
+    from checkpoint import safetensors_io
+    from models import llama_hf
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
+    tensors = {k: v.astype(np_dtype) for k, v in llama_hf.to_hf(params, cfg).items()}
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        safetensors_io.write(tmp / "model.safetensors", tensors)
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        weight_map = {}
+        for name, shard in zip(names, shards):
+            safetensors_io.write(tmp / name, shard)
+            weight_map.update({t: name for t in shard})
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    # Byte-level runs have no bos/eos token: None, not LlamaConfig's defaults (eos 2 would stop at byte 0x02).
+    bos, eos = (None, None) if codec is None else (codec.bos_id, codec.eos_id)
+    (tmp / "config.json").write_text(json.dumps(llama_hf.hf_config(cfg, dtype, bos, eos), indent=2) + "\n")
+    generation = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if codec is not None:
+        write_tokenizer(tmp, codec)
+    if out.exists():
+        out.rmdir()  # empty (checked before any work)
+    tmp.rename(out)
+
+
+def write_tokenizer(directory: pathlib.Path, codec) -> None:
+    """tokenizer.json as trained, and a tokenizer_config.json so AutoTokenizer loads it as a fast tokenizer that
+    adds nothing to the text (the run trained on documents as prepare encoded them)."""
+    codec.tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": codec.token_text(codec.eos_id),
+              "bos_token": codec.token_text(codec.bos_id), "add_bos_token": False, "add_eos_token": False}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    from absl import logging
+    logging.set_verbosity(logging.WARNING)  # Orbax's info lines would bury the output
+    from mesh import use_cpu_devices
+    from train.loop import exit_codes
+    use_cpu_devices(1)
+    import models
+    from train.data import tokenizer as tok_lib
+    workdir, out = pathlib.Path(FLAGS.workdir).expanduser(), pathlib.Path(FLAGS.out).expanduser()
+    try:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise exit_codes.Stop(exit_codes.USER_ERROR, f"error: --out={out} exists and is not empty; "
+                                                         f"give a new directory")
+        codec = tok_lib.load_run_codec(workdir)  # a damaged tokenizer.json stops before the restore
+        cfg, params, step = restore_params(workdir, FLAGS.step)
+        if not isinstance(cfg, models.LlamaConfig):
+            raise exit_codes.Stop(exit_codes.USER_ERROR, f"error: --workdir={workdir} trains a {cfg.family} model; "
+                                                         f"only Llama runs export to Hugging Face")
+        if models.is_moe(cfg):
+            raise exit_codes.Stop(exit_codes.USER_ERROR, f"error: --workdir={workdir} trains a mixture of experts "
+                                                         f"(model.n_experts={cfg.n_experts}); its export is not "
+                                                         f"implemented, only dense Llama runs export")
+        write(out, cfg, params, FLAGS.dtype, codec if codec.from_run else None, FLAGS.max_shard_gb * 1e9)
+    except Exception as e:  # noqa: BLE001
+        status = exit_codes.USER_ERROR if isinstance(e, tok_lib.TokenizerError) else exit_codes.status_of(e)
+        if status is None:
+            raise
+        print(e if isinstance(e, exit_codes.Stop) else f"error: {e}", file=sys.stderr, flush=True)
+        return status
+    print(f"wrote {out} (step {step}, {FLAGS.dtype}, {models.param_count(cfg):,} parameters)")
+    return exit_codes.OK
+
+
+if __name__ == "__main__":
+    define_flags()
+    cli.run(main)

@@ -1,0 +1,102 @@
+"""`python -m train.plan --config=FILE --topology=NAME|FILE --hosts=N`: rank every layout of the config's model
+on a cluster by predicted step time, analytically (nothing is compiled); `--calibrate=FILE` measures this
+device's matmul efficiency into a user topology file."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+
+from absl import app, flags
+
+from train import cli
+
+_CONFIG = cli.config_file("config", "experiments/default.py", "Experiment config file.")
+_TOPOLOGY = flags.DEFINE_string("topology", "dgx-h100", "Cluster: a preset name or a topology JSON file.")
+_HOSTS = flags.DEFINE_integer("hosts", 1, "Hosts of --topology.")
+_DPH = flags.DEFINE_integer("devices_per_host", 0, "Devices per host (0: the topology's).")
+_TOP = flags.DEFINE_integer("top", 10, "Rows of the ranked table.")
+_JSON = flags.DEFINE_string("json", "", "Write the ranked candidates to this JSON file.")
+_CALIBRATE = flags.DEFINE_string("calibrate", "", "Measure matmul efficiency here and write --topology plus it to FILE.")
+_MTBF = flags.DEFINE_float("mtbf_hours", 0.0, "Mean time between failures of one device or host (0: no cadence).")
+_SCOPE = flags.DEFINE_enum("mtbf_scope", "device", ["device", "host"], "What --mtbf_hours describes.")
+_RESTART = flags.DEFINE_float("restart_s", 300.0, "Seconds from a failure to training again (restart, restore, compile).")
+_SAVE = flags.DEFINE_float("save_s", 0.0, "Measured seconds a save blocks the loop (0: predict from the state size).")
+_DONATED = flags.DEFINE_boolean("donated", True, "The step donates its state (accelerators do; CPU does not).")
+# The loop waits while the state is copied device -> host: 1.5 GB/s was measured for an Orbax async save of a
+# device-resident state on one H200 by this project (shared/CONVENTIONS.md, 2026-11-30).
+HOST_COPY_GBPS = 1.5
+
+
+def _plan(config) -> int:
+    import models
+    from mesh import topology as topology_lib
+    from train.loop import exit_codes
+    from checkpoint import cadence
+    from train.planner import report, search
+
+    topo = topology_lib.get_topology(_TOPOLOGY.value, hosts=_HOSTS.value)
+    if _DPH.value:
+        topo = dataclasses.replace(topo, devices_per_host=_DPH.value)
+    if not topo.device_memory_gb:
+        raise search.PlanError(f"--topology={_TOPOLOGY.value}: no device_memory_gb; add it to the topology file")
+    cfg = models.from_dict(config.model.to_dict())
+    batch = int(config.train.global_batch_size)
+    fixed = search.parse_fixed(config.plan.fixed, topo.num_devices)
+    ranked = search.search(cfg, batch, topo, fixed, donated=_DONATED.value)
+    search.check_fits(ranked, topo)
+    fitting = [p for p in ranked if p.fits]
+    print(f"{models.param_count(cfg) / 1e9:,.2f}B parameters, global batch {batch} x {cfg.seq_len} tokens, on "
+          f"{topo.num_devices} devices of {topo.name} ({topo.hosts} hosts); {len(ranked)} candidates, "
+          f"{len(fitting)} fit")
+    print(report.table(ranked, _TOP.value))
+    print(report.breakdown(fitting[0], fitting[1] if len(fitting) > 1 else None))
+    if _MTBF.value:
+        _cadence(config, fitting[0], topo, cadence)
+    if _JSON.value:
+        path = pathlib.Path(_JSON.value)
+        path.write_text(json.dumps([p.as_json() for p in fitting[:max(_TOP.value, 1)]], indent=2) + "\n")
+        print(f"wrote {path}")
+    return exit_codes.OK
+
+
+def _cadence(config, best, topo, cadence) -> None:
+    m = best.memory
+    state = m["params"] + m["optimizer_state"]
+    save_s = _SAVE.value or state / (HOST_COPY_GBPS * 1e9)
+    mtbf = cadence.system_mtbf_s(_MTBF.value, _SCOPE.value, topo.num_devices, topo.devices_per_host)
+    tau = cadence.optimal_interval_s(save_s, mtbf)
+    configured = 60.0 * config.checkpoint.every_minutes or config.checkpoint.every_steps * best.step_time_s
+    commit = state * topo.devices_per_host / (topo.storage_gbps * 1e9) if topo.storage_gbps else float("nan")
+    print(f"checkpoints: job MTBF {mtbf / 3600:,.2f} h, save blocks {save_s:.3g} s "
+          f"({'measured' if _SAVE.value else f'{state / 1e9:,.2f} GB per device at {HOST_COPY_GBPS} GB/s host copy'}), "
+          f"commit ~{commit:.3g} s at {topo.storage_gbps:g} GB/s per host, restart {_RESTART.value:g} s")
+    print(f"  best interval (Young/Daly) {tau / 60:,.1f} min ({tau / best.step_time_s:,.0f} steps): goodput "
+          f"{100 * cadence.expected_goodput(tau, save_s, mtbf, _RESTART.value):.2f}%")
+    if configured:
+        print(f"  configured interval {configured / 60:,.1f} min: goodput "
+              f"{100 * cadence.expected_goodput(configured, save_s, mtbf, _RESTART.value):.2f}%")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    from train.loop import exit_codes
+    from train.config import USER_ERRORS
+    try:
+        if _CALIBRATE.value:
+            from train.planner import calibrate
+            import models
+            dtype = models.from_dict(_CONFIG.value.model.to_dict()).compute_dtype
+            path = calibrate.write(_TOPOLOGY.value, _CALIBRATE.value, dtype)
+            print(f"wrote {path}")
+            return exit_codes.OK
+        return _plan(_CONFIG.value)
+    except (*USER_ERRORS, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exit_codes.USER_ERROR
+
+
+if __name__ == "__main__":
+    cli.run(main)
