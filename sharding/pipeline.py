@@ -143,7 +143,7 @@ def build(cfg: Any, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.S
                          axis_names=set(stage.manual), check_vma=True)
 
 
-class Device(NamedTuple):
+class DeviceOperands(NamedTuple):
     """One device's operands of the slot loop, the same in every slot (traced inside the region)."""
     d: jax.Array  # int32 []: this device's stage, its column of the slot program
     stack: Any  # the stage's layers as v chunks: every leaf [v, Lc, ...]
@@ -209,10 +209,10 @@ class StageProgram:
             return loss
         g_layers = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry["g_stack"])
         grads = {**carry["g_top"], models.LAYERS: g_layers}
-        return loss, {k: jax.tree.map(lambda g, s: self.reduce(g, s, k == models.LAYERS), grads[k], self.full_specs[k])
-                      for k in grads}
+        return loss, {k: jax.tree.map(functools.partial(self.reduce, is_layer=k == models.LAYERS), grads[k],
+                                      self.full_specs[k]) for k in grads}
 
-    def device(self, params: Any, tokens: jax.Array) -> Device:
+    def device(self, params: Any, tokens: jax.Array) -> DeviceOperands:
         """This device's stage (its FSDP shards gathered), its microbatches and its cell programs."""
         d = jax.lax.axis_index(PIPELINE)
         params = jax.tree.map(self.gather, params, self.full_specs)  # full specs: the gather keeps the tensor split
@@ -225,9 +225,9 @@ class StageProgram:
                   else _microbatch_weight(self.count_targets, tokens, self.batch_axes, self.replicas))
         cells = stages.branches(self.cfg, self.constrain, self.manual, 1.0 / m if weight is None else weight)
         assert len(cells) == stages.NUM_BRANCHES, len(cells)  # branch_slot_counts and the audit index by these
-        return Device(d, stack, top, micro, weight, cells)
+        return DeviceOperands(d, stack, top, micro, weight, cells)
 
-    def initial_carry(self, device: Device, tokens: jax.Array) -> dict[str, Any]:
+    def initial_carry(self, device: DeviceOperands, tokens: jax.Array) -> dict[str, Any]:
         """The scan's carry: the two message buffers [entries, b, seq, D], the loss and, when training, the
         gradient accumulators of the stage's chunks and of the top parameters."""
         dt = jnp.dtype(self.cfg.compute_dtype)
@@ -239,12 +239,13 @@ class StageProgram:
                          g_top=jax.tree.map(jnp.zeros_like, device.top))
         return stages.make_varying(carry, self.manual)
 
-    def slot(self, device: Device, carry: dict[str, Any], row: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
+    def slot(self, device: DeviceOperands, carry: dict[str, Any],
+             row: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
         """One time slot (one row of the slot program): run this device's cell, send, store what arrived."""
         cell = {k: a[device.d] for k, a in row.items()}
         chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, cell["chunk"], 0, keepdims=False), device.stack)
-        micro = device.micro[cell["mb"]]
-        ops = (chunk, device.top, micro, carry["acts"][cell["act_read"]], carry["grads"][cell["grad_read"]])
+        ops = (chunk, device.top, device.micro[cell["mb"]], carry["acts"][cell["act_read"]],
+               carry["grads"][cell["grad_read"]])
         y, g_x, g_chunk, g_top, loss = jax.lax.switch(cell["branch"], device.cells, ops)
         weighted = loss / self.m if device.weight is None else loss * device.weight(device.micro[cell["mb"]])
         new = dict(carry, loss=carry["loss"] + weighted)
