@@ -18,6 +18,7 @@ import numpy as np
 import checkpoint
 from train.loop import actions as actions_lib
 from train.planner import audit as audit_lib
+from train.planner import auto as planner_auto
 from train.loop import exit_codes
 from train.runtime import hardware
 from train.loop import preemption
@@ -90,6 +91,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, compile_only: bool =
 
 def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.StopSignals,
          options: Options) -> dict[str, Any]:
+    # plan.auto: the planner's layout replaces mesh.* and the layout knobs (printed); the trainer then
+    # builds exactly the layout of the config it is given.
+    config = planner_auto.apply(config, jax.device_count())
     trainer = Trainer.build(config)  # every user error is raised here, before the workdir is touched
     path = prepare_workdir(workdir)  # only creates the directory; nothing in it is touched yet
     if not options.compile_only:
