@@ -14,6 +14,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from train.loop import exit_codes
+from train.loop import faults
 from train.loop.info import Action as ActionProtocol
 from train.loop.info import Decision, Services, StepInfo, Update
 from train.trainer import Trainer
@@ -96,14 +97,30 @@ class MetricsLogging(Action):
 # ---------------------------------------------------------------- step actions: step s dispatched
 
 class FaultInjection(Action):
-    """Test-only faults (fault_injection.*) while step s runs; in the list only when one is set."""
+    """Test-only faults (fault_injection.*), in the lists only when one is set. Before step k is dispatched
+    its parameters become NaN (train/loop/faults.py); once it is dispatched, a delay or a hang while it
+    runs, and under train.on_nonfinite=skip the clean parameters, held here from the poisoning, return."""
 
-    def run(self, info: StepInfo) -> None:
+    def __init__(self, s: Services):
+        super().__init__(s)
+        self._clean = None  # this action's own: the parameters step k's poisoning replaced
+
+    def due(self, info: StepInfo) -> bool:
+        return info.dispatched or info.step == self.s.plan.faults.nan_at_step
+
+    def run(self, info: StepInfo) -> Update | None:
         fi = self.s.plan.faults
+        if not info.dispatched:
+            self._clean = info.state["params"] if self.s.plan.train.on_nonfinite == "skip" else None
+            return Update(state=faults.poisoned(info.state))
         if fi.step_delay_s:
             time.sleep(fi.step_delay_s)
         if fi.hang_at_step == info.step:
             time.sleep(fi.hang_s)
+        if self._clean is None or info.step != fi.nan_at_step:
+            return None
+        clean, self._clean = self._clean, None
+        return Update(state=faults.restored(info.state, clean))
 
 
 class FetchPending(Action):
@@ -232,9 +249,15 @@ class PreemptionStop(Action):
 
 # ---------------------------------------------------------------- the order (the contract)
 
-def before_dispatch(s: Services) -> list[Action]:
-    """Run before step s is dispatched: the profiling window opens."""
-    return [ProfileStart(s)]
+def fault_injection(s: Services) -> FaultInjection | None:
+    """The one FaultInjection of a run whose config sets a fault (it acts before and after dispatch)."""
+    return FaultInjection(s) if s.plan.faults.in_loop else None
+
+
+def before_dispatch(s: Services, fault: FaultInjection | None = None) -> list[Action]:
+    """Run before step s is dispatched: the profiling window opens; nan_at_step poisons step k's state."""
+    poisons = fault is not None and bool(s.plan.faults.nan_at_step)
+    return [ProfileStart(s), *([fault] if poisons else [])]
 
 
 def metric_actions(s: Services) -> list[Action]:
@@ -244,7 +267,8 @@ def metric_actions(s: Services) -> list[Action]:
     return [StepClock(s), WatchdogKick(s), StopSaveAgreement(s), NonFiniteGuard(s), MetricsLogging(s)]
 
 
-def step_actions(s: Services, user_actions: list[ActionProtocol]) -> list[Action]:
+def step_actions(s: Services, user_actions: list[ActionProtocol],
+                 fault: FaultInjection | None = None) -> list[Action]:
     """Run, in this order, after step s is dispatched (`before_dispatch` runs before it):
       1. fault injection (tests only), while step s runs;
       2. step s-1's metrics through `metric_actions`;
@@ -255,10 +279,10 @@ def step_actions(s: Services, user_actions: list[ActionProtocol]) -> list[Action
       5. evaluation, then the checkpoint save (decided again: step s's agreed flags may ask for it);
       6. user actions (train.actions), then the preemption stop.
     """
-    faults = [FaultInjection(s)] if s.plan.faults.in_loop else []
+    fault = fault or fault_injection(s)
     evaluation = Evaluation(s)
     saves = s.plan.checkpoint.enabled  # checkpoint.enabled=False: no save is ever decided
-    return [*faults, FetchPending(s), SavePoll(s), ProfileStop(s),
+    return [*([fault] if fault else []), FetchPending(s), SavePoll(s), ProfileStop(s),
             *([SavePrepare(s)] if saves else []), FetchNow(s, evaluation), evaluation,
             *([CheckpointSave(s)] if saves else []), UserActions(s, user_actions), PreemptionStop(s)]
 

@@ -38,6 +38,7 @@ class StepInfo:
     decision: Decision
     save_prepared: bool = False              # a save of this step was prepared (its metrics are read first)
     tracing: bool = False                    # the profiler is recording
+    dispatched: bool = True                  # False before `step` is dispatched: `state` is its input
     flags: tuple[bool, ...] | jax.Array | None = None  # the read step's posted stop/save wishes (Agreement.post)
     since_clock_s: float = 0.0               # seconds since the step clock started, when the metrics were read
     recent_step_times: tuple[float, ...] = ()  # the last train.log_every step times, newest last

@@ -49,9 +49,10 @@ class Scheduler:
         self.times: list[float] = []
         self.eval_loss: float | None = None
         self.tracing = self.save_prepared = False
-        self.before_dispatch = builtin.before_dispatch(services)
+        fault = builtin.fault_injection(services)  # one object: it poisons before dispatch, restores after
+        self.before_dispatch = builtin.before_dispatch(services, fault)
         self.metric_actions = builtin.metric_actions(services)
-        self.step_actions = builtin.step_actions(services, list(user_actions))
+        self.step_actions = builtin.step_actions(services, list(user_actions), fault)
 
     def run(self) -> Outcome:
         """Steps begin.step+1 .. train.steps, then the last metrics and the final evaluation."""
@@ -91,7 +92,7 @@ class Scheduler:
     def step_info(self, step: int, dispatched: bool) -> StepInfo:
         metrics = self.latest.metrics if dispatched and self.latest else {}
         return StepInfo(step, self.state, metrics, self.values if self.read_through == step else {},
-                        self.read_through, self.decision, self.save_prepared, self.tracing)
+                        self.read_through, self.decision, self.save_prepared, self.tracing, dispatched)
 
     def read_info(self, done: Dispatched) -> StepInfo:
         return StepInfo(done.step, self.state, done.metrics, self.values, self.read_through, self.decision,
