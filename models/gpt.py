@@ -19,7 +19,7 @@ from flax import nnx
 
 from models import contract, lm_loss, moe
 from models.attention import attend_cached
-from models.config import GPT_PRESETS, GPTConfig
+from models.gpt_config import GPT_PRESETS, GPTConfig
 from models.contract import Constrain, Params, no_constraint
 from models.layers import (decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, rms_norm,
                            rotary)
