@@ -2,7 +2,7 @@
 import nothing of ours. Importing this package registers GPT and Llama."""
 from models import gpt, llama  # noqa: F401  (registers the families)
 from models.config import ModelConfigError, from_dict
-from models.contract import (FAMILIES, LAYERS, Family, ModelConfig, TensorTraffic, abstract_params,
+from models.contract import (FAMILIES, LAYERS, ExpertBuffers, Family, ModelConfig, TensorTraffic, abstract_params,
                              family_of, flops_per_token, forward, init_params, loss, loss_and_metrics, param_count,
                              register, top_params)
 from models.documents import loss_mask, target_counter
@@ -12,7 +12,7 @@ from models.moe import is_moe
 
 PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
 
-__all__ = ["FAMILIES", "GPT_PRESETS", "GPTConfig", "LAYERS", "LLAMA_PRESETS", "LlamaConfig", "ModelConfigError",
-           "PRESETS", "Family", "ModelConfig", "TensorTraffic", "abstract_params", "family_of", "flops_per_token",
+__all__ = ["FAMILIES", "ExpertBuffers", "GPT_PRESETS", "GPTConfig", "LAYERS", "LLAMA_PRESETS", "LlamaConfig",
+           "ModelConfigError", "PRESETS", "Family", "ModelConfig", "TensorTraffic", "abstract_params", "family_of", "flops_per_token",
            "forward", "from_dict", "init_params", "is_moe", "loss", "loss_and_metrics", "loss_mask", "param_count",
            "register", "target_counter", "top_params"]

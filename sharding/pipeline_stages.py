@@ -67,7 +67,7 @@ def branches(cfg: Any, constrain: Constrain, manual: tuple[str, ...],
         return make_varying(jax.tree.map(jnp.zeros_like, tree), manual)
 
     def layers(chunk, x, tokens):  # (x, aux loss varying like the loss, so its seed has its type)
-        y, aux = family.run_layers(chunk, x, tokens[:, :-1], cfg, constrain)
+        y, (aux, _) = family.run_layers(chunk, x, tokens[:, :-1], cfg, constrain)
         return y, make_varying(aux, manual)
 
     def first(chunk, top, tokens):
@@ -78,7 +78,8 @@ def branches(cfg: Any, constrain: Constrain, manual: tuple[str, ...],
 
     def last(chunk, top, x, tokens):
         y, aux = layers(chunk, x, tokens)
-        return family.head_loss(top, y, tokens[:, 1:], cfg, constrain, models.loss_mask(tokens[:, :-1], cfg)) + aux
+        loss, _ = family.head_loss(top, y, tokens[:, 1:], cfg, constrain, models.loss_mask(tokens[:, :-1], cfg))
+        return loss + aux
 
     def idle(ops: Operands) -> Outputs:
         chunk, top, _, x_in, _ = ops
