@@ -13,6 +13,6 @@ from models.moe import is_moe
 PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
 
 __all__ = ["FAMILIES", "ExpertBuffers", "GPT_PRESETS", "GPTConfig", "LAYERS", "LLAMA_PRESETS", "LlamaConfig",
-           "ModelConfigError", "PRESETS", "Family", "ModelConfig", "TensorTraffic", "abstract_params", "family_of", "flops_per_token",
-           "forward", "from_dict", "init_params", "is_moe", "loss", "loss_and_metrics", "loss_mask", "param_count",
+           "ModelConfigError", "PRESETS", "Family", "ModelConfig", "TensorTraffic", "abstract_params", "family_of",
+           "flops_per_token", "forward", "from_dict", "init_params", "is_moe", "loss", "loss_and_metrics", "loss_mask", "param_count",
            "register", "target_counter", "top_params"]

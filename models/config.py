@@ -3,7 +3,7 @@ the family from the preset or `model.family` and builds its config with the expl
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Mapping
+from typing import Any, Mapping
 
 from models.attention import IMPLEMENTATIONS as ATTENTION  # resolved per platform there
 from models.contract import FAMILIES

@@ -3,8 +3,8 @@ activations under the remat policy and the pipeline schedule, and the largest te
 
 Activations are counted per token of one microbatch on one device, from what the backward pass of the
 family's block reads (its contract's layer_bytes_per_token): no remat keeps every intermediate, `save_dots`
-the matmul outputs, `full` only each layer's input. A pipeline keeps only stage inputs for the microbatches in flight (the
-schedule table's count; 1F1B holds at most p) because each backward cell recomputes its forward.
+the matmul outputs, `full` only each layer's input. A pipeline keeps only stage inputs for the microbatches in
+flight (the schedule table's count; 1F1B holds at most p) because each backward cell recomputes its forward.
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def layout_specs(cfg: models.ModelConfig, mesh: tuple[tuple[str, int], ...]):
 
 
 @functools.lru_cache(maxsize=4096)
-def state_bytes(cfg: models.ModelConfig, mesh: tuple[tuple[str, int], ...], shard_opt_state: bool) -> tuple[float, float]:
+def state_bytes(cfg: models.ModelConfig, mesh: tuple[tuple[str, int], ...],
+                shard_opt_state: bool) -> tuple[float, float]:
     """(parameter bytes, Adam moment bytes) per device, following the layout's specs exactly."""
     sizes = dict(mesh)
     abstract, specs, _ = layout_specs(cfg, mesh)
