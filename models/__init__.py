@@ -1,17 +1,18 @@
 """Model families behind one contract (models/contract.py), in Flax NNX; they name logical axes only and
 import nothing of ours. Importing this package registers GPT and Llama."""
 from models import gpt, llama  # noqa: F401  (registers the families)
-from models.config import GPT_PRESETS, GPTConfig, ModelConfigError, from_dict
-from models.contract import (FAMILIES, LAYERS, Family, ModelConfig, TensorTraffic, abstract_params,
+from models.config import ModelConfigError, from_dict
+from models.contract import (FAMILIES, LAYERS, ExpertBuffers, Family, ModelConfig, TensorTraffic, abstract_params,
                              family_of, flops_per_token, forward, init_params, loss, loss_and_metrics, param_count,
                              register, top_params)
 from models.documents import loss_mask, target_counter
+from models.gpt_config import GPT_PRESETS, GPTConfig
 from models.llama_config import LLAMA_PRESETS, LlamaConfig
 from models.moe import is_moe
 
 PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
 
-__all__ = ["FAMILIES", "GPT_PRESETS", "GPTConfig", "LAYERS", "LLAMA_PRESETS", "LlamaConfig", "ModelConfigError",
-           "PRESETS", "Family", "ModelConfig", "TensorTraffic", "abstract_params", "family_of", "flops_per_token",
-           "forward", "from_dict", "init_params", "is_moe", "loss", "loss_and_metrics", "loss_mask", "param_count",
+__all__ = ["FAMILIES", "ExpertBuffers", "GPT_PRESETS", "GPTConfig", "LAYERS", "LLAMA_PRESETS", "LlamaConfig",
+           "ModelConfigError", "PRESETS", "Family", "ModelConfig", "TensorTraffic", "abstract_params", "family_of",
+           "flops_per_token", "forward", "from_dict", "init_params", "is_moe", "loss", "loss_and_metrics", "loss_mask", "param_count",
            "register", "target_counter", "top_params"]

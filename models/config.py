@@ -1,11 +1,12 @@
-"""Model configs (one frozen dataclass per family), GPT's presets, and `from_dict`, which picks the family
-from the preset or `model.family` and builds its config with the explicit fields overriding the preset."""
+"""What every family's config shares (fields, checks, the mixture-of-experts settings) and `from_dict`, which picks
+the family from the preset or `model.family` and builds its config with the explicit fields overriding the preset."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Mapping
+from typing import Any, Mapping
 
 from models.attention import IMPLEMENTATIONS as ATTENTION  # resolved per platform there
+from models.contract import FAMILIES
 
 REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -79,14 +80,14 @@ class MoEFields:
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTConfig(MoEFields):
-    family: ClassVar[str] = "gpt"
+class SharedFields(MoEFields):
+    """The fields every built-in family has, with their defaults (a family may change a default, e.g. norm_eps).
+    `head_dim` follows from them."""
     vocab_size: int = 256
     seq_len: int = 64
     d_model: int = 128
     n_layers: int = 8
     n_heads: int = 8
-    mlp_ratio: int = 4
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"  # none | full | save_dots
@@ -101,43 +102,14 @@ class GPTConfig(MoEFields):
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
-    @property
-    def d_mlp(self) -> int:
-        return self.d_model * self.mlp_ratio
 
-    def validate(self) -> "GPTConfig":
-        check_common(self, ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"))
-        return self
-
-
-# Presets. GPU presets compute in bfloat16 with float32 master weights, and compute the head and the loss in
-# chunks of 256 positions: on a gpt2-125m step of batch 8 (one CPU device, --compile_only) that cut XLA's
-# temporaries by 2.82 GB (24.06 -> 21.25 GB; 128 gave the same, 512 only 2.04 GB).
+# GPU presets compute the head and the loss in chunks of 256 positions: on a gpt2-125m step of batch 8 (one CPU
+# device, --compile_only) that cut XLA's temporaries by 2.82 GB (24.06 -> 21.25 GB; 128 gave the same, 512 only
+# 2.04 GB).
 LOSS_CHUNK = 256
-GPT_PRESETS: dict[str, dict[str, Any]] = {
-    # Tests: 1.6M parameters, every width divisible by 8 so every 8-device layout applies.
-    "tiny": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=8, n_heads=8, mlp_ratio=4),
-    # Tests of the mixture of experts: tiny's widths, 4 blocks of which every 2nd routes over 8 experts (top-2).
-    "moe-tiny": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=4, n_heads=8, mlp_ratio=2, n_experts=8,
-                     experts_per_token=2, moe_every=2),
-    # The CPU default: trains visibly on the byte-level corpus within minutes on 2 cores.
-    "small": dict(vocab_size=256, seq_len=128, d_model=192, n_layers=4, n_heads=8, mlp_ratio=4),
-    # GPT-2 small/medium (Radford et al. 2019) with the vocabulary padded to a multiple of 64.
-    "gpt2-125m": dict(vocab_size=50304, seq_len=1024, d_model=768, n_layers=12, n_heads=12,
-                      compute_dtype="bfloat16", loss_chunk_size=LOSS_CHUNK),
-    "gpt2-350m": dict(vocab_size=50304, seq_len=1024, d_model=1024, n_layers=24, n_heads=16,
-                      compute_dtype="bfloat16", loss_chunk_size=LOSS_CHUNK),
-    # GPT-3 XL shape (Brown et al. 2020, Table 2.1).
-    "gpt3-1.3b": dict(vocab_size=50304, seq_len=2048, d_model=2048, n_layers=24, n_heads=16,
-                      compute_dtype="bfloat16", remat="save_dots", loss_chunk_size=LOSS_CHUNK),
-    # A LLaMA-7B-like shape (Touvron et al. 2023) with a GELU MLP of ratio 4: 6.9B parameters.
-    "7b": dict(vocab_size=32000, seq_len=2048, d_model=4096, n_layers=32, n_heads=32,
-               compute_dtype="bfloat16", remat="full", loss_chunk_size=LOSS_CHUNK),
-}
 
 
 def family_of_preset(preset: str) -> str:
-    from models.contract import FAMILIES
     for name, family in FAMILIES.items():
         if preset in family.presets:
             return name
@@ -148,7 +120,6 @@ def family_of_preset(preset: str) -> str:
 def from_dict(values: Mapping[str, Any]) -> Any:
     """Build from a config section: `preset` (which implies the family) first, then any explicit field
     overrides it. `family` alone (no preset) starts from that family's defaults."""
-    from models.contract import FAMILIES
     values = dict(values)
     preset = values.pop("preset", None) or None
     family = values.pop("family", None) or None

@@ -18,6 +18,8 @@ from models import attention, documents
 
 Params = dict[str, Any]
 ModelConfig = Any  # a family's frozen config dataclass (GPTConfig, LlamaConfig, ...)
+Metrics = dict[str, jax.Array]  # to log beside the loss: float32 scalars, or vectors [n] logged as name0..name{n-1}
+LayerAux = tuple[jax.Array, Metrics]  # (what the layers add to the objective, their metrics)
 LAYERS = "layers"  # the key of the stacked blocks in every family's parameter dict
 
 
@@ -65,6 +67,29 @@ class TensorTraffic:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertBuffers:
+    """A mixture of experts' per-expert token buffers, which its layouts move: `layers` mixture layers, each
+    with buffers [rows, experts, capacity, d_model] (capacity: slots per expert per row of seq_len tokens)."""
+    layers: int
+    experts: int
+    capacity: int
+
+
+def query_heads(cfg: Any) -> int:
+    """Key/value heads when every query head has its own (multi-head attention)."""
+    return cfg.n_heads
+
+
+def no_experts(cfg: Any) -> ExpertBuffers | None:
+    return None
+
+
+def causal_attention_flops(cfg: Any) -> float:
+    """Attention scores and values per token, forward and backward: 12 * layers * d_model * seq_len (PaLM, App. B)."""
+    return 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """One model family. Every function takes the family's frozen config `cfg` (which must have the fields
     vocab_size, seq_len, d_model, n_layers, compute_dtype, remat; optionally `attention`, which train/config.py
@@ -72,11 +97,12 @@ class Family:
     positions `run_layers` applies) and an activation hint `constrain`.
 
     embed(top, inputs_BxL, cfg, constrain) -> x_BxLxD
-    run_layers(layers, x_BxLxD, inputs_BxL, cfg, constrain) -> (x_BxLxD, aux)
-        `inputs_BxL` lets a family derive positions or document segments per chunk; `aux` is an extra loss
-        term added to the loss: a scalar (0.0 for dense models), or for a mixture of experts a dict whose
-        `aux_loss` joins the objective and whose other entries are router statistics (models/moe.py).
-    head_loss(top, x_BxLxD, targets_BxL, cfg, constrain, loss_mask_BxL=None) -> mean loss over counted targets
+    run_layers(layers, x_BxLxD, inputs_BxL, cfg, constrain) -> (x_BxLxD, (aux_loss, metrics))
+        `inputs_BxL` lets a family derive positions or document segments per chunk; `aux_loss` is a float32
+        scalar added to the objective (0.0 for dense layers; a mixture's weighted router losses) and `metrics`
+        the scalars the layers log beside the loss (empty for dense layers; a mixture's router statistics).
+    head_loss(top, x_BxLxD, targets_BxL, cfg, constrain, loss_mask_BxL=None) -> (mean loss over counted targets,
+        metrics)
     logits(top, x_BxLxD, cfg, constrain) -> float32 logits_BxLxV
     init_params(cfg, seed) -> params;  abstract_params(cfg) -> (shapes, logical axes PartitionSpecs)
     flops_per_token(cfg), param_count(cfg): model FLOPs (6N + attention) and parameters
@@ -85,6 +111,14 @@ class Family:
     init_cache(cfg, batch, max_len) -> cache;  decode(params, tokens_BxT, cache, length, cfg, constrain)
         -> (float32 logits of the last position [B, V], cache): incremental decoding with a KV cache, the
         T new tokens at positions length..length+T-1 (None: the family cannot sample)
+    What layouts and the planner need to know, without reading a family's fields (cfg.n_heads, d_model,
+    n_layers, seq_len and head_dim are read directly where a family has them):
+    kv_heads(cfg): key/value heads (what context parallelism's ring passes around)
+    expert_buffers(cfg) -> ExpertBuffers, or None for dense layers
+    attention_flops_per_token(cfg): the part of flops_per_token that attention's batched matmuls take
+    layer_bytes_per_token(cfg, remat, tensor): bytes one layer keeps for its backward pass per token of a
+        microbatch on one device, under remat none | save_dots | full, with `tensor` ways of tensor
+        parallelism (None: the planner cannot size the family)
     """
     name: str
     config_cls: type
@@ -102,6 +136,10 @@ class Family:
     tensor_traffic: TensorTraffic = TensorTraffic()
     init_cache: Callable | None = None
     decode: Callable | None = None
+    kv_heads: Callable = query_heads
+    expert_buffers: Callable = no_experts
+    attention_flops_per_token: Callable = causal_attention_flops
+    layer_bytes_per_token: Callable | None = None
 
 
 FAMILIES: dict[str, Family] = {}
@@ -142,8 +180,8 @@ def loss(params: Params, tokens_BxL1: jax.Array, cfg: Any, constrain: Constrain 
 
 def loss_and_metrics(params: Params, tokens_BxL1: jax.Array, cfg: Any,
                      constrain: Constrain = no_constraint) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(objective, metrics): `metrics["loss"]` is the language-model loss alone; a mixture of experts adds its
-    router statistics as their own scalars (models/moe.py log_fields)."""
+    """(objective, metrics): `metrics["loss"]` is the language-model loss alone; the layers' and the head's
+    metrics (a mixture's router statistics) join it as their own scalars."""
     fam = family_of(cfg)
     tokens_BxL1 = constrain(tokens_BxL1, ("batch", None))  # the shift is local: every device has whole rows
     inputs, targets = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
@@ -152,12 +190,22 @@ def loss_and_metrics(params: Params, tokens_BxL1: jax.Array, cfg: Any,
         inputs, targets = jnp.take(inputs, order, axis=1), jnp.take(targets, order, axis=1)
     top = top_params(params)
     x = fam.embed(top, inputs, cfg, constrain)
-    x, aux = fam.run_layers(params[LAYERS], x, inputs, cfg, constrain)
-    lm = fam.head_loss(top, x, targets, cfg, constrain, documents.loss_mask(inputs, cfg))
-    if not isinstance(aux, dict):
-        return lm + aux, {"loss": lm}
-    from models import moe  # imported here: models/moe.py builds on this module
-    return lm + aux["aux_loss"], {"loss": lm, **moe.log_fields(aux)}
+    x, (aux_loss, layer_metrics) = fam.run_layers(params[LAYERS], x, inputs, cfg, constrain)
+    lm, head_metrics = fam.head_loss(top, x, targets, cfg, constrain, documents.loss_mask(inputs, cfg))
+    objective = lm + aux_loss
+    # Layers that log nothing add nothing (aux_loss is 0): their objective is the loss, reported as such.
+    return objective, {"loss": lm if layer_metrics else objective, **scalars(head_metrics), **scalars(layer_metrics)}
+
+
+def scalars(metrics: Metrics) -> Metrics:
+    """Each vector metric [n] as n scalars named by its index (a mixture's `moe_load_e` [E] -> moe_load_e0, ...)."""
+    out = {}
+    for name, value in metrics.items():
+        if jnp.ndim(value):
+            out.update({f"{name}{i}": value[i] for i in range(value.shape[0])})
+        else:
+            out[name] = value
+    return out
 
 
 def init_params(cfg: Any, seed: int) -> Params:

@@ -19,11 +19,11 @@ from flax import nnx
 
 from models import contract, lm_loss, moe
 from models.attention import attend_cached
-from models.config import GPT_PRESETS, GPTConfig
+from models.gpt_config import GPT_PRESETS, GPTConfig
 from models.contract import Constrain, Params, no_constraint
 from models.layers import (decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, rms_norm,
                            rotary)
-from models.stack import run_stack
+from models.stack import layer_aux, run_stack
 
 
 class Layers(nnx.Module):
@@ -123,13 +123,20 @@ def block(p: Params, x_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain = 
     return x_BxLxD if cache is None else (x_BxLxD, new_cache)
 
 
-def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: GPTConfig,
-               constrain: Constrain = no_constraint):
-    """The stack (or any contiguous slice of it) with GPT's blocks (models/stack.py); returns (x, aux)."""
+def layer_stats(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: GPTConfig,
+                constrain: Constrain = no_constraint):
+    """The stack (or any contiguous slice of it) with GPT's blocks (models/stack.py); returns (x, statistics:
+    None, or a mixture's router statistics, `topk_margin` among them)."""
     return run_stack(layers, x_BxLxD, inputs_BxL, cfg, constrain,
                      lambda p, x, segments, positions: block(p, x, cfg, constrain, segments, positions),
                      lambda p, h, segments, positions: attention(p, h, cfg, constrain, segments, positions)[0],
                      expert_mlp)
+
+
+def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: GPTConfig,
+               constrain: Constrain = no_constraint):
+    """The contract's run_layers: (x, (aux loss, metrics))."""
+    return layer_aux(*layer_stats(layers, x_BxLxD, inputs_BxL, cfg, constrain))
 
 
 def expert_mlp(w: Params, x_ExNxD: jax.Array, cfg: GPTConfig) -> jax.Array:
@@ -158,9 +165,9 @@ def logits(params: Params, x_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constr
 def head_loss(params: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: GPTConfig,
               constrain: Constrain = no_constraint, loss_mask_BxL: jax.Array | None = None):
     """Final norm, head and cross entropy: the one function the plain step, eval and the last pipeline
-    cell call (in chunks of model.loss_chunk_size positions, see models/lm_loss.py)."""
+    cell call (in chunks of model.loss_chunk_size positions, see models/lm_loss.py). Returns (loss, no metrics)."""
     return mean_head_loss(rms_norm(x_BxLxD, params["final_norm"], cfg.norm_eps), params["head"], targets_BxL, cfg,
-                          constrain, loss_mask_BxL)
+                          constrain, loss_mask_BxL), {}
 
 
 def mean_head_loss(h_BxLxD, head_DxV, targets_BxL, cfg, constrain, loss_mask_BxL):
@@ -201,17 +208,25 @@ def param_count(cfg: GPTConfig) -> int:
     return matmul_params(cfg) + cfg.vocab_size * cfg.d_model + norms
 
 
-def attention_flops_per_token(cfg: Any) -> float:
-    """Attention scores and values, forward and backward: 12 * layers * d_model * seq_len (PaLM, App. B)."""
-    return 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len
-
-
 def flops_per_token(cfg: GPTConfig) -> float:
     """Training FLOPs per token: 6N for the matmul weights (forward 2N, backward 4N) plus the
     attention scores and values, 12 * layers * d_model * seq_len (Chowdhery et al. 2022, PaLM, App. B).
     Rematerialization is not counted: MFU measures useful model FLOPs; a mixture counts the k experts a token
     runs through (and the router), not all of them."""
-    return 6.0 * matmul_params(cfg, active=True) + attention_flops_per_token(cfg)
+    return 6.0 * matmul_params(cfg, active=True) + contract.causal_attention_flops(cfg)
+
+
+def layer_bytes_per_token(cfg: GPTConfig, remat: str, tensor: int) -> float:
+    """Bytes one block keeps for its backward pass, per token of a microbatch on one device (`tensor` ways)."""
+    d, f, t, a, s = cfg.d_model, cfg.d_mlp, tensor, cfg.n_heads, cfg.seq_len
+    b = jnp.dtype(cfg.compute_dtype).itemsize
+    if remat == "full":
+        return b * d  # the layer's input (the scan carry)
+    if remat == "save_dots":  # the four projections' outputs and the layer input
+        return b * (3 * d + (3 * d + f) / t)
+    # x, the two norm outputs, the residual after attention (4d); q, k, v, rotary q, k, attention out,
+    # MLP pre- and post-activation ((6d + 2f) / t); the attention scores and probabilities (2 a s / t)
+    return b * (4 * d + (6 * d + 2 * f) / t + 2 * a * s / t)
 
 
 def divisibility(cfg: GPTConfig) -> dict:
@@ -224,4 +239,5 @@ FAMILY = contract.register(contract.Family(
     name="gpt", config_cls=GPTConfig, presets=GPT_PRESETS, init_params=init_params, abstract_params=abstract_params,
     embed=embed, run_layers=run_layers, head_loss=head_loss, logits=logits, flops_per_token=flops_per_token,
     param_count=param_count, lookup_keys=lambda cfg: ("embed",), divisibility=divisibility,
-    init_cache=init_cache, decode=decode))
+    init_cache=init_cache, decode=decode, expert_buffers=moe.expert_buffers,
+    layer_bytes_per_token=layer_bytes_per_token))

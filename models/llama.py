@@ -23,7 +23,7 @@ from models.contract import Constrain, Params, no_constraint
 from models.layers import (decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, rms_norm,
                            rotary)
 from models.llama_config import LLAMA_PRESETS, LlamaConfig
-from models.stack import run_stack
+from models.stack import layer_aux, run_stack
 
 
 class Layers(nnx.Module):
@@ -131,13 +131,20 @@ def block(p: Params, x_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain 
     return constrain(x_BxLxD + out, ("batch", "seq", "embed")), cache
 
 
-def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: LlamaConfig,
-               constrain: Constrain = no_constraint):
-    """The stack (or any contiguous slice of it) with Llama's blocks (models/stack.py); returns (x, aux)."""
+def layer_stats(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: LlamaConfig,
+                constrain: Constrain = no_constraint):
+    """The stack (or any contiguous slice of it) with Llama's blocks (models/stack.py); returns (x, statistics:
+    None, or a mixture's router statistics, `topk_margin` among them)."""
     return run_stack(layers, x_BxLxD, inputs_BxL, cfg, constrain,
                      lambda p, x, segments, positions: block(p, x, cfg, constrain, positions, None, segments)[0],
                      lambda p, h, segments, positions: attention(p, h, cfg, constrain, positions, None, segments)[0],
                      expert_mlp)
+
+
+def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: LlamaConfig,
+               constrain: Constrain = no_constraint):
+    """The contract's run_layers: (x, (aux loss, metrics))."""
+    return layer_aux(*layer_stats(layers, x_BxLxD, inputs_BxL, cfg, constrain))
 
 
 def expert_mlp(w: Params, x_ExNxD: jax.Array, cfg: LlamaConfig) -> jax.Array:
@@ -160,8 +167,9 @@ def logits(params: Params, x_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Cons
 
 def head_loss(params: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: LlamaConfig,
               constrain: Constrain = no_constraint, loss_mask_BxL: jax.Array | None = None):
+    """As gpt.head_loss, through the head or the tied embedding: (loss, no metrics)."""
     h = rms_norm(x_BxLxD, params["final_norm"], cfg.norm_eps)
-    return gpt.mean_head_loss(h, head_matrix(params, cfg), targets_BxL, cfg, constrain, loss_mask_BxL)
+    return gpt.mean_head_loss(h, head_matrix(params, cfg), targets_BxL, cfg, constrain, loss_mask_BxL), {}
 
 
 # ----------------------------------------------------------------------------- decoding with a KV cache
@@ -196,7 +204,20 @@ def param_count(cfg: LlamaConfig) -> int:
 
 def flops_per_token(cfg: LlamaConfig) -> float:
     """6N for the matmul weights (a mixture's active experts) plus attention (as GPT; remat not counted)."""
-    return 6.0 * matmul_params(cfg, active=True) + gpt.attention_flops_per_token(cfg)
+    return 6.0 * matmul_params(cfg, active=True) + contract.causal_attention_flops(cfg)
+
+
+def layer_bytes_per_token(cfg: LlamaConfig, remat: str, tensor: int) -> float:
+    """As gpt.layer_bytes_per_token for grouped-query attention (q, k, v: (H + 2G) K wide) and SwiGLU (gate, up and
+    their product, F wide each)."""
+    d, f, t, a, s = cfg.d_model, cfg.d_mlp, tensor, cfg.n_heads, cfg.seq_len
+    qkv, rotated = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim
+    b = jnp.dtype(cfg.compute_dtype).itemsize
+    if remat == "full":
+        return b * d
+    if remat == "save_dots":  # the projections' outputs (qkv, attention out, gate and up) and the layer input
+        return b * (3 * d + (qkv + 2 * f) / t)
+    return b * (4 * d + (qkv + rotated + d + 3 * f) / t + 2 * a * s / t)
 
 
 def divisibility(cfg: LlamaConfig) -> dict:
@@ -210,4 +231,5 @@ FAMILY = contract.register(contract.Family(
     abstract_params=abstract_params, embed=gpt.embed, run_layers=run_layers, head_loss=head_loss, logits=logits,
     flops_per_token=flops_per_token, param_count=param_count,
     lookup_keys=lambda cfg: () if cfg.tie_embeddings else ("embed",), divisibility=divisibility,
-    init_cache=init_cache, decode=decode))
+    init_cache=init_cache, decode=decode, kv_heads=lambda cfg: cfg.n_kv_heads, expert_buffers=moe.expert_buffers,
+    layer_bytes_per_token=layer_bytes_per_token))

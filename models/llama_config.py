@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from models.config import LOSS_CHUNK, ModelConfigError, MoEFields, check_common
+from models.config import LOSS_CHUNK, ModelConfigError, SharedFields, check_common
 
 # Llama 3.1's rotary frequency scaling: (factor, low_freq_factor, high_freq_factor, original context).
 ROPE_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -31,34 +31,17 @@ def parse_rope_scaling(value: Any) -> tuple[float, float, float, int] | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig(MoEFields):
+class LlamaConfig(SharedFields):
     family: ClassVar[str] = "llama"
-    vocab_size: int = 256
-    seq_len: int = 64
-    d_model: int = 128
-    n_layers: int = 8
-    n_heads: int = 8
+    norm_eps: float = 1e-5
     n_kv_heads: int = 4
     d_mlp: int = 384
-    norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     rope_scaling: Any = None  # None or (factor, low_freq_factor, high_freq_factor, original context)
     tie_embeddings: bool = False
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
-    remat: str = "none"
-    # Packed documents end at this token (set by train.config from data.document_mask and the DATADIR's
-    # eos id; -1: a row is one stream): see models/documents.py.
-    document_eos_id: int = -1
-    attention: str = "auto"  # auto | xla | cudnn (models/attention.py)
-    loss_chunk_size: int = 0  # positions per chunk of the head + loss (models/lm_loss.py); 0: all at once
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", parse_rope_scaling(self.rope_scaling))
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
 
     def validate(self) -> "LlamaConfig":
         check_common(self, ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_mlp"))

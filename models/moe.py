@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.contract import Constrain, Params
+from models.contract import Constrain, ExpertBuffers, Params
 from models.layers import param, remat, rms_norm
 
 # The scalars a mixture logs beside the language-model loss (per-expert load: moe_load_e0, moe_load_e1, ...).
@@ -152,10 +152,9 @@ def run_groups(layers: Params, x_BxLxD: jax.Array, cfg: Any, constrain: Constrai
 
 
 def log_fields(aux: dict) -> dict:
-    """The statistics as scalar metrics: METRICS plus moe_load_e{i} per expert."""
-    out = {k: aux[k] for k in METRICS}
-    out.update({f"moe_load_e{i}": aux["moe_load"][i] for i in range(aux["moe_load"].shape[0])})
-    return out
+    """The statistics to log: METRICS, and the per-expert load `moe_load_e` [E], which models.loss_and_metrics
+    logs as moe_load_e0, moe_load_e1, ..."""
+    return {**{k: aux[k] for k in METRICS}, "moe_load_e": aux["moe_load"]}
 
 
 def mlp_matmul_params(cfg: Any, per_mlp: int, active: bool = False) -> int:
@@ -166,6 +165,11 @@ def mlp_matmul_params(cfg: Any, per_mlp: int, active: bool = False) -> int:
     experts = cfg.experts_per_token if active else cfg.n_experts
     moe_layers = groups(cfg)
     return (cfg.n_layers - moe_layers) * per_mlp + moe_layers * (experts * per_mlp + cfg.d_model * cfg.n_experts)
+
+
+def expert_buffers(cfg: Any) -> ExpertBuffers | None:
+    """The contract's view of the mixture (models.contract.ExpertBuffers), None for dense layers."""
+    return ExpertBuffers(groups(cfg), cfg.n_experts, capacity(cfg, cfg.seq_len)) if is_moe(cfg) else None
 
 
 def divisibility(cfg: Any) -> dict:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from models import documents, moe
-from models.contract import Constrain, Params
+from models.contract import Constrain, LayerAux, Params
 from models.layers import remat, rms_norm
 
 
@@ -33,4 +33,12 @@ def run_stack(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: An
                               lambda w, x: expert_mlp(w, x, cfg))
     body = remat(dense, cfg.remat)
     x_BxLxD, _ = jax.lax.scan(lambda x, p: (body(p, x), None), x_BxLxD, layers)
-    return x_BxLxD, jnp.zeros((), jnp.float32)
+    return x_BxLxD, None
+
+
+def layer_aux(x_BxLxD: jax.Array, stats: dict | None) -> tuple[jax.Array, LayerAux]:
+    """`run_stack`'s result as the contract's `run_layers` returns it: (x, (aux loss, metrics)); a dense stack
+    adds 0 to the objective and logs nothing, a mixture its weighted router losses and moe.log_fields."""
+    if stats is None:
+        return x_BxLxD, (jnp.zeros((), jnp.float32), {})
+    return x_BxLxD, (stats["aux_loss"], moe.log_fields(stats))

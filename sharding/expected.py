@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 from jax.sharding import PartitionSpec as P
 
 import models
-from models import moe
 from sharding.specs import spec_axes
 
 
@@ -48,6 +47,45 @@ class Expected:
             object.__setattr__(self, "axes", (self.axes,))
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What every rule reads: the model, its parameters (`leaves`, their `specs`, which are `lookup` tables),
+    the rules and mesh sizes, the global batch and the pipeline's {microbatches, virtual_stages} or None."""
+    cfg: Any
+    leaves: tuple
+    specs: tuple
+    lookup: tuple[bool, ...]
+    rules: Mapping
+    sizes: Mapping[str, int]
+    global_batch: int
+    pipeline: Mapping[str, int] | None
+
+    @property
+    def family(self) -> models.Family:
+        return models.family_of(self.cfg)
+
+    @property
+    def batch_axes(self) -> list[str]:
+        return [a for a in self.rules.get("batch", ()) if self.sizes.get(a, 1) > 1]
+
+    @property
+    def pipelined(self) -> bool:
+        return bool(self.pipeline) and self.sizes.get("pipeline", 1) > 1
+
+    @property
+    def rows(self) -> int:
+        """Rows of the batch on one device (the batch axes split it)."""
+        return self.global_batch // math.prod(self.sizes[a] for a in self.batch_axes)
+
+    @property
+    def itemsize(self) -> int:
+        return jax.numpy.dtype(self.cfg.compute_dtype).itemsize
+
+    @property
+    def experts(self) -> models.ExpertBuffers | None:
+        return self.family.expert_buffers(self.cfg)
+
+
 def _shard_bytes(leaf, spec: P, sizes: Mapping[str, int], drop: str | None = None) -> float:
     """Bytes of one device's piece of `leaf` under `spec`, optionally as if `drop` did not split it."""
     ways = math.prod(sizes[a] for a in spec_axes(spec) if a != drop)
@@ -59,24 +97,60 @@ def _on_every_stage(spec: P) -> bool:
     return "pipeline" not in spec_axes(spec)
 
 
-def _stage_replicated_gradients(leaves, specs, sizes: Mapping[str, int], batch_axes) -> list[Expected]:
+def gradient_all_reduces(x: Layout) -> list[Expected]:
+    """Data parallelism: one all-reduce of each gradient over the batch axes that do not split its weight
+    (those held on every pipeline stage are summed over `pipeline` too, in `stage_replicated_gradients`);
+    context splits the work like the batch, and XLA sums the weight gradients over it on its own."""
+    reduced: dict[tuple[str, ...], float] = {}
+    for leaf, spec in zip(x.leaves, x.specs):
+        if not (x.pipelined and _on_every_stage(spec)):
+            axes = tuple(a for a in x.batch_axes if a not in spec_axes(spec))
+            if axes:
+                reduced[axes] = reduced.get(axes, 0.0) + _shard_bytes(leaf, spec, x.sizes)
+    if x.sizes.get("context", 1) > 1:
+        reduced[("context",)] = sum(_shard_bytes(leaf, spec, x.sizes) for leaf, spec in zip(x.leaves, x.specs)
+                                    if "context" not in spec_axes(spec))
+    return [Expected("gradient all-reduce", "all_reduce", axes, nbytes) for axes, nbytes in reduced.items()]
+
+
+def fsdp_gathers(x: Layout) -> list[Expected]:
+    """FSDP on each batch axis that splits weights: gathered forward and backward (lookup tables forward
+    only; once per step under a pipeline), gradients reduce-scattered. Experts held apart are neither."""
+    expert_axes = set(x.rules.get("experts", ()))
+    out = []
+    for axis in x.batch_axes:
+        gathered = gathers = 0.0
+        for leaf, spec, is_lookup in zip(x.leaves, x.specs, x.lookup):
+            if axis in spec_axes(spec) and axis not in expert_axes:
+                full = _shard_bytes(leaf, spec, x.sizes, drop=axis)
+                gathered += full
+                gathers += full if (x.pipelined or is_lookup) else 2 * full
+        if gathered:
+            purpose = "weight all-gather (once per step, pipeline)" if x.pipelined else \
+                "weight all-gather (forward + backward)"
+            out.append(Expected(purpose, "all_gather", axis, gathers))
+            out.append(Expected("gradient reduce-scatter", "reduce_scatter", axis, gathered))
+    return out
+
+
+def stage_replicated_gradients(x: Layout) -> list[Expected]:
     """The embedding, final norm and head are held by every stage, but only the first stage (embedding)
     and the last (head) produce their gradients, so the replicas must be summed over `pipeline` as well
     as over the batch axes that do not shard them: one all-reduce over both (sharding/pipeline.py)."""
+    if not x.pipelined:
+        return []
     by_axes: dict[tuple[str, ...], float] = {}
-    for leaf, spec in zip(leaves, specs):
+    for leaf, spec in zip(x.leaves, x.specs):
         if _on_every_stage(spec):
-            axes = tuple(a for a in sizes if a == "pipeline" or (a in batch_axes and a not in spec_axes(spec)))
-            by_axes[axes] = by_axes.get(axes, 0.0) + _shard_bytes(leaf, spec, sizes)
+            axes = tuple(a for a in x.sizes if a == "pipeline" or (a in x.batch_axes and a not in spec_axes(spec)))
+            by_axes[axes] = by_axes.get(axes, 0.0) + _shard_bytes(leaf, spec, x.sizes)
     return [Expected("embedding/head gradient all-reduce (on every stage)", "all_reduce", axes, nbytes)
             for axes, nbytes in by_axes.items()]
 
 
-def _expert_buffer_bytes(cfg: Any, global_batch: int, batch_ways: int) -> float:
+def _expert_buffer_bytes(x: Layout) -> float:
     """One device's per-expert token buffers of one MoE layer: [rows, n_experts, capacity, d_model]."""
-    rows = global_batch // batch_ways
-    return (rows * cfg.n_experts * moe.capacity(cfg, cfg.seq_len) * cfg.d_model
-            * jax.numpy.dtype(cfg.compute_dtype).itemsize)
+    return x.rows * x.experts.experts * x.experts.capacity * x.cfg.d_model * x.itemsize
 
 
 def _activation_all_reduces(cfg: Any, chunks: int, stages: int) -> float:
@@ -123,71 +197,71 @@ def _sequence_parallel(cfg: Any, act: float) -> list[Expected]:
                      (3 * t.forward_per_layer * cfg.n_layers + top) * act)]
 
 
+def tensor_activations(x: Layout) -> list[Expected]:
+    """Megatron tensor parallelism's activation all-reduces (or sequence parallelism's scatters and gathers);
+    under experts, the experts' MLP all-reduces (forward, backward) move their buffers, not activations."""
+    if x.sizes.get("tensor", 1) == 1 or not any("tensor" in spec_axes(s) for s in x.specs):
+        return []
+    cfg = x.cfg
+    act = x.rows * (cfg.seq_len // x.sizes.get("context", 1)) * cfg.d_model * x.itemsize  # one device's rows
+    if "tensor" in x.rules.get("seq", ()):
+        return _sequence_parallel(cfg, act)
+    chunks = x.sizes["pipeline"] * x.pipeline.get("virtual_stages", 1) if x.pipelined else 0
+    nbytes = _activation_all_reduces(cfg, chunks, x.sizes.get("pipeline", 1)) * act
+    if x.experts is not None:
+        nbytes += x.experts.layers * 2 * (_expert_buffer_bytes(x) - act)
+    return [Expected("activation all-reduce (Megatron)", "all_reduce", "tensor", nbytes)]
+
+
+def context_ring(x: Layout) -> list[Expected]:
+    """Ring attention passes every layer's K and V blocks c-1 hops forward and their gradients c-1 hops back
+    (again under full remat's recompute)."""
+    context = x.sizes.get("context", 1)
+    if context == 1:
+        return []
+    cfg = x.cfg
+    heads_ways = math.prod(x.sizes[a] for a in x.rules.get("heads", ()) if x.sizes.get(a, 1) > 1)
+    kv_heads = x.family.kv_heads(cfg) // heads_ways
+    block = x.rows * (cfg.seq_len // context) * kv_heads * cfg.head_dim * x.itemsize
+    passes = 2 + (cfg.remat == "full")  # forward, backward (the gradients going back), full remat's recompute
+    return [Expected("ring attention K/V blocks", "collective_permute", "context",
+                     passes * 2 * (context - 1) * cfg.n_layers * block)]
+
+
+def expert_all_to_alls(x: Layout) -> list[Expected]:
+    """Per mixture layer the dispatch and combine all-to-alls of the device's buffers over `expert`, forward
+    and backward (and again when rematerialization recomputes the layer)."""
+    if x.experts is None or x.sizes.get("expert", 1) == 1:
+        return []
+    per_layer = 4 + 2 * (x.cfg.remat != "none")
+    return [Expected("expert dispatch and combine", "all_to_all", "expert",
+                     x.experts.layers * per_layer * _expert_buffer_bytes(x))]
+
+
+def stage_sends(x: Layout) -> list[Expected]:
+    """The lockstep pipeline sends one activation and one gradient per time slot, 2(vm+p-1) slots a step;
+    idle cells send zeros, since SPMD collectives run on every device every slot."""
+    if not x.pipelined:
+        return []
+    micro = x.rows // x.pipeline["microbatches"]
+    act = micro * x.cfg.seq_len * x.cfg.d_model * x.itemsize
+    slots = 2 * (x.pipeline.get("virtual_stages", 1) * x.pipeline["microbatches"] + x.sizes["pipeline"] - 1)
+    return [Expected("stage activations and gradients", "collective_permute", "pipeline", 2 * slots * act)]
+
+
+# One rule per kind of parallelism, in the order the table lists them.
+RULES: list[Callable[[Layout], list[Expected]]] = [
+    gradient_all_reduces, fsdp_gathers, stage_replicated_gradients, tensor_activations, context_ring,
+    expert_all_to_alls, stage_sends]
+
+
 def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Mapping,
                      sizes: Mapping[str, int], global_batch: int,
                      pipeline: Mapping[str, int] | None = None) -> list[Expected]:
     """What the layout requires; `pipeline` = {microbatches, virtual_stages} when mesh.pipeline > 1."""
     paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(abstract_params)[0])
     lookup_keys = models.family_of(cfg).lookup_keys(cfg)  # tables only looked up: gathered forward only
-    lookup = [len(path) == 1 and getattr(path[0], "key", None) in lookup_keys for path in paths]
-    specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
-    batch_axes = [a for a in rules.get("batch", ()) if sizes.get(a, 1) > 1]
-    pipelined = bool(pipeline) and sizes.get("pipeline", 1) > 1
-    out: list[Expected] = []
-    expert_axes = set(rules.get("experts", ()))  # experts held apart: no gather, no reduction over their axis
-    reduced: dict[tuple[str, ...], float] = {}
-    for leaf, spec in zip(leaves, specs):
-        if not (pipelined and _on_every_stage(spec)):  # those are summed over pipeline too, below
-            axes = tuple(a for a in batch_axes if a not in spec_axes(spec))  # one all-reduce over the replicas
-            if axes:
-                reduced[axes] = reduced.get(axes, 0.0) + _shard_bytes(leaf, spec, sizes)
-    context = sizes.get("context", 1)
-    if context > 1:  # context splits the work like the batch; XLA sums the weight gradients over it on its own
-        reduced[("context",)] = sum(_shard_bytes(leaf, spec, sizes) for leaf, spec in zip(leaves, specs)
-                                    if "context" not in spec_axes(spec))
-    out += [Expected("gradient all-reduce", "all_reduce", axes, nbytes) for axes, nbytes in reduced.items()]
-    for axis in batch_axes:
-        gathered = gathers = 0.0
-        for leaf, spec, is_lookup in zip(leaves, specs, lookup):
-            if axis in spec_axes(spec) and axis not in expert_axes:  # FSDP gathers and reduce-scatters
-                full = _shard_bytes(leaf, spec, sizes, drop=axis)
-                gathered += full
-                gathers += full if (pipelined or is_lookup) else 2 * full
-        if gathered:
-            purpose = "weight all-gather (once per step, pipeline)" if pipelined else \
-                "weight all-gather (forward + backward)"
-            out.append(Expected(purpose, "all_gather", axis, gathers))
-            out.append(Expected("gradient reduce-scatter", "reduce_scatter", axis, gathered))
-    if pipelined:
-        out += _stage_replicated_gradients(leaves, specs, sizes, batch_axes)
-    tensor = sizes.get("tensor", 1)
-    ways = math.prod(sizes[a] for a in batch_axes)
-    itemsize = jax.numpy.dtype(cfg.compute_dtype).itemsize
-    if tensor > 1 and any("tensor" in spec_axes(s) for s in specs):
-        act = global_batch // ways * (cfg.seq_len // context) * cfg.d_model * itemsize  # one device's rows
-        if "tensor" in rules.get("seq", ()):
-            out += _sequence_parallel(cfg, act)
-        else:
-            chunks = sizes["pipeline"] * pipeline.get("virtual_stages", 1) if pipelined else 0
-            nbytes = _activation_all_reduces(cfg, chunks, sizes.get("pipeline", 1)) * act
-            if models.is_moe(cfg):  # the experts' MLP all-reduces (forward, backward) move buffers, not activations
-                nbytes += moe.groups(cfg) * 2 * (_expert_buffer_bytes(cfg, global_batch, ways) - act)
-            out.append(Expected("activation all-reduce (Megatron)", "all_reduce", "tensor", nbytes))
-    if context > 1:
-        kv_heads = getattr(cfg, "n_kv_heads", None) or cfg.n_heads
-        heads_ways = math.prod(sizes[a] for a in rules.get("heads", ()) if sizes.get(a, 1) > 1)
-        block = global_batch // ways * (cfg.seq_len // context) * (kv_heads // heads_ways) * cfg.head_dim * itemsize
-        passes = 2 + (cfg.remat == "full")  # forward, backward (the gradients going back), full remat's recompute
-        out.append(Expected("ring attention K/V blocks", "collective_permute", "context",
-                            passes * 2 * (context - 1) * cfg.n_layers * block))
-    if models.is_moe(cfg) and sizes.get("expert", 1) > 1:
-        per_layer = 4 + 2 * (cfg.remat != "none")  # dispatch + combine, forward and backward (+ recomputed)
-        out.append(Expected("expert dispatch and combine", "all_to_all", "expert",
-                            moe.groups(cfg) * per_layer * _expert_buffer_bytes(cfg, global_batch, ways)))
-    if pipelined:
-        micro = global_batch // ways // pipeline["microbatches"]
-        act = micro * cfg.seq_len * cfg.d_model * itemsize
-        slots = 2 * (pipeline.get("virtual_stages", 1) * pipeline["microbatches"] + sizes["pipeline"] - 1)
-        sends = 2 * slots  # idle cells send zeros: SPMD collectives run on every device every slot
-        out.append(Expected("stage activations and gradients", "collective_permute", "pipeline", sends * act))
-    return out
+    lookup = tuple(len(path) == 1 and getattr(path[0], "key", None) in lookup_keys for path in paths)
+    specs = tuple(jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P)))
+    layout = Layout(cfg, leaves, specs, lookup, rules, sizes, global_batch, pipeline)
+    return [row for rule in RULES for row in rule(layout)]

@@ -78,7 +78,7 @@ class Cells:
 
     def layers(self, chunk: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(x, aux loss varying like the loss, so its seed has its type)."""
-        y, aux = self.family.run_layers(chunk, x, tokens[:, :-1], self.cfg, self.constrain)
+        y, (aux, _) = self.family.run_layers(chunk, x, tokens[:, :-1], self.cfg, self.constrain)
         return y, make_varying(aux, self.manual)
 
     def first(self, chunk: Any, top: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -90,7 +90,8 @@ class Cells:
     def last(self, chunk: Any, top: Any, x: jax.Array, tokens: jax.Array) -> jax.Array:
         y, aux = self.layers(chunk, x, tokens)
         targets, mask = tokens[:, 1:], models.loss_mask(tokens[:, :-1], self.cfg)
-        return self.family.head_loss(top, y, targets, self.cfg, self.constrain, mask) + aux
+        loss, _ = self.family.head_loss(top, y, targets, self.cfg, self.constrain, mask)
+        return loss + aux
 
     def seed(self, tokens: jax.Array) -> jax.Array:
         """The cotangent of a cell's loss: this microbatch's share of the mean loss."""

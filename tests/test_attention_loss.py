@@ -102,7 +102,7 @@ def test_preset_loss_chunk_drops_the_float32_logits_from_temporaries():
         config.train.update(global_batch_size=8, memory_check=False)
         return memory_per_device(Trainer.build(config, num_devices=1).compile())["temp_bytes"]
 
-    from models.config import GPT_PRESETS
+    from models.gpt_config import GPT_PRESETS
     assert GPT_PRESETS["gpt2-125m"]["loss_chunk_size"] > 0
     assert temp_bytes(0) - temp_bytes(None) >= 1.5e9
 

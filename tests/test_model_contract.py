@@ -46,7 +46,7 @@ def _abstract(cfg):
 
 def _run_layers(layers, x, inputs, cfg, constrain):
     x, _ = jax.lax.scan(lambda x, w: (x + jnp.tanh(x @ w["w"]), None), x, layers)
-    return x, jnp.zeros((), jnp.float32)
+    return x, (jnp.zeros((), jnp.float32), {})
 
 
 def _logits(top, x, cfg, constrain):
@@ -54,7 +54,7 @@ def _logits(top, x, cfg, constrain):
 
 
 def _head_loss(top, x, targets, cfg, constrain, loss_mask=None):
-    return optax.softmax_cross_entropy_with_integer_labels(_logits(top, x, cfg, constrain), targets).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(_logits(top, x, cfg, constrain), targets).mean(), {}
 
 
 TOY = models.register(models.Family(

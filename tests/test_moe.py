@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import models
-from models import moe
+from models import gpt, moe
 from tests.helpers import grads_and_run, rel_norm, step_with_grads, tiny_config
 from train.planner import audit as audit_lib
 from train.loop import runner as loop
@@ -46,8 +46,8 @@ def reference():
     cfg, family, tokens = trainer.plan.model, models.family_of(trainer.plan.model), trainer.batch(0)[:, :-1]
     def forward(p):  # the objective, its metrics, and the routing margin (one compiled program)
         x = family.embed(models.top_params(p), tokens, cfg)
-        return *models.loss_and_metrics(p, trainer.batch(0), cfg), family.run_layers(p["layers"], x, tokens,
-                                                                                     cfg)[1]["topk_margin"]
+        return *models.loss_and_metrics(p, trainer.batch(0), cfg), gpt.layer_stats(p["layers"], x, tokens,
+                                                                                   cfg)[1]["topk_margin"]
     objective, forward_metrics, margin = jax.jit(forward)(state["params"])
     return {"state": state, "grads": grads, "losses": losses, "metrics": jax.device_get(metrics),
             "margin": float(margin), "objective": float(objective), "forward": jax.device_get(forward_metrics)}

@@ -118,6 +118,16 @@ def test_too_large_for_one_device_is_never_unsharded():
     assert replicated and not any(p.fits for p in replicated)
 
 
+def test_every_family_plans():
+    """The planner reads a model only through the contract: a Llama preset (grouped-query attention, no
+    mlp_ratio) is ranked like a GPT one, and tensor parallelism never splits its 8 kv heads unevenly."""
+    cfg = models.from_dict({"preset": "llama3.1-8b"})
+    ranked = search.search(cfg, 32, T.get_topology("dgx-h100", hosts=1), {})
+    assert any(p.fits for p in ranked)
+    assert all(cfg.n_kv_heads % p.candidate.sizes["tensor"] == 0 for p in ranked)
+    assert all(p.memory["activations"] > 0 and p.step_time_s > 0 for p in ranked)
+
+
 def test_slow_inter_host_link_keeps_tensor_in_a_host():
     cfg = models.from_dict({"preset": "7b"})
     topo = T.get_topology("dgx-h100", hosts=4)

@@ -14,21 +14,20 @@ from jax.sharding import PartitionSpec as P
 import models
 from train.state import Layout, State
 
-LossAndGrad = Callable[[Any, jax.Array], tuple[jax.Array, Any]]
+# (params, tokens) -> (the loss, or metrics holding it under `loss`, gradients)
+LossAndGrad = Callable[[Any, jax.Array], tuple[jax.Array | dict[str, jax.Array], Any]]
 
 
 def model_loss_and_grad(cfg: models.ModelConfig, constrain) -> LossAndGrad:
-    """Loss and gradients of the unpipelined model on a [batch, seq+1] token batch. A mixture of experts
-    returns, in place of the loss, its metrics (`loss`: the language-model loss; the router's statistics),
-    while the gradients are those of the objective (models.loss_and_metrics)."""
-    if models.is_moe(cfg):
-        grad_fn = jax.value_and_grad(lambda p, t: models.loss_and_metrics(p, t, cfg, constrain), has_aux=True)
+    """Metrics and gradients of the unpipelined model on a [batch, seq+1] token batch: `loss` (the
+    language-model loss) and whatever the model logs beside it, with the gradients of the objective
+    (models.loss_and_metrics)."""
+    grad_fn = jax.value_and_grad(lambda p, t: models.loss_and_metrics(p, t, cfg, constrain), has_aux=True)
 
-        def metrics_and_grad(params, tokens):
-            (_, metrics), grads = grad_fn(params, tokens)
-            return metrics, grads
-        return metrics_and_grad
-    return jax.value_and_grad(lambda params, tokens: models.loss(params, tokens, cfg, constrain))
+    def metrics_and_grad(params, tokens):
+        (_, metrics), grads = grad_fn(params, tokens)
+        return metrics, grads
+    return metrics_and_grad
 
 
 def _slices(tokens_BxL: jax.Array, accum: int, batch_sharding: NamedSharding) -> jax.Array:
@@ -95,7 +94,7 @@ def make_train_step(loss_and_grad: LossAndGrad, tx: optax.GradientTransformation
 
     def step(state: State, tokens: jax.Array):
         loss, grads = loss_and_grad(state["params"], tokens)
-        values = loss if isinstance(loss, dict) else {}  # a mixture's metrics (model_loss_and_grad)
+        values = loss if isinstance(loss, dict) else {}  # metrics beside the loss (model_loss_and_grad)
         loss = values.pop("loss", loss)
         # Pin gradients to the parameters' layout: under FSDP this makes the reduction a reduce-scatter.
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
@@ -126,9 +125,8 @@ def make_eval_step(cfg: models.ModelConfig, layout: Layout, loss_fn: Callable | 
     """jit(params, batch) -> mean loss, forward only (`loss_fn`, e.g. a pipeline's, or the plain model),
     over the same `accum` slices as training, so evaluation needs no more memory than a train step."""
     constrain = layout.constrain()
-    if loss_fn is None and models.is_moe(cfg):  # evaluate the language-model loss, without the router's
+    if loss_fn is None:  # the language-model loss, without what the layers add to the objective
         loss_fn = lambda params, tokens: models.loss_and_metrics(params, tokens, cfg, constrain)[1]["loss"]  # noqa: E731
-    loss_fn = loss_fn or (lambda params, tokens: models.loss(params, tokens, cfg, constrain))
     count_targets = models.target_counter(cfg)
     if accum > 1:
         one = loss_fn

@@ -1,10 +1,10 @@
 """Bytes per device of a candidate layout: the sharded state (from the layout's own PartitionSpecs), gradients,
 activations under the remat policy and the pipeline schedule, and the largest temporaries.
 
-Activations are counted per token of one microbatch on one device, from what the backward pass of our
-block reads (models/gpt.py): no remat keeps every intermediate, `save_dots` the matmul outputs, `full`
-only each layer's input. A pipeline keeps only stage inputs for the microbatches in flight (the
-schedule table's count; 1F1B holds at most p) because each backward cell recomputes its forward.
+Activations are counted per token of one microbatch on one device, from what the backward pass of the
+family's block reads (its contract's layer_bytes_per_token): no remat keeps every intermediate, `save_dots`
+the matmul outputs, `full` only each layer's input. A pipeline keeps only stage inputs for the microbatches in
+flight (the schedule table's count; 1F1B holds at most p) because each backward cell recomputes its forward.
 """
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ STRATEGY = "fsdp_tensor"  # every axis size is a choice of the planner; size-1 a
 
 
 @functools.lru_cache(maxsize=64)
-def _abstract(cfg: models.GPTConfig):
+def _abstract(cfg: models.ModelConfig):
     return models.abstract_params(dataclasses.replace(cfg, remat="none"))
 
 
 @functools.lru_cache(maxsize=4096)
-def layout_specs(cfg: models.GPTConfig, mesh: tuple[tuple[str, int], ...]):
+def layout_specs(cfg: models.ModelConfig, mesh: tuple[tuple[str, int], ...]):
     """(abstract params, their PartitionSpecs, rules) of `cfg` on `mesh`; raises ShardingConfigError if a
     weight does not divide."""
     sizes = dict(mesh)
@@ -39,7 +39,8 @@ def layout_specs(cfg: models.GPTConfig, mesh: tuple[tuple[str, int], ...]):
 
 
 @functools.lru_cache(maxsize=4096)
-def state_bytes(cfg: models.GPTConfig, mesh: tuple[tuple[str, int], ...], shard_opt_state: bool) -> tuple[float, float]:
+def state_bytes(cfg: models.ModelConfig, mesh: tuple[tuple[str, int], ...],
+                shard_opt_state: bool) -> tuple[float, float]:
     """(parameter bytes, Adam moment bytes) per device, following the layout's specs exactly."""
     sizes = dict(mesh)
     abstract, specs, _ = layout_specs(cfg, mesh)
@@ -64,17 +65,10 @@ def schedule_table(name: str, p: int, m: int, v: int) -> schedules.Schedule:
     return schedules.build(name, p, m, v)
 
 
-def per_token_layer_bytes(cfg: models.GPTConfig, remat: str, tensor: int) -> float:
-    """Bytes one layer keeps for its backward pass, per token of a microbatch on one device."""
-    d, t, r, a, s = cfg.d_model, tensor, cfg.mlp_ratio, cfg.n_heads, cfg.seq_len
-    b = jnp.dtype(cfg.compute_dtype).itemsize
-    if remat == "full":
-        return b * d  # the layer's input (the scan carry)
-    if remat == "save_dots":  # the four projections' outputs and the layer input
-        return b * (3 * d + (3 + r) * d / t)
-    # x, the two norm outputs, the residual after attention (4d); q, k, v, rotary q, k, attention out,
-    # MLP pre- and post-activation ((6 + 2r) d / t); the attention scores and probabilities (2 a s / t)
-    return b * (4 * d + (6 + 2 * r) * d / t + 2 * a * s / t)
+def per_token_layer_bytes(cfg: models.ModelConfig, remat: str, tensor: int) -> float:
+    """Bytes one layer keeps for its backward pass, per token of a microbatch on one device (the family's own
+    count: models.Family.layer_bytes_per_token)."""
+    return models.family_of(cfg).layer_bytes_per_token(cfg, remat, tensor)
 
 
 def rows_per_device(c: Candidate, global_batch: int) -> float:
@@ -83,7 +77,7 @@ def rows_per_device(c: Candidate, global_batch: int) -> float:
     return global_batch / (sizes["data"] * sizes["fsdp"] * c.grad_accum_steps * c.microbatches)
 
 
-def predict(cfg: models.GPTConfig, c: Candidate, global_batch: int, donated: bool) -> dict[str, float]:
+def predict(cfg: models.ModelConfig, c: Candidate, global_batch: int, donated: bool) -> dict[str, float]:
     """{part: bytes per device}: params, optimizer_state, gradients, outputs (the new state when the old one is
     not donated), batch, activations, temporaries, and total."""
     sizes = c.sizes

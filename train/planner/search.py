@@ -47,7 +47,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(n: int, fixed: Mapping[str, int], cfg: models.GPTConfig, global_batch: int) -> Iterator[dict[str, int]]:
+def meshes(n: int, fixed: Mapping[str, int], cfg: models.ModelConfig, global_batch: int) -> Iterator[dict[str, int]]:
     """Every mesh multiplying to n that the model's widths and the batch divide. The planner does not search
     `expert` and `context` (they serve mixture-of-experts models and long sequences, which it does not model):
     they stay at 1 unless plan.fixed sets them."""
@@ -63,12 +63,21 @@ def meshes(n: int, fixed: Mapping[str, int], cfg: models.GPTConfig, global_batch
     for sizes in rec(0, n, {}):
         if "tensor" in fixed and sizes["tensor"] != fixed["tensor"]:
             continue
-        t, f, p = sizes["tensor"], sizes["fsdp"], sizes["pipeline"]
-        if cfg.n_heads % t or cfg.d_mlp % t or cfg.vocab_size % t or cfg.d_model % f or cfg.n_layers % p:
-            continue
-        if global_batch % (sizes["data"] * f):
-            continue
-        yield sizes
+        if _divides(cfg, sizes) and not global_batch % (sizes["data"] * sizes["fsdp"]):
+            yield sizes
+
+
+# The mesh axis that splits each logical axis of the planner's strategy (sharding/rules.py, fsdp_tensor).
+SPLIT_BY = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor", "embed": "fsdp"}
+
+
+def _divides(cfg: models.ModelConfig, sizes: Mapping[str, int]) -> bool:
+    """The model's sizes the family names per logical axis (models.Family.divisibility) divide the axis that
+    splits them, and the layers divide into the pipeline's stages."""
+    for logical, settings in models.family_of(cfg).divisibility(cfg).items():
+        if logical in SPLIT_BY and any(size % sizes[SPLIT_BY[logical]] for _, size in settings):
+            return False
+    return not cfg.n_layers % sizes["pipeline"]
 
 
 def pipeline_options(p: int, n_layers: int, rows: int) -> list[tuple[str, int, int]]:
@@ -87,7 +96,7 @@ def pipeline_options(p: int, n_layers: int, rows: int) -> list[tuple[str, int, i
     return out
 
 
-def evaluate(cfg: models.GPTConfig, c: Candidate, global_batch: int, topo: topology_lib.Topology,
+def evaluate(cfg: models.ModelConfig, c: Candidate, global_batch: int, topo: topology_lib.Topology,
              donated: bool) -> Prediction:
     cfg = dataclasses.replace(cfg, remat=c.remat)
     mem = memory.predict(cfg, c, global_batch, donated)
@@ -96,7 +105,7 @@ def evaluate(cfg: models.GPTConfig, c: Candidate, global_batch: int, topo: topol
     return Prediction(candidate=c, memory=mem, fits=not capacity or mem["total"] <= capacity, **t)
 
 
-def search(cfg: models.GPTConfig, global_batch: int, topo: topology_lib.Topology, fixed: Mapping[str, int],
+def search(cfg: models.ModelConfig, global_batch: int, topo: topology_lib.Topology, fixed: Mapping[str, int],
            donated: bool = True, max_accum: int = 64) -> list[Prediction]:
     """Every candidate's best version (fewest accumulation steps that fit), fitting ones first, by step time."""
     n = topo.num_devices

@@ -41,14 +41,15 @@ def peak_flops(topo: topology_lib.Topology, dtype: str) -> float:
     return topo.peak_tflops[dtype] * 1e12
 
 
-def hardware_flops_per_device(cfg: models.GPTConfig, c: Candidate, global_batch: int) -> float:
+def hardware_flops_per_device(cfg: models.ModelConfig, c: Candidate, global_batch: int) -> float:
     """Model FLOPs plus recomputed forwards (a third of training FLOPs each): full remat recomputes every
     layer once; a pipeline's backward cell recomputes its chunk's forward (and full remat inside it again)."""
     sizes = c.sizes
     model = models.flops_per_token(cfg) * global_batch * cfg.seq_len / math.prod(sizes.values())
     extra = (cfg.remat == "full") + (sizes["pipeline"] > 1)
-    # save_dots keeps the projections but recomputes the attention's batched matmuls (their forward FLOPs)
-    attention = 4.0 * cfg.n_layers * cfg.d_model * cfg.seq_len * global_batch * cfg.seq_len / math.prod(sizes.values())
+    # save_dots keeps the projections but recomputes the attention's batched matmuls (their forward FLOPs: a third)
+    attention_forward = models.family_of(cfg).attention_flops_per_token(cfg) / 3
+    attention = attention_forward * global_batch * cfg.seq_len / math.prod(sizes.values())
     return model * (1 + extra / 3) + (attention if cfg.remat == "save_dots" else 0.0)
 
 
@@ -74,7 +75,7 @@ def _key(topo: topology_lib.Topology) -> tuple:
     return key
 
 
-def _count(e, cfg: models.GPTConfig, c: Candidate, layers_per_device: int) -> int:
+def _count(e, cfg: models.ModelConfig, c: Candidate, layers_per_device: int) -> int:
     """How many collectives carry a row's bytes (each pays the latency terms once)."""
     accum = c.grad_accum_steps
     if e.op == "all_gather":
@@ -88,7 +89,7 @@ def _count(e, cfg: models.GPTConfig, c: Candidate, layers_per_device: int) -> in
     return 1  # gradients: XLA combines them into one all-reduce
 
 
-def communication(cfg: models.GPTConfig, c: Candidate, global_batch: int, topo: topology_lib.Topology,
+def communication(cfg: models.ModelConfig, c: Candidate, global_batch: int, topo: topology_lib.Topology,
                   counted: bool = True) -> list[tuple[str, str, tuple[str, ...], float]]:
     """[(purpose, op, axes, seconds)] per expected collective of the layout on `topo`, none overlapped.
 
@@ -119,7 +120,7 @@ def bubble_fraction(c: Candidate) -> float:
                                                            c.virtual_stages))
 
 
-def predict(cfg: models.GPTConfig, c: Candidate, global_batch: int, topo: topology_lib.Topology) -> dict:
+def predict(cfg: models.ModelConfig, c: Candidate, global_batch: int, topo: topology_lib.Topology) -> dict:
     sizes = c.sizes
     tokens = memory.rows_per_device(c, global_batch) * cfg.seq_len
     dim = min(tokens, cfg.d_model / sizes["tensor"])  # rows of a microbatch, or a row-parallel matmul's depth
