@@ -1,4 +1,4 @@
-"""One GPU's speed on the issue-9 workloads: step time, tokens/s, MFU and peak memory of gpt2-125m (16 x 1024),
+"""One GPU's speed on the reference workloads: step time, tokens/s, MFU and peak memory of gpt2-125m (16 x 1024),
 gpt3-1.3b (16 x 2048) and 7b (4 x 2048) with checkpoints off, then the loop's blocked and total seconds for
 one save of the 125m and 1.3B states, and cuDNN's attention against XLA's in bf16 (outputs and gradients).
 

@@ -67,7 +67,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train = dict(steps=100, global_batch_size=16, seed=0, log_every=10, eval_every=50, eval_batches=4,
                    grad_accum_steps=1, profile_steps="", memory_check=True,
                    loggers="tensorboard",  # and/or "wandb", comma-separated; metrics.jsonl is always written
-                   actions="")  # user actions registered with train.actions.register, comma-separated
+                   actions="")  # user actions registered with train.loop.actions.register, comma-separated
     c.optimizer = dict(lr=3e-3, warmup_steps=10, decay_steps=0, min_lr_ratio=0.1, weight_decay=0.1,
                        b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0)
     c.data = dict(source="text", path="", token_dtype="uint16", eval_percent=5, cache_dir="", order="epochs",
@@ -192,7 +192,7 @@ def _check_names(t: Any) -> None:
         if name not in actions.REGISTRY:
             known = ", ".join(sorted(actions.REGISTRY)) or "none registered"
             raise ConfigError(f"train.actions={t.actions!r}: unknown action {name!r} ({known}); register it with "
-                              f"train.actions.register(name, factory) in the experiment file")
+                              f"train.loop.actions.register(name, factory) in the experiment file")
 
 
 def _check_model_splits(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str, int]) -> None:
