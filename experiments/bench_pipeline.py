@@ -73,7 +73,7 @@ def main(argv):
     use_cpu_devices(_NUM_CPU_DEVICES.value)
     import jax
 
-    from train.config import USER_ERRORS
+    from mesh.errors import UserError
     layout = _mesh(_LAYOUT.value)
     baseline = _mesh(_BASELINE.value) if _BASELINE.value else {
         **{k: v for k, v in layout.items() if k != "pipeline"}, "data": layout.get("data", 1) * layout["pipeline"]}
@@ -91,7 +91,7 @@ def main(argv):
         label = ",".join(f"{k}={s}" for k, s in mesh.items() if s > 1)
         try:
             row = measure(_config(mesh, schedule if schedule != "none" else "1f1b", m, v))
-        except USER_ERRORS as e:
+        except UserError as e:  # a layout this config cannot run: skip its row
             print(f"| {label} | {schedule} | {m} | {v} | skipped: {e} ||||||")
             continue
         rows.append({"layout": label, "schedule": schedule, "microbatches": m, "virtual_stages": v, **row})

@@ -109,7 +109,7 @@ def main(argv):
     import jax
 
     from train.runtime import hardware
-    from train.config import USER_ERRORS
+    from mesh.errors import UserError
 
     rows = []
     device = jax.devices()[0]
@@ -126,7 +126,7 @@ def main(argv):
         for label, (layout, sp), n in layouts:
             try:
                 row = framework_row(_config(name, layout, sp), n, peak * (jax.device_count() if n == 1 else 1))
-            except USER_ERRORS as e:
+            except UserError as e:  # a layout this config cannot run: skip its row
                 print(f"| {name} | {label} | skipped: {e} |||||")
                 continue
             overhead = row["step_time_s"] / minimal - 1 if n == 1 else None

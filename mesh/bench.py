@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 from absl import app, flags
 
 from mesh import cost, topology
+from mesh.errors import UserError
 from mesh.layout import AXES, MeshConfigError, axis_sizes, make_mesh, use_cpu_devices
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute")
@@ -213,9 +214,9 @@ def main(argv):
         sizes = parse_mesh(F.mesh)
         mesh = make_mesh(sizes)
         if not any(s > 1 for s in sizes.values()):
-            raise ValueError(f"--mesh={F.mesh}: no axis larger than 1, nothing to sweep")
+            raise MeshConfigError(f"--mesh={F.mesh}: no axis larger than 1, nothing to sweep")
         topo = topology.get_topology(F.topology, F.hosts or None) if not (F.fit and F.topology == "local") else None
-    except ValueError as e:  # MeshConfigError included: one line, no traceback
+    except UserError as e:  # mesh cannot use train.cli.run (it imports nothing above it): its own one line, exit 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     full = axis_sizes(mesh)

@@ -11,12 +11,13 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 
+from mesh.errors import UserError
 from mesh.topology import hybrid_order
 
 AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "expert", "context", "tensor")
 
 
-class MeshConfigError(ValueError):
+class MeshConfigError(UserError):
     """A mesh setting the user can fix; the message is one line naming the setting."""
 
 

@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from mesh import chips
+from mesh.errors import UserError
 
 FAMILIES = ("switch", "ring", "torus2d", "torus3d", "hypercube", "fat_tree")
 # The `local` topology (fitted by `python -m mesh.bench --fit`) is found by a documented lookup:
@@ -24,6 +25,10 @@ FAMILIES = ("switch", "ring", "torus2d", "torus3d", "hypercube", "fat_tree")
 # Any other file is named explicitly: --topology=PATH.json.
 LOCAL_FILE = pathlib.Path(__file__).resolve().parent / "topologies" / "local.json"
 LOCAL_ENV = "SPMDTRAIN_LOCAL_TOPOLOGY"
+
+
+class TopologyError(UserError):
+    """A topology preset, file or host count the user can fix; the message is one line naming it."""
 
 
 def local_file() -> pathlib.Path:
@@ -53,14 +58,14 @@ class Level:
 
     def __post_init__(self):
         if self.family not in FAMILIES:
-            raise ValueError(f"level {self.name}: family={self.family!r} is unknown; "
-                             f"use one of {', '.join(FAMILIES)}")
+            raise TopologyError(f"level {self.name}: family={self.family!r} is unknown; "
+                                f"use one of {', '.join(FAMILIES)}")
         if self.bandwidth_gbps <= 0 or self.latency_us < 0 or self.overhead_us < 0 or self.links < 1:
-            raise ValueError(f"level {self.name}: need bandwidth_gbps > 0, latency_us >= 0, overhead_us >= 0 "
-                             f"and links >= 1")
+            raise TopologyError(f"level {self.name}: need bandwidth_gbps > 0, latency_us >= 0, overhead_us >= 0 "
+                                f"and links >= 1")
         if self.oversubscription < 1:
-            raise ValueError(f"level {self.name}: oversubscription={self.oversubscription} must be >= 1 "
-                             f"(1 = full bisection)")
+            raise TopologyError(f"level {self.name}: oversubscription={self.oversubscription} must be >= 1 "
+                                f"(1 = full bisection)")
         object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
 
 
@@ -87,13 +92,13 @@ class Topology:
 
     def __post_init__(self):
         if self.hosts < 1 or self.devices_per_host < 1:
-            raise ValueError(f"topology {self.name}: hosts and devices_per_host must be >= 1")
+            raise TopologyError(f"topology {self.name}: hosts and devices_per_host must be >= 1")
         if self.intra.dims and math.prod(self.intra.dims) != self.devices_per_host:
-            raise ValueError(f"topology {self.name}: intra dims {self.intra.dims} must multiply to "
-                             f"devices_per_host={self.devices_per_host}")
+            raise TopologyError(f"topology {self.name}: intra dims {self.intra.dims} must multiply to "
+                                f"devices_per_host={self.devices_per_host}")
         if self.device_memory_gb < 0 or self.storage_gbps < 0 or any(v <= 0 for v in self.peak_tflops.values()):
-            raise ValueError(f"topology {self.name}: device_memory_gb and storage_gbps must be >= 0 and every "
-                             f"peak_tflops value > 0")
+            raise TopologyError(f"topology {self.name}: device_memory_gb and storage_gbps must be >= 0 and every "
+                                f"peak_tflops value > 0")
 
     @property
     def num_devices(self) -> int:
@@ -190,7 +195,7 @@ def get_topology(name: str, hosts: int | None = None) -> Topology:
     elif name.endswith(".json") or pathlib.Path(name).is_file():
         topo = load_topology(name)
     else:
-        raise ValueError(f"--topology={name}: unknown; use one of {', '.join(PRESETS)} or a path to a .json file")
+        raise TopologyError(f"--topology={name}: unknown; use one of {', '.join(PRESETS)} or a path to a .json file")
     return topo.with_hosts(hosts) if hosts else topo
 
 
@@ -205,18 +210,18 @@ def topology_from_dict(d: Mapping, source: str = "topology") -> Topology:
     """Inverse of `topology_to_dict`; unknown or missing keys are one-line errors naming the key."""
     def level(key, spec):
         if not isinstance(spec, Mapping):
-            raise ValueError(f"{source}: '{key}' must be an object with family, bandwidth_gbps, latency_us")
+            raise TopologyError(f"{source}: '{key}' must be an object with family, bandwidth_gbps, latency_us")
         fields = {f.name for f in dataclasses.fields(Level)}
         extra = sorted(set(spec) - fields)
         if extra:
-            raise ValueError(f"{source}: '{key}.{extra[0]}' is not a level setting; use {', '.join(sorted(fields))}")
+            raise TopologyError(f"{source}: '{key}.{extra[0]}' is not a level setting; use {', '.join(sorted(fields))}")
         try:
             return Level(**{"name": key, **spec})
         except TypeError as e:
-            raise ValueError(f"{source}: '{key}' needs family, bandwidth_gbps and latency_us ({e})") from None
+            raise TopologyError(f"{source}: '{key}' needs family, bandwidth_gbps and latency_us ({e})") from None
     for key in ("hosts", "devices_per_host", "intra", "inter"):
         if key not in d:
-            raise ValueError(f"{source}: missing '{key}'; a topology needs hosts, devices_per_host, intra, inter")
+            raise TopologyError(f"{source}: missing '{key}'; a topology needs hosts, devices_per_host, intra, inter")
     try:
         planning = dict(device_memory_gb=float(d.get("device_memory_gb", 0.0)),
                         peak_tflops={str(k): float(v) for k, v in d.get("peak_tflops", {}).items()},
@@ -224,8 +229,8 @@ def topology_from_dict(d: Mapping, source: str = "topology") -> Topology:
                         matmul_efficiency={str(k): [[float(x), float(e)] for x, e in v]
                                            for k, v in d.get("matmul_efficiency", {}).items()})
     except (TypeError, ValueError, AttributeError):
-        raise ValueError(f"{source}: device_memory_gb and storage_gbps must be numbers, peak_tflops "
-                         f"{{dtype: TFLOP/s}} and matmul_efficiency {{dtype: [[dim, fraction], ...]}}") from None
+        raise TopologyError(f"{source}: device_memory_gb and storage_gbps must be numbers, peak_tflops "
+                            f"{{dtype: TFLOP/s}} and matmul_efficiency {{dtype: [[dim, fraction], ...]}}") from None
     return Topology(name=str(d.get("name", pathlib.Path(source).stem)), hosts=int(d["hosts"]),
                     devices_per_host=int(d["devices_per_host"]), intra=level("intra", d["intra"]),
                     inter=level("inter", d["inter"]),
@@ -236,11 +241,13 @@ def load_topology(path: str | pathlib.Path) -> Topology:
     path = pathlib.Path(path)
     if not path.is_file():
         hint = " (run `python -m mesh.bench --fit` to create it)" if path == local_file() else ""
-        raise ValueError(f"--topology={path}: no such file{hint}")
+        raise TopologyError(f"--topology={path}: no such file{hint}")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"--topology={path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        raise TopologyError(f"--topology={path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except OSError as e:
+        raise TopologyError(f"--topology={path}: cannot read it ({e.strerror})") from None
     return topology_from_dict(data, str(path))
 
 
@@ -313,8 +320,8 @@ def placement(mesh_or_sizes, axes: Sequence[str], topology: Topology, device_ord
     sizes, order = _sizes_and_order(mesh_or_sizes, device_order)
     axes = tuple(a for a in sizes if a in axes) if all(a in sizes for a in axes) else tuple(axes)
     if len(order) > topology.num_devices:
-        raise ValueError(f"topology {topology.name} has {topology.num_devices} devices but the mesh needs "
-                         f"{len(order)}; raise --hosts to {math.ceil(len(order) / topology.devices_per_host)}")
+        raise TopologyError(f"topology {topology.name} has {topology.num_devices} devices but the mesh needs "
+                            f"{len(order)}; raise --hosts to {math.ceil(len(order) / topology.devices_per_host)}")
     groups = groups_of(sizes, axes)
     phys = order[groups]
     host = phys // topology.devices_per_host

@@ -17,24 +17,17 @@ from ml_collections import config_dict
 
 import checkpoint
 import models
-from mesh import MeshConfigError, resolve_axis_sizes
-from models import ModelConfigError
+from mesh import resolve_axis_sizes
+from mesh.errors import UserError
 from models import attention as attention_lib
 from sharding import rules as sharding_rules
 from sharding import schedules
-from sharding.rules import ShardingConfigError
-from sharding.schedules import ScheduleConfigError
 from train import sections
 from train.data import datadir
-from train.data.datadir import DataConfigError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A training setting the user can fix; the message is one line naming the setting."""
-
-
-USER_ERRORS = (ConfigError, MeshConfigError, ModelConfigError, ShardingConfigError, ScheduleConfigError,
-               DataConfigError)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -292,7 +285,7 @@ def _long_sequences(config: ml_collections.ConfigDict, model: models.ModelConfig
 
 def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str | None = None) -> Plan:
     """Validate `config` for `num_devices` devices of `platform` (default: this process's first device's);
-    raises one of USER_ERRORS."""
+    raises a UserError (mesh/errors.py) naming the setting."""
     data = datadir.resolve(config.data, config.train.global_batch_size)
     model_values = config.model.to_dict()
     if data and data.vocab_size and model_values.get("vocab_size") is None:

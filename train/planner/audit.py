@@ -151,10 +151,7 @@ def project(records: list[dict], sizes: dict[str, int], topology_name: str, host
             flops_per_device: float, mfu: float) -> dict[str, Any]:
     """Predicted communication per step on `hosts` hosts of a topology preset (or file), scaling the
     `data` axis to fill the cluster with the per-device work unchanged (weak scaling)."""
-    try:
-        topo = topology_lib.get_topology(topology_name, hosts=hosts)
-    except (ValueError, OSError) as e:
-        raise ConfigError(str(e)) from None
+    topo = topology_lib.get_topology(topology_name, hosts=hosts)  # a TopologyError names --topology
     others = math.prod(s for a, s in sizes.items() if a != "data")
     if topo.num_devices % others:
         raise ConfigError(f"--hosts={hosts}: {topo.num_devices} devices cannot hold the non-data axes "

@@ -36,8 +36,8 @@ def efficiency(topo: topology_lib.Topology, dtype: str, dim: float) -> float:
 
 def peak_flops(topo: topology_lib.Topology, dtype: str) -> float:
     if dtype not in topo.peak_tflops:
-        raise ValueError(f"--topology={topo.name}: no peak_tflops for model.compute_dtype={dtype}; add "
-                         f"\"peak_tflops\": {{\"{dtype}\": TFLOPS}} to the topology file")
+        raise topology_lib.TopologyError(f"--topology={topo.name}: no peak_tflops for model.compute_dtype={dtype}; "
+                                         f"add \"peak_tflops\": {{\"{dtype}\": TFLOPS}} to the topology file")
     return topo.peak_tflops[dtype] * 1e12
 
 
