@@ -24,6 +24,8 @@ from sharding import rules as sharding_rules
 from sharding import schedules
 from train import sections
 from train.data import datadir
+from train.loop import actions
+from train.loop import metrics
 
 
 class ConfigError(UserError):
@@ -176,8 +178,6 @@ def _fault_tolerance(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_names(t: Any) -> None:
-    from train.loop import actions
-    from train.loop import metrics  # the registry fills as experiment files import
     for name in actions.names(t.loggers):
         if name not in metrics.LOGGERS:
             raise ConfigError(f"train.loggers={t.loggers!r}: unknown logger {name!r}; use {', '.join(metrics.LOGGERS)}")
