@@ -10,7 +10,7 @@ WORKDIR ?= runs/default
 # Files go out slowest first, in tests/conftest.py's order rather than xdist's (most tests first).
 TEST_WORKERS ?= 2
 
-.PHONY: train test install clean
+.PHONY: train test lint install clean
 
 install: $(STAMP)
 
@@ -30,6 +30,10 @@ $(HF_STAMP): $(STAMP)
 
 test: $(HF_STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+
+# ruff, configured in pyproject.toml; .ci/run runs it before the tests.
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf $(VENV) runs .cache

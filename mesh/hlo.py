@@ -330,14 +330,7 @@ def collectives(hlo_text: str, mesh) -> list[dict]:
             leaves = _arrays(shape)
             if opcode.endswith("-start"):
                 leaves = _start_payload(op, shape, leaves)
-            if op == "collective_permute":
-                pairs = _pairs(attrs)
-                groups = [list(p) for p in pairs if p[0] != p[1]]
-                spanned = axes_of_groups(groups, mesh)
-                size = math.prod(axis_sizes(mesh)[a] for a in spanned)
-            else:
-                groups = replica_groups(attrs, n) or [list(range(n))]
-                size = max(len(g) for g in groups)
+            groups, size = _groups(op, attrs, mesh, n)
             nbytes = _nbytes(leaves) * (size if op == "reduce_scatter" else 1)
             axes = axes_of_groups(groups, mesh)
             out.append({"op": op, "shape": leaves[0][1] if leaves else [], "dtype": leaves[0][0] if leaves else "",
@@ -348,6 +341,16 @@ def collectives(hlo_text: str, mesh) -> list[dict]:
                         "scalar": op == "all_reduce" and all(math.prod(d) == 1 for _, d in leaves),
                         "name": name})
     return out
+
+
+def _groups(op: str, attrs: str, mesh, n: int) -> tuple[list[list[int]], int]:
+    """A collective's device groups and how many devices one spans: a permute's are its (source, target)
+    pairs, whose size is that of the mesh axes they cross; the others' are their replica groups."""
+    if op == "collective_permute":
+        groups = [list(p) for p in _pairs(attrs) if p[0] != p[1]]
+        return groups, math.prod(axis_sizes(mesh)[a] for a in axes_of_groups(groups, mesh))
+    groups = replica_groups(attrs, n) or [list(range(n))]
+    return groups, max(len(g) for g in groups)
 
 
 def _start_payload(op, shape, leaves):

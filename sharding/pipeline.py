@@ -5,8 +5,9 @@ Same contract as train.step.model_loss_and_grad, so GPipe, 1F1B and interleaved 
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from sharding.rules import Rules
 
 PIPELINE = "pipeline"
 # FSDP inside the pipeline region: stage weights gathered (and gradients reduce-scattered) once per step;
-# see `build`. The compile report carries this so an audit knows to expect one fsdp all-gather per weight.
+# see StageProgram. The compile report carries this so an audit knows to expect one fsdp all-gather per weight.
 FSDP_GATHER = "once_per_step"
 
 
@@ -134,7 +135,26 @@ def branch_slot_counts(schedule: schedules.Schedule, train: bool = True) -> np.n
 
 def build(cfg: Any, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule,
           train: bool = True) -> Callable:
-    """fn(params, tokens [B, seq+1]) -> (loss, grads) (train) or loss: the pipelined model on `mesh`.
+    """fn(params, tokens [B, seq+1]) -> (loss, grads) (train) or loss: the pipelined model on `mesh`, the
+    shard_map of a StageProgram's region (manual over `pipeline` and the batch axes)."""
+    stage = StageProgram(cfg, mesh, rules, schedule, train)
+    out_specs = (P(), stage.param_in) if train else P()
+    return jax.shard_map(stage.region, mesh=mesh, in_specs=(stage.param_in, stage.batch_in), out_specs=out_specs,
+                         axis_names=set(stage.manual), check_vma=True)
+
+
+class DeviceOperands(NamedTuple):
+    """One device's operands of the slot loop, the same in every slot (traced inside the region)."""
+    d: jax.Array  # int32 []: this device's stage, its column of the slot program
+    stack: Any  # the stage's layers as v chunks: every leaf [v, Lc, ...]
+    top: Any  # the parameters outside the layer stack (embedding, final norm, head)
+    micro: jax.Array  # int32 [m, b, seq+1]: this device's rows of the batch as m microbatches
+    weight: Callable[[jax.Array], jax.Array] | None  # a microbatch's tokens -> its loss weight; None: 1/m
+    cells: list[Callable]  # the lax.switch branches, indexed by pipeline_stages' constants
+
+
+class StageProgram:
+    """The pipelined model on one layout, as one SPMD program.
 
     Per device (shard_map, manual over `pipeline` and the batch axes): its rows of the batch split into m
     microbatches; its stage's layers as v chunks. Each slot it runs its table cell, then `ppermute` carries
@@ -151,101 +171,124 @@ def build(cfg: Any, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.S
     trade made by DeepSpeed and Megatron-LM's distributed optimizer. Gradients and the loss are reduced
     over the batch axes once per step, after the loop.
     """
-    p, v, m = schedule.stages, schedule.virtual_stages, schedule.microbatches
-    sizes = axis_sizes(mesh)
-    assert sizes[PIPELINE] == p, (sizes, p)
-    assert p * v >= 2 and cfg.n_layers % (p * v) == 0, (cfg.n_layers, p, v)
-    manual = manual_axes(rules, sizes)
-    batch_axes = manual[1:]
-    replicas = math.prod(sizes[a] for a in batch_axes)
 
-    abstract, logical = models.abstract_params(cfg)
-    full_specs = sharding_specs.param_specs(abstract, logical, rules, sizes)
-    param_in = jax.tree.map(lambda s: _only(s, manual), full_specs, is_leaf=lambda x: isinstance(x, P))
-    batch_in = _only(sharding_specs.mesh_spec(P("batch", None), rules, None, sizes), manual)
-    auto_rules = {k: tuple(a for a in axes if a not in manual) for k, axes in rules.items()}
-    automatic = tuple(a for a in mesh.axis_names if a not in manual and sizes[a] > 1)
+    def __init__(self, cfg: Any, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule,
+                 train: bool):
+        p, v = schedule.stages, schedule.virtual_stages
+        sizes = axis_sizes(mesh)
+        assert sizes[PIPELINE] == p, (sizes, p)
+        assert p * v >= 2 and cfg.n_layers % (p * v) == 0, (cfg.n_layers, p, v)
+        self.cfg, self.train, self.v, self.m = cfg, train, v, schedule.microbatches
+        self.manual = manual = manual_axes(rules, sizes)
+        self.batch_axes = manual[1:]
+        self.replicas = math.prod(sizes[a] for a in self.batch_axes)
 
-    constrain = AutoAxesHints(auto_rules, sizes)
+        abstract, logical = models.abstract_params(cfg)
+        self.full_specs = sharding_specs.param_specs(abstract, logical, rules, sizes)
+        self.param_in = jax.tree.map(lambda s: _only(s, manual), self.full_specs, is_leaf=lambda x: isinstance(x, P))
+        self.batch_in = _only(sharding_specs.mesh_spec(P("batch", None), rules, None, sizes), manual)
+        auto_rules = {k: tuple(a for a in axes if a not in manual) for k, axes in rules.items()}
+        self.automatic = tuple(a for a in mesh.axis_names if a not in manual and sizes[a] > 1)
+        self.constrain = AutoAxesHints(auto_rules, sizes)
 
-    program = slot_program(schedule, train)
-    act_entries, grad_entries = (int(n) for n in program.pop("sizes"))
-    count_targets = models.target_counter(cfg)
-    ring = v > 1  # only interleaving sends from the last stage back to the first
-    to_next = [(d, (d + 1) % p) for d in range(p if ring else p - 1)]
-    to_prev = [((d + 1) % p, d) for d in range(p if ring else p - 1)]
+        self.program = slot_program(schedule, train)
+        self.act_entries, self.grad_entries = (int(n) for n in self.program.pop("sizes"))
+        self.count_targets = models.target_counter(cfg)
+        ring = v > 1  # only interleaving sends from the last stage back to the first
+        self.to_next = [(d, (d + 1) % p) for d in range(p if ring else p - 1)]
+        self.to_prev = [((d + 1) % p, d) for d in range(p if ring else p - 1)]
 
-    def gather(x, spec):  # FSDP: the whole stage's weights, once per step
-        sharded = sharding_specs.sharded_dims(_only(spec, manual, drop=(PIPELINE,)))
-
-        def fn(x):
-            for dim, axes in sharded:
-                x = jax.lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
-            return x
-        return _on_local_shards(fn, x, spec, automatic) if sharded else x
-
-    def reduce(g, spec, is_layer):  # once per step: scatter back to the FSDP shards, then sum over the rest
-        sharded = sharding_specs.sharded_dims(_only(spec, manual, drop=(PIPELINE,)))
-
-        def scatter(g):  # first, so the all-reduce below moves a shard rather than the whole stage
-            for dim, axes in sharded:
-                g = jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=dim, tiled=True)
-            return g
-        g = _on_local_shards(scatter, g, spec, automatic) if sharded else g
-        in_spec = {a for _, axes in sharded for a in axes}
-        # Embedding and head gradients exist on the first and last stage only; every stage holds a replica.
-        summed = tuple(a for a in batch_axes if a not in in_spec) + (() if is_layer else (PIPELINE,))
-        return (jax.lax.psum(g, summed) if summed else g) / replicas
-
-    def region(params, tokens):
-        d = jax.lax.axis_index(PIPELINE)
-        params = jax.tree.map(gather, params, full_specs)  # full specs: the gather keeps the tensor split
-        params = stages.make_varying(params, manual)
-        stack = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), params[models.LAYERS])
-        top = models.top_params(params)
-        b = tokens.shape[0] // m
-        micro = tokens.reshape(m, b, tokens.shape[1])
-        weight = None if count_targets is None else _microbatch_weight(count_targets, tokens, batch_axes, replicas)
-        fns = stages.branches(cfg, constrain, manual, 1.0 / m if weight is None else weight)
-        assert len(fns) == stages.NUM_BRANCHES, len(fns)  # branch_slot_counts and the audit index by these
-        dt = jnp.dtype(cfg.compute_dtype)
-        act_shape = (b, tokens.shape[1] - 1, cfg.d_model)
-        carry = dict(acts=jnp.zeros((act_entries, *act_shape), dt), grads=jnp.zeros((grad_entries, *act_shape), dt),
-                     loss=jnp.zeros((), jnp.float32))
-        if train:
-            carry.update(g_stack=jax.tree.map(jnp.zeros_like, stack), g_top=jax.tree.map(jnp.zeros_like, top))
-        carry = stages.make_varying(carry, manual)
-
-        def slot(carry, row):
-            cell = {k: a[d] for k, a in row.items()}
-            chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, cell["chunk"], 0, keepdims=False), stack)
-            ops = (chunk, top, micro[cell["mb"]], carry["acts"][cell["act_read"]], carry["grads"][cell["grad_read"]])
-            y, g_x, g_chunk, g_top, loss = jax.lax.switch(cell["branch"], fns, ops)
-            weighted = loss / m if weight is None else loss * weight(micro[cell["mb"]])
-            new = dict(carry, loss=carry["loss"] + weighted)
-            # Send, then store what arrived (schedule_buffers' order), so an entry freed in this slot is reusable.
-            new["acts"] = _store(carry["acts"], jax.lax.ppermute(y, PIPELINE, to_next), cell["act_write"])
-            if train:
-                # Every cell returns chunk and top gradients (zeros unless it is a backward), since switch
-                # branches share one output type; the add costs one pass over the chunk's gradient, small next
-                # to the chunk's matmuls on a microbatch.
-                new["grads"] = _store(carry["grads"], jax.lax.ppermute(g_x, PIPELINE, to_prev), cell["grad_write"])
-                new["g_stack"] = jax.tree.map(lambda acc, g: _add_at(acc, g, cell["chunk"]), carry["g_stack"], g_chunk)
-                new["g_top"] = jax.tree.map(jnp.add, carry["g_top"], g_top)
-            return new, None
-
-        carry, _ = jax.lax.scan(slot, carry, {k: jnp.asarray(a) for k, a in program.items()})
-        loss = jax.lax.psum(carry["loss"], manual) / replicas
-        if not train:
+    def region(self, params: Any, tokens: jax.Array) -> Any:
+        """The body of the shard_map: gather the stage, scan the slot program, reduce loss and gradients."""
+        device = self.device(params, tokens)
+        carry = self.initial_carry(device, tokens)
+        carry, _ = jax.lax.scan(functools.partial(self.slot, device), carry,
+                                {k: jnp.asarray(a) for k, a in self.program.items()})
+        loss = jax.lax.psum(carry["loss"], self.manual) / self.replicas
+        if not self.train:
             return loss
         g_layers = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry["g_stack"])
         grads = {**carry["g_top"], models.LAYERS: g_layers}
-        grads = {k: jax.tree.map(lambda g, s: reduce(g, s, k == models.LAYERS), grads[k], full_specs[k]) for k in grads}
-        return loss, grads
+        return loss, {k: jax.tree.map(functools.partial(self.reduce, is_layer=k == models.LAYERS), grads[k],
+                                      self.full_specs[k]) for k in grads}
 
-    out_specs = (P(), param_in) if train else P()
-    return jax.shard_map(region, mesh=mesh, in_specs=(param_in, batch_in), out_specs=out_specs,
-                         axis_names=set(manual), check_vma=True)
+    def device(self, params: Any, tokens: jax.Array) -> DeviceOperands:
+        """This device's stage (its FSDP shards gathered), its microbatches and its cell programs."""
+        d = jax.lax.axis_index(PIPELINE)
+        params = jax.tree.map(self.gather, params, self.full_specs)  # full specs: the gather keeps the tensor split
+        params = stages.make_varying(params, self.manual)
+        v, m = self.v, self.m
+        stack = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), params[models.LAYERS])
+        top = models.top_params(params)
+        micro = tokens.reshape(m, tokens.shape[0] // m, tokens.shape[1])
+        weight = (None if self.count_targets is None
+                  else _microbatch_weight(self.count_targets, tokens, self.batch_axes, self.replicas))
+        cells = stages.branches(self.cfg, self.constrain, self.manual, 1.0 / m if weight is None else weight)
+        assert len(cells) == stages.NUM_BRANCHES, len(cells)  # branch_slot_counts and the audit index by these
+        return DeviceOperands(d, stack, top, micro, weight, cells)
+
+    def initial_carry(self, device: DeviceOperands, tokens: jax.Array) -> dict[str, Any]:
+        """The scan's carry: the two message buffers [entries, b, seq, D], the loss and, when training, the
+        gradient accumulators of the stage's chunks and of the top parameters."""
+        dt = jnp.dtype(self.cfg.compute_dtype)
+        act_shape = (tokens.shape[0] // self.m, tokens.shape[1] - 1, self.cfg.d_model)
+        carry = dict(acts=jnp.zeros((self.act_entries, *act_shape), dt),
+                     grads=jnp.zeros((self.grad_entries, *act_shape), dt), loss=jnp.zeros((), jnp.float32))
+        if self.train:
+            carry.update(g_stack=jax.tree.map(jnp.zeros_like, device.stack),
+                         g_top=jax.tree.map(jnp.zeros_like, device.top))
+        return stages.make_varying(carry, self.manual)
+
+    def slot(self, device: DeviceOperands, carry: dict[str, Any],
+             row: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
+        """One time slot (one row of the slot program): run this device's cell, send, store what arrived."""
+        cell = {k: a[device.d] for k, a in row.items()}
+        chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, cell["chunk"], 0, keepdims=False), device.stack)
+        ops = (chunk, device.top, device.micro[cell["mb"]], carry["acts"][cell["act_read"]],
+               carry["grads"][cell["grad_read"]])
+        y, g_x, g_chunk, g_top, loss = jax.lax.switch(cell["branch"], device.cells, ops)
+        weighted = loss / self.m if device.weight is None else loss * device.weight(device.micro[cell["mb"]])
+        new = dict(carry, loss=carry["loss"] + weighted)
+        # Send, then store what arrived (schedule_buffers' order), so an entry freed in this slot is reusable.
+        new["acts"] = _store(carry["acts"], jax.lax.ppermute(y, PIPELINE, self.to_next), cell["act_write"])
+        if self.train:
+            # Every cell returns chunk and top gradients (zeros unless it is a backward), since switch
+            # branches share one output type; the add costs one pass over the chunk's gradient, small next
+            # to the chunk's matmuls on a microbatch.
+            new["grads"] = _store(carry["grads"], jax.lax.ppermute(g_x, PIPELINE, self.to_prev), cell["grad_write"])
+            new["g_stack"] = jax.tree.map(lambda acc, g: _add_at(acc, g, cell["chunk"]), carry["g_stack"], g_chunk)
+            new["g_top"] = jax.tree.map(jnp.add, carry["g_top"], g_top)
+        return new, None
+
+    def gather(self, x: jax.Array, spec: P) -> jax.Array:
+        """FSDP: the whole stage's weights, once per step."""
+        sharded = sharding_specs.sharded_dims(_only(spec, self.manual, drop=(PIPELINE,)))
+        if not sharded:
+            return x
+        return _on_local_shards(functools.partial(_all_gather, sharded=sharded), x, spec, self.automatic)
+
+    def reduce(self, g: jax.Array, spec: P, is_layer: bool) -> jax.Array:
+        """Once per step: scatter back to the FSDP shards (first, so the all-reduce moves a shard rather than
+        the whole stage), then sum over the other batch axes; mean over the batch replicas."""
+        sharded = sharding_specs.sharded_dims(_only(spec, self.manual, drop=(PIPELINE,)))
+        if sharded:
+            g = _on_local_shards(functools.partial(_reduce_scatter, sharded=sharded), g, spec, self.automatic)
+        in_spec = {a for _, axes in sharded for a in axes}
+        # Embedding and head gradients exist on the first and last stage only; every stage holds a replica.
+        summed = tuple(a for a in self.batch_axes if a not in in_spec) + (() if is_layer else (PIPELINE,))
+        return (jax.lax.psum(g, summed) if summed else g) / self.replicas
+
+
+def _all_gather(x: jax.Array, sharded: list) -> jax.Array:
+    for dim, axes in sharded:
+        x = jax.lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+    return x
+
+
+def _reduce_scatter(g: jax.Array, sharded: list) -> jax.Array:
+    for dim, axes in sharded:
+        g = jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=dim, tiled=True)
+    return g
 
 
 def _on_local_shards(fn: Callable, x: jax.Array, spec: P, automatic: tuple[str, ...]) -> jax.Array:

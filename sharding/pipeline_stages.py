@@ -1,8 +1,6 @@
 """The work of one pipeline cell: a model chunk's forward, or its backward by `jax.vjp` (recomputing the
 chunk's forward from its kept input), with the embedding on the first chunk and the head and loss on the last,
 all through the model contract (models/contract.py), so any family pipelines.
-
-The executor picks one of these branches per time slot with `lax.switch`, so all of them share one signature.
 """
 from __future__ import annotations
 
@@ -47,7 +45,14 @@ LossScale = Union[float, Callable[[jax.Array], jax.Array]]  # 1/m, or a microbat
 
 def branches(cfg: Any, constrain: Constrain, manual: tuple[str, ...],
              loss_scale: LossScale) -> list[Callable[[Operands], Outputs]]:
-    """The seven cell programs, indexed by the constants above.
+    """The seven cell programs, indexed by the constants above (see Cells). The executor picks one per time
+    slot with `lax.switch`, so all of them share one signature."""
+    cells = Cells(cfg, constrain, manual, loss_scale)
+    return [cells.idle, cells.fwd_first, cells.fwd_mid, cells.fwd_last, cells.bwd_first, cells.bwd_mid, cells.bwd_last]
+
+
+class Cells:
+    """The cell programs of one model inside the pipeline region: every branch takes Operands, returns Outputs.
 
     Forward cells of PipeDream-Flush / GPipe run the chunk and keep nothing: the executor keeps the chunk's
     input, and the backward cell recomputes the forward inside `jax.vjp` (GPipe's re-materialization,
@@ -60,65 +65,77 @@ def branches(cfg: Any, constrain: Constrain, manual: tuple[str, ...],
     embedding gets its gradient from both ends; a chunk's auxiliary loss (mixture of experts) is added to
     the loss of the cell that runs it, and its backward seeded like the main loss.
     """
-    cdt = jnp.dtype(cfg.compute_dtype)
-    family = models.family_of(cfg)
 
-    def zeros(tree):
-        return make_varying(jax.tree.map(jnp.zeros_like, tree), manual)
+    def __init__(self, cfg: Any, constrain: Constrain, manual: tuple[str, ...], loss_scale: LossScale):
+        self.cfg, self.constrain, self.manual, self.loss_scale = cfg, constrain, manual, loss_scale
+        self.cdt = jnp.dtype(cfg.compute_dtype)
+        self.family = models.family_of(cfg)
 
-    def layers(chunk, x, tokens):  # (x, aux loss varying like the loss, so its seed has its type)
-        y, aux = family.run_layers(chunk, x, tokens[:, :-1], cfg, constrain)
-        return y, make_varying(aux, manual)
+    # --------------------------------------------------------------------- the model's pieces, per chunk place
 
-    def first(chunk, top, tokens):
-        return layers(chunk, family.embed(top, tokens[:, :-1], cfg, constrain), tokens)
+    def zeros(self, tree: Any) -> Any:
+        return make_varying(jax.tree.map(jnp.zeros_like, tree), self.manual)
 
-    def mid(chunk, x, tokens):
-        return layers(chunk, x, tokens)
+    def layers(self, chunk: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(x, aux loss varying like the loss, so its seed has its type)."""
+        y, aux = self.family.run_layers(chunk, x, tokens[:, :-1], self.cfg, self.constrain)
+        return y, make_varying(aux, self.manual)
 
-    def last(chunk, top, x, tokens):
-        y, aux = layers(chunk, x, tokens)
-        return family.head_loss(top, y, tokens[:, 1:], cfg, constrain, models.loss_mask(tokens[:, :-1], cfg)) + aux
+    def first(self, chunk: Any, top: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self.layers(chunk, self.family.embed(top, tokens[:, :-1], self.cfg, self.constrain), tokens)
 
-    def idle(ops: Operands) -> Outputs:
+    def mid(self, chunk: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self.layers(chunk, x, tokens)
+
+    def last(self, chunk: Any, top: Any, x: jax.Array, tokens: jax.Array) -> jax.Array:
+        y, aux = self.layers(chunk, x, tokens)
+        targets, mask = tokens[:, 1:], models.loss_mask(tokens[:, :-1], self.cfg)
+        return self.family.head_loss(top, y, targets, self.cfg, self.constrain, mask) + aux
+
+    def seed(self, tokens: jax.Array) -> jax.Array:
+        """The cotangent of a cell's loss: this microbatch's share of the mean loss."""
+        scale = self.loss_scale(tokens) if callable(self.loss_scale) else self.loss_scale
+        return make_varying(jnp.asarray(scale, jnp.float32), self.manual)
+
+    # --------------------------------------------------------------------- the branches
+
+    def idle(self, ops: Operands) -> Outputs:
         chunk, top, _, x_in, _ = ops
-        return zeros(x_in), zeros(x_in), zeros(chunk), zeros(top), zeros(jnp.zeros((), jnp.float32))
+        return self.zeros(x_in), self.zeros(x_in), self.zeros(chunk), self.zeros(top), self._no_loss()
 
-    def fwd_first(ops):
+    def fwd_first(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, _ = ops
-        y, aux = first(chunk, top, tokens)
-        return y.astype(cdt), zeros(x_in), zeros(chunk), zeros(top), make_varying(aux, manual)
+        y, aux = self.first(chunk, top, tokens)
+        return y.astype(self.cdt), self.zeros(x_in), self.zeros(chunk), self.zeros(top), make_varying(aux, self.manual)
 
-    def fwd_mid(ops):
+    def fwd_mid(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, _ = ops
-        y, aux = mid(chunk, x_in, tokens)
-        return y, zeros(x_in), zeros(chunk), zeros(top), make_varying(aux, manual)
+        y, aux = self.mid(chunk, x_in, tokens)
+        return y, self.zeros(x_in), self.zeros(chunk), self.zeros(top), make_varying(aux, self.manual)
 
-    def fwd_last(ops):  # the loss is read here; the backward recomputes it
+    def fwd_last(self, ops: Operands) -> Outputs:
+        """The loss is read here; the backward recomputes it."""
         chunk, top, tokens, x_in, _ = ops
-        loss = last(chunk, top, x_in, tokens)
-        return zeros(x_in), zeros(x_in), zeros(chunk), zeros(top), make_varying(loss, manual)
+        loss = self.last(chunk, top, x_in, tokens)
+        return self.zeros(x_in), self.zeros(x_in), self.zeros(chunk), self.zeros(top), make_varying(loss, self.manual)
 
-    def seed(tokens):
-        scale = loss_scale(tokens) if callable(loss_scale) else loss_scale
-        return make_varying(jnp.asarray(scale, jnp.float32), manual)
-
-    def bwd_first(ops):
+    def bwd_first(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, g_in = ops
-        _, pullback = jax.vjp(lambda c, t: first(c, t, tokens), chunk, top)
-        g_chunk, g_top = pullback((g_in, seed(tokens)))
-        return zeros(x_in), zeros(x_in), g_chunk, g_top, zeros(jnp.zeros((), jnp.float32))
+        _, pullback = jax.vjp(lambda c, t: self.first(c, t, tokens), chunk, top)
+        g_chunk, g_top = pullback((g_in, self.seed(tokens)))
+        return self.zeros(x_in), self.zeros(x_in), g_chunk, g_top, self._no_loss()
 
-    def bwd_mid(ops):
+    def bwd_mid(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, g_in = ops
-        _, pullback = jax.vjp(lambda c, x: mid(c, x, tokens), chunk, x_in)
-        g_chunk, g_x = pullback((g_in, seed(tokens)))
-        return zeros(x_in), g_x, g_chunk, zeros(top), zeros(jnp.zeros((), jnp.float32))
+        _, pullback = jax.vjp(lambda c, x: self.mid(c, x, tokens), chunk, x_in)
+        g_chunk, g_x = pullback((g_in, self.seed(tokens)))
+        return self.zeros(x_in), g_x, g_chunk, self.zeros(top), self._no_loss()
 
-    def bwd_last(ops):
+    def bwd_last(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, _ = ops
-        _, pullback = jax.vjp(lambda c, t, x: last(c, t, x, tokens), chunk, top, x_in)
-        g_chunk, g_top, g_x = pullback(seed(tokens))
-        return zeros(x_in), g_x, g_chunk, g_top, zeros(jnp.zeros((), jnp.float32))
+        _, pullback = jax.vjp(lambda c, t, x: self.last(c, t, x, tokens), chunk, top, x_in)
+        g_chunk, g_top, g_x = pullback(self.seed(tokens))
+        return self.zeros(x_in), g_x, g_chunk, g_top, self._no_loss()
 
-    return [idle, fwd_first, fwd_mid, fwd_last, bwd_first, bwd_mid, bwd_last]
+    def _no_loss(self) -> jax.Array:
+        return self.zeros(jnp.zeros((), jnp.float32))

@@ -5,6 +5,7 @@ import json
 from experiments.tiny import get_config
 from mesh.layout import axis_sizes
 from train import config as run_config
+from train.planner import auto as planner_auto
 from train.trainer import Trainer
 
 
@@ -13,7 +14,7 @@ def test_config_json_of_an_auto_run_holds_the_mesh_it_used(tmp_path):
     config.data.source = "synthetic"
     config.plan.auto = True
     assert config.mesh.data == -1  # the user's mesh is not what runs
-    trainer = Trainer.build(config, 8)
+    trainer = Trainer.build(planner_auto.apply(config, 8), 8)  # as train/loop/runner.py does
     used = axis_sizes(trainer.mesh)
     assert trainer.config.mesh.to_dict() == used  # loop._compile writes trainer.config to config.json
     (tmp_path / "config.json").write_text(json.dumps({"config": trainer.config.to_dict()}))

@@ -53,8 +53,8 @@ class FaultSection:
 
     @property
     def in_loop(self) -> bool:
-        """A fault the loop injects (a delay or a hang); nan_at_step lives in the compiled step."""
-        return bool(self.step_delay_s or self.hang_at_step)
+        """A fault the loop injects: a delay, a hang, or NaN parameters at a step (train/loop/faults.py)."""
+        return bool(self.step_delay_s or self.hang_at_step or self.nan_at_step)
 
 
 @dataclasses.dataclass(frozen=True)

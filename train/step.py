@@ -77,8 +77,7 @@ def accumulate(loss_and_grad: LossAndGrad, accum: int, batch_sharding: NamedShar
 
 
 def make_train_step(loss_and_grad: LossAndGrad, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    layout: Layout, *, skip_nonfinite: bool = False, nan_at_step: int = 0,
-                    return_grads: bool = False):
+                    layout: Layout, *, skip_nonfinite: bool = False, return_grads: bool = False):
     """jit(state, batch) -> (state, metrics); metrics are replicated scalars. On accelerators the state
     is donated (its buffers become the new state's, halving its memory); XLA's CPU backend instead adds
     copies around the layer scan when the state is donated (8% slower, more temp memory, measured on the
@@ -86,7 +85,7 @@ def make_train_step(loss_and_grad: LossAndGrad, tx: optax.GradientTransformation
 
     `skip_nonfinite`: a step whose loss or gradient norm is not finite leaves params and optimizer state
     as they were (decided inside the step, so a bad update never reaches the state) and reports
-    `skipped`=1. `nan_at_step` (fault injection, for tests) makes step number k's loss and gradients NaN.
+    `skipped`=1.
 
     `return_grads`: jit(state, batch) -> (state, metrics, grads), the (accumulated, pinned) gradients the
     update used, laid out as the parameters: tests and debugging read the gradients of a step without
@@ -98,9 +97,6 @@ def make_train_step(loss_and_grad: LossAndGrad, tx: optax.GradientTransformation
         loss, grads = loss_and_grad(state["params"], tokens)
         values = loss if isinstance(loss, dict) else {}  # a mixture's metrics (model_loss_and_grad)
         loss = values.pop("loss", loss)
-        if nan_at_step:
-            poison = jnp.where(state["step"] + 1 == nan_at_step, jnp.nan, 1.0).astype(loss.dtype)
-            loss, grads = loss * poison, jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
         # Pin gradients to the parameters' layout: under FSDP this makes the reduction a reduce-scatter.
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         grad_norm = optax.tree.norm(grads)
@@ -122,8 +118,8 @@ def make_train_step(loss_and_grad: LossAndGrad, tx: optax.GradientTransformation
 
 
 def guard_options(plan) -> dict:
-    """make_train_step's non-finite policy and fault injection (tests only), from the plan."""
-    return {"skip_nonfinite": plan.train.on_nonfinite == "skip", "nan_at_step": plan.faults.nan_at_step}
+    """make_train_step's non-finite policy, from the plan (fault injection is the loop's: train/loop/faults.py)."""
+    return {"skip_nonfinite": plan.train.on_nonfinite == "skip"}
 
 
 def make_eval_step(cfg: models.ModelConfig, layout: Layout, loss_fn: Callable | None = None, accum: int = 1):

@@ -17,7 +17,6 @@ from train.data import loader as data_lib
 from train import state as state_lib
 from train import step as step_lib
 from train.config import Plan, resolve
-from train.planner import auto as planner_auto
 
 
 @dataclasses.dataclass
@@ -35,10 +34,9 @@ class Trainer:
 
     @classmethod
     def build(cls, config: ml_collections.ConfigDict, num_devices: int | None = None) -> "Trainer":
-        """Validate (raising a one-line user error), then lay out; nothing is compiled or allocated yet."""
-        n = num_devices or jax.device_count()
-        config = planner_auto.apply(config, n)  # plan.auto: the planner's layout replaces mesh.* (printed)
-        plan = resolve(config, n)
+        """Validate (raising a one-line user error), then lay out exactly the layout `config` gives (plan.auto
+        is the entry point's: train/loop/runner.py applies the planner first); nothing is compiled or allocated yet."""
+        plan = resolve(config, num_devices or jax.device_count())
         source = data_lib.load(plan.source, plan.model.vocab_size, plan.model.seq_len + 1, plan.data)
         mesh = make_mesh(plan.mesh_sizes, num_devices=num_devices)
         tx, schedule = state_lib.make_optimizer(plan.optimizer, plan.decay_steps)

@@ -3,24 +3,28 @@
 whose `step_actions` documents the order they all run in (user actions run after the save of step s and
 before the preemption stop). Actions run on every process; only process 0 writes files.
 
-A user action comes from an experiment file: `actions.register("name", factory)` where
-`factory(config)` returns an object with `due(step) -> bool` and `run(step, state, metrics) -> dict | None`
-(a returned dict is logged as a metrics record at that step); list it in `train.actions = "name"`.
+A user action comes from an experiment file: `actions.register("name", factory)` where `factory(config)`
+returns an object with the one signature every loop action has, built-in or not:
+    due(info: StepInfo) -> bool
+    run(info: StepInfo) -> Update | None
+`info` is a frozen record of step `info.step`: `state` (the train state after it), `metrics` (its metrics
+as device arrays), the agreed stop/save `decision`, and more (train/loop/info.py). `Update.log(record)`
+logs `record` as a metrics record at that step; `Update(state=...)` replaces the state the next step
+starts from. `Every(n, fn)` runs `fn(info) -> dict | None` every n steps, logging the dict it returns.
+List the names in `train.actions = "name"`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping
 
-REGISTRY: dict[str, Callable[[Any], "UserAction"]] = {}
+from train.loop.info import Action, StepInfo, Update
 
+__all__ = ["Action", "Every", "REGISTRY", "StepInfo", "Update", "build", "names", "register"]
 
-class UserAction(Protocol):
-    def due(self, step: int) -> bool: ...
-
-    def run(self, step: int, state: Any, metrics: dict[str, Any]) -> dict[str, float] | None: ...
+REGISTRY: dict[str, Callable[[Any], Action]] = {}
 
 
-def register(name: str, factory: Callable[[Any], UserAction]) -> None:
+def register(name: str, factory: Callable[[Any], Action]) -> None:
     """Make `name` usable in `train.actions`; `factory(config)` builds the action once per run."""
     REGISTRY[name] = factory
 
@@ -31,19 +35,20 @@ def names(text: str) -> tuple[str, ...]:
 
 
 class Every:
-    """A user action that calls `fn(step, state, metrics)` every `steps` steps."""
+    """A user action that calls `fn(info)` every `steps` steps and logs the record it returns, if any."""
 
-    def __init__(self, steps: int, fn: Callable[[int, Any, dict[str, Any]], dict[str, float] | None]):
+    def __init__(self, steps: int, fn: Callable[[StepInfo], Mapping[str, float] | None]):
         self.steps, self.fn = steps, fn
 
-    def due(self, step: int) -> bool:
-        return step % self.steps == 0
+    def due(self, info: StepInfo) -> bool:
+        return info.step % self.steps == 0
 
-    def run(self, step: int, state: Any, metrics: dict[str, Any]) -> dict[str, float] | None:
-        return self.fn(step, state, metrics)
+    def run(self, info: StepInfo) -> Update | None:
+        record = self.fn(info)
+        return Update.log(record) if record else None
 
 
-def build(listed: tuple[str, ...], config: Any) -> list[UserAction]:
+def build(listed: tuple[str, ...], config: Any) -> list[Action]:
     """The actions `listed` (Plan.train.actions), each from its factory; `config` is handed to the factories
     untouched: an experiment's own action may read its own settings there, train/ reads none of it."""
     return [REGISTRY[name](config) for name in listed]

@@ -1,6 +1,6 @@
-"""The training run: validate, compile (with the fits-in-memory check and the compile report), resume or
-initialize, then hand the loop to train/loop/scheduler.py (checkpoints, preemption, evaluation, logging,
-watchdog and goodput as periodic actions, ordered as train/loop/actions.py documents)."""
+"""The training run: plan (plan.auto), validate, compile (with the fits-in-memory check and the compile report),
+resume or initialize, then hand the loop to train/loop/scheduler.py (checkpoints, preemption, evaluation,
+logging, watchdog and goodput as periodic actions, ordered as train/loop/builtin.py documents)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,26 +16,27 @@ import ml_collections
 import numpy as np
 
 import checkpoint
-from train.loop import actions as actions_lib
-from train.planner import audit as audit_lib
-from train.loop import exit_codes
-from train.runtime import hardware
-from train.loop import preemption
-from train.planner import compile_report as report_lib
+from train.config import ConfigError, Plan
 from train.data import loader as data_lib
+from train.loop import actions as actions_lib
+from train.loop import exit_codes
+from train.loop import preemption
 from train.loop import resume
+from train.loop.builtin import say
+from train.loop.goodput import Goodput
+from train.loop.info import Services
+from train.loop.metrics import MetricsLog
+from train.loop.saver import Saver
+from train.loop.scheduler import Outcome, Scheduler
+from train.loop.watchdog import Watchdog
+from train.planner import audit as audit_lib
+from train.planner import auto as planner_auto
+from train.planner import compile_report as report_lib
+from train.runtime import hardware
 from train.runtime import versions
 from train.runtime import xla_env
 from train.runtime.hardware import GiB
-from train.loop.builtin import say
-from train.config import ConfigError
-from train.loop.goodput import Goodput
-from train.loop.metrics import MetricsLog
-from train.loop.saver import Saver
-from train.loop.scheduler import Scheduler, Services
 from train.trainer import Trainer
-from train.loop.watchdog import Watchdog
-
 
 
 def prepare_workdir(workdir: str) -> pathlib.Path:
@@ -72,7 +73,7 @@ class Options:
 class Compiled:
     """A validated run with its compiled step and compile report."""
     trainer: Trainer
-    compiled: Any
+    compiled: jax.stages.Compiled
     rep: dict[str, Any]
     peak_tflops: float
     info: dict[str, Any]  # config.json's content: what the loggers record as the run's config
@@ -90,6 +91,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, compile_only: bool =
 
 def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.StopSignals,
          options: Options) -> dict[str, Any]:
+    # plan.auto: the planner's layout replaces mesh.* and the layout knobs (printed); the trainer then
+    # builds exactly the layout of the config it is given.
+    config = planner_auto.apply(config, jax.device_count())
     trainer = Trainer.build(config)  # every user error is raised here, before the workdir is touched
     path = prepare_workdir(workdir)  # only creates the directory; nothing in it is touched yet
     if not options.compile_only:
@@ -136,12 +140,7 @@ def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preempti
     """Resume (or start), then loop; the exit paths (done, preempted, non-finite, failed save) all wait
     for the save in flight and record goodput."""
     trainer, plan = run.trainer, run.trainer.plan
-    enabled = plan.checkpoint.enabled
-    if not enabled:
-        say(f"warning: checkpoint.enabled=False: this run writes no checkpoint (an existing one in {path} "
-            f"is restored, never overwritten); a crash or preemption loses its progress")
-    ckpts = checkpoint.Checkpoints(path / "checkpoints", keep=plan.checkpoint.keep,
-                                   keep_period=plan.checkpoint.keep_period, read_only=not enabled)
+    ckpts = _open_checkpoints(plan, path)
     begin = resume.start(trainer, ckpts, say)
     goodput.add("init_s" if begin.origin == "initialized" else "restore_s", begin.seconds)
     if begin.step >= plan.steps:
@@ -154,14 +153,24 @@ def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preempti
     peak = hardware.peak_flops_per_device(plan.model.compute_dtype, run.peak_tflops) * jax.device_count()
     with Watchdog(plan.train.step_timeout_s, exit_codes.WATCHDOG,
                   before_exit=lambda: goodput.flush(exit_codes.WATCHDOG)) as dog:
-        services = Services(trainer, run.compiled, path, log, saver, goodput, signals, dog, run.rep, peak)
-        state, last = _supervised(Scheduler(services, begin, actions_lib.build(plan.train.actions, trainer.config)))
-    summary = _summary(last, run.rep, path, peak)
+        services = Services(trainer, run.compiled, path, log, saver, goodput, signals, preemption.Agreement(),
+                            dog, begin.rng, run.rep, peak)
+        outcome = _supervised(Scheduler(services, begin, actions_lib.build(plan.train.actions, trainer.config)))
+    summary = _summary(outcome, run.rep, path, peak)
     say(f"done: loss {summary['final_loss']:.4f}, eval loss {summary['eval_loss']:.4f}, "
         f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}%; {goodput.line()}; outputs in "
         f"{path} (metrics.jsonl, goodput.json, checkpoints/, compile_report.json, config.json, tensorboard/)")
     sys.stdout.flush()
-    return {"state": state, "summary": summary, "compile_report": run.rep}
+    return {"state": outcome.state, "summary": summary, "compile_report": run.rep}
+
+
+def _open_checkpoints(plan: Plan, path: pathlib.Path) -> checkpoint.Checkpoints:
+    enabled = plan.checkpoint.enabled
+    if not enabled:
+        say(f"warning: checkpoint.enabled=False: this run writes no checkpoint (an existing one in {path} "
+            f"is restored, never overwritten); a crash or preemption loses its progress")
+    return checkpoint.Checkpoints(path / "checkpoints", keep=plan.checkpoint.keep,
+                                  keep_period=plan.checkpoint.keep_period, read_only=not enabled)
 
 
 def _open_log(run: Compiled, path: pathlib.Path, begin: resume.Start) -> MetricsLog:
@@ -181,17 +190,17 @@ def _open_log(run: Compiled, path: pathlib.Path, begin: resume.Start) -> Metrics
     return log
 
 
-def _supervised(scheduler: Scheduler) -> tuple[Any, dict[str, Any]]:
+def _supervised(scheduler: Scheduler) -> Outcome:
     """Run the loop; whatever ends it, let the save in flight commit, close the log, record goodput."""
     saver, log, goodput = scheduler.s.saver, scheduler.s.log, scheduler.s.goodput
     status = exit_codes.CRASH
     try:
-        state, last = scheduler.run()
+        outcome = scheduler.run()
         t0 = time.perf_counter()
         saver.wait()
         goodput.add("final_save_wait_s", time.perf_counter() - t0)
         status = exit_codes.OK
-        return state, last
+        return outcome
     except BaseException as e:
         status = exit_codes.status_of(e) or exit_codes.CRASH
         if status != exit_codes.SAVE_FAILED:
@@ -205,9 +214,10 @@ def _supervised(scheduler: Scheduler) -> tuple[Any, dict[str, Any]]:
         goodput.flush(status)
 
 
-def _summary(last: dict[str, Any], rep: dict[str, Any], path: pathlib.Path, peak: float) -> dict:
-    steady = last["times"][1:] or last["times"]
+def _summary(outcome: Outcome, rep: dict[str, Any], path: pathlib.Path, peak: float) -> dict[str, Any]:
+    steady = outcome.step_times[1:] or outcome.step_times  # the first step's time includes warm-up
     step_time = float(np.mean(steady)) if steady else float("nan")
-    return {"final_loss": last["loss"], "eval_loss": last["eval_loss"] if last["eval_loss"] is not None else float("nan"),
+    eval_loss = outcome.eval_loss if outcome.eval_loss is not None else float("nan")
+    return {"final_loss": outcome.loss, "eval_loss": eval_loss,
             "step_time_s": step_time, "tokens_per_s": rep["tokens_per_step"] / step_time,
             "mfu": rep["flops_per_step"] / step_time / peak if peak else 0.0, "workdir": str(path)}

@@ -50,7 +50,7 @@ class Saver:
                  last_saved: int):
         self.ckpts, self.trainer = ckpts, trainer
         every = trainer.plan.checkpoint
-        self.enabled = every.enabled  # False (checkpoint.enabled): the loop schedules no save (loop_actions)
+        self.enabled = every.enabled  # False (checkpoint.enabled): the loop schedules no save (train/loop/builtin.py)
         self.policy = (checkpoint.SavePolicy(every.every_steps, every.every_minutes, every.mtbf_hours)
                        if self.enabled else checkpoint.SavePolicy())  # disabled: never due
         self._blocked: list[float] = []  # measured save costs, for the mtbf_hours interval
