@@ -24,8 +24,6 @@ from sharding import rules as sharding_rules
 from sharding import schedules
 from train import sections
 from train.data import datadir
-from train.loop import actions
-from train.loop import metrics
 
 
 class ConfigError(UserError):
@@ -177,17 +175,6 @@ def _fault_tolerance(config: ml_collections.ConfigDict) -> None:
         raise ConfigError("checkpoint.restore_params_only=True needs checkpoint.restore_from=PATH[:STEP]")
 
 
-def _check_names(t: Any) -> None:
-    for name in actions.names(t.loggers):
-        if name not in metrics.LOGGERS:
-            raise ConfigError(f"train.loggers={t.loggers!r}: unknown logger {name!r}; use {', '.join(metrics.LOGGERS)}")
-    for name in actions.names(t.actions):
-        if name not in actions.REGISTRY:
-            known = ", ".join(sorted(actions.REGISTRY)) or "none registered"
-            raise ConfigError(f"train.actions={t.actions!r}: unknown action {name!r} ({known}); register it with "
-                              f"train.actions.register(name, factory) in the experiment file")
-
-
 def _check_model_splits(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str, int]) -> None:
     """Every model size a sharded logical axis has must divide by that axis's mesh ways (e.g. model.n_kv_heads
     by mesh.tensor), named before anything compiles."""
@@ -325,7 +312,6 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str |
     if config.data.source == "text" and model.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={model.vocab_size}: byte-level text needs at least 256")
     _fault_tolerance(config)
-    _check_names(t)
     train, ckpt, faults = sections.from_config(config)
     return Plan(model=model, mesh_sizes=mesh_sizes, rules=rules, global_batch=t.global_batch_size,
                 grad_accum=t.grad_accum_steps, steps=t.steps, decay_steps=decay_steps,
