@@ -1,15 +1,16 @@
 """What can go wrong with checkpoints, as exception types the training entry point maps to exit statuses."""
+from mesh.errors import UserError
 
 
 class CheckpointError(RuntimeError):
     """Base of every checkpoint failure; the message is one line a user can act on."""
 
 
-class IncompatibleCheckpoint(CheckpointError, ValueError):
+class IncompatibleCheckpoint(CheckpointError, UserError):
     """The checkpoint holds a different model or optimizer shape than the config asks for (a user error)."""
 
 
-class RestoreFromError(CheckpointError, ValueError):
+class RestoreFromError(CheckpointError, UserError):
     """`checkpoint.restore_from` names nothing restorable (a user error)."""
 
 

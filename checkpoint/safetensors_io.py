@@ -11,12 +11,14 @@ from typing import Mapping
 import ml_dtypes
 import numpy as np
 
+from mesh.errors import UserError
+
 DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
           "I64": np.dtype(np.int64), "I32": np.dtype(np.int32)}
 NAMES = {v: k for k, v in DTYPES.items()}
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(UserError):
     """A file that is not readable safetensors; the message names the file."""
 
 

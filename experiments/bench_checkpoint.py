@@ -8,7 +8,15 @@ import statistics
 import tempfile
 import time
 
-from absl import app, flags
+import jax
+import jax.numpy as jnp
+from absl import app, flags, logging
+
+import checkpoint
+from checkpoint import format as ckpt_format
+from checkpoint import integrity
+from experiments.tiny import get_config
+from train.trainer import Trainer
 
 _MODELS = flags.DEFINE_list("models", ["384x6", "640x10"], "d_model x n_layers of each state measured "
                             "(params + two Adam moments: about 36 x n_layers x d_model^2 bytes).")
@@ -17,8 +25,6 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Saves and restores timed per figu
 
 
 def build(d_model: int, n_layers: int, mesh: dict):
-    from experiments.tiny import get_config
-    from train.trainer import Trainer
     config = get_config()
     config.data.source = "synthetic"
     config.model.update(preset="small", d_model=d_model, n_layers=n_layers, n_heads=8)
@@ -29,9 +35,6 @@ def build(d_model: int, n_layers: int, mesh: dict):
 def random_state(trainer):
     """The state with every float array filled with random values: they compress as little as trained
     weights and Adam moments do (a freshly initialized state, with zero moments, would flatter the save)."""
-    import jax
-    import jax.numpy as jnp
-
     def fill(state):
         leaves, treedef = jax.tree.flatten(state)
         keys = jax.random.split(jax.random.key(0), len(leaves))
@@ -41,10 +44,6 @@ def random_state(trainer):
 
 
 def measure(d_model: int, n_layers: int, root: str) -> list[tuple[str, str]]:
-    import jax
-    import checkpoint
-    from checkpoint import integrity
-    from checkpoint import format as ckpt_format
     med = statistics.median
     n = _REPEATS.value
     trainer = build(d_model, n_layers, {"fsdp": jax.device_count()})
@@ -87,9 +86,6 @@ def measure(d_model: int, n_layers: int, root: str) -> list[tuple[str, str]]:
 
 
 def _restores(ckpts, trainer) -> list[float]:
-    import jax
-    import checkpoint
-    from checkpoint import format as ckpt_format
     times = []
     for _ in range(_REPEATS.value):
         t0 = time.perf_counter()
@@ -100,9 +96,7 @@ def _restores(ckpts, trainer) -> list[float]:
 
 def main(argv):
     del argv
-    from absl import logging
     logging.set_verbosity(logging.WARNING)  # as in training: Orbax logs every save at INFO
-    import jax
     jax.config.update("jax_num_cpu_devices", _DEVICES.value)
     columns = []
     for spec in _MODELS.value:

@@ -5,9 +5,14 @@ nothing runs) for context parallelism over 1, 2, 4 and 8 devices, one row of the
 """
 from __future__ import annotations
 
+import importlib
 import time
 
+import jax
 from absl import app, flags
+
+from mesh import use_cpu_devices
+from train.trainer import Trainer
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["1024", "2048", "4096", "8192", "16384"], "Tokens per row.")
 _CONTEXTS = flags.DEFINE_list("contexts", ["1", "2", "4", "8"], "mesh.context sizes (devices, nothing else split).")
@@ -17,9 +22,6 @@ _BATCH = flags.DEFINE_integer("global_batch", 1, "Rows per step.")
 
 def temp_bytes(seq_len: int, context: int) -> int:
     """Per-device temporaries of the compiled train step on `context` devices."""
-    import importlib
-
-    from train.trainer import Trainer
     config = importlib.import_module(f"experiments.{_CONFIG.value}").get_config()
     config.data.source = "synthetic"
     config.mesh.update(data=1, context=context)
@@ -29,10 +31,8 @@ def temp_bytes(seq_len: int, context: int) -> int:
 
 def main(argv):
     del argv
-    from mesh import use_cpu_devices
     contexts = [int(c) for c in _CONTEXTS.value]
     use_cpu_devices(max(contexts))
-    import jax
     device = jax.devices()[0]
     print(f"# {device.platform} x {jax.device_count()}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}, "
           f"{_CONFIG.value}, global batch {_BATCH.value}: compiled temp MiB per device (ratio to context=1)")

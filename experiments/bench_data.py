@@ -11,7 +11,14 @@ import sys
 import tempfile
 import time
 
+import jax
+import numpy as np
 from absl import app, flags
+
+from experiments.default import get_config
+from mesh import use_cpu_devices
+from train.data.loader import stdlib_files
+from train.trainer import Trainer
 
 _MB = flags.DEFINE_float("mb", 100.0, "Text to prepare (MB): the standard library's sources, repeated.")
 _WORKERS = flags.DEFINE_list("workers", ["1", "2"], "Worker counts to time train.prepare with.")
@@ -23,7 +30,6 @@ _SKIP_SHARE = flags.DEFINE_boolean("skip_share", False, "Only train.prepare.")
 
 def make_corpus(directory: pathlib.Path, megabytes: float) -> pathlib.Path:
     """A JSONL of standard-library files (one document each, undecodable bytes replaced), repeated to size."""
-    from train.data.loader import stdlib_files
     path, written = directory / "corpus.jsonl", 0
     with open(path, "w") as f:
         while written < megabytes * 1e6:
@@ -71,12 +77,7 @@ def time_prepare(corpus: pathlib.Path, out: pathlib.Path, tokenizer: str, worker
 
 def input_share(steps: int) -> None:
     """Host time to build one global batch vs the compiled step's time, default experiment, text source."""
-    from mesh import use_cpu_devices
     use_cpu_devices(8)
-    import jax
-    import numpy as np
-    from experiments.default import get_config
-    from train.trainer import Trainer
     trainer = Trainer.build(get_config())
     compiled = trainer.compile()
     state = trainer.init_state()

@@ -10,7 +10,12 @@ from __future__ import annotations
 import json
 import time
 
+import jax
+import numpy as np
 from absl import app, flags
+
+import models
+from train.generate import decode as generate
 
 _PRESET = flags.DEFINE_string("preset", "llama3-tiny", "Model preset (a family with KV-cache decoding).")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Sequences decoded together.")
@@ -21,10 +26,6 @@ _JSON = flags.DEFINE_string("json", "", "Also write the rows to this JSON file."
 
 
 def measure(cfg, params, batch: int) -> dict:
-    import jax
-    import numpy as np
-
-    from train.generate import decode as generate
     gen = generate.Generator(cfg, generate.Sampling(temperature=0))
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, _PROMPT_LEN.value))
     gen(params, prompt, _NEW.value)  # compile the prefill and the step
@@ -42,9 +43,6 @@ def measure(cfg, params, batch: int) -> dict:
 
 def main(argv):
     del argv
-    import jax
-
-    import models
     cfg = models.from_dict({"preset": _PRESET.value})
     params = jax.jit(lambda: models.init_params(cfg, 0))()
     rows = [measure(cfg, params, int(b)) for b in _BATCHES.value]

@@ -9,24 +9,38 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import shutil
 import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
+
+import checkpoint
+import models
+from checkpoint import format as ckpt_format
+from checkpoint import manager as ckpt_manager
+from models import attention
+from train.config import base_config
+from train.loop import exit_codes
+from train.loop import runner as loop
+from train.loop.saver import describe_run
+from train.planner import compile_report as report
+from train.runtime import hardware
 from train.runtime import xla_env
+from train.trainer import Trainer
 
 # (name, model settings, global batch, save one checkpoint of its state)
 WORKLOADS = (("gpt2-125m", dict(preset="gpt2-125m", seq_len=1024), 16, True),
              ("gpt3-1.3b", dict(preset="gpt3-1.3b", seq_len=2048), 16, True),
              ("7b", dict(preset="7b", seq_len=2048), 4, False))
 SMOKE = (("tiny", dict(preset="tiny", seq_len=32, n_layers=2), 8, True),)
-USER_ERROR = 2  # train/exit_codes.USER_ERROR, without importing JAX before the GPU defaults are set
 
 
 def _config(model: dict, batch: int, steps: int):
-    from train.config import base_config
     c = base_config()
     c.data.source = "synthetic"
     c.model.update(model)
@@ -40,20 +54,12 @@ def _config(model: dict, batch: int, steps: int):
 def _peak_bytes(compiled) -> int:
     """The allocator's high-water mark on a GPU (process-wide: a later workload's is at least an earlier
     one's, so the rows also carry the compiled step's own `compiled_peak_gib`); that estimate elsewhere."""
-    import jax
-    from train.planner import compile_report as report
     stats = jax.devices()[0].memory_stats() or {}
     return int(stats.get("peak_bytes_in_use") or report.memory_per_device(compiled)["peak_bytes"])
 
 
 def run_workload(name: str, model: dict, batch: int, steps: int) -> tuple[dict, object, object]:
     """(row, trainer, final state): `steps` timed steps after two warm-up ones, on one device."""
-    import jax
-    import models
-    from train.runtime import hardware
-    from train.loop import runner as loop
-    from train.planner import compile_report as report
-    from train.trainer import Trainer
     trainer = Trainer.build(_config(model, batch, steps + 2), num_devices=1)
     model = trainer.plan.model  # the resolved model: its compute dtype sets the peak
     seq = model.seq_len
@@ -87,13 +93,9 @@ def run_workload(name: str, model: dict, batch: int, steps: int) -> tuple[dict, 
 def time_save(trainer, state, directory: str, pinned_host_copy: bool | None = None) -> dict:
     """One save through the loop's own path (checksums, tree, async Orbax save): blocked and total seconds.
     `pinned_host_copy` None: the loop's choice (checkpoint/manager.py); False: Orbax's own transfer."""
-    import checkpoint
-    from checkpoint import format as ckpt_format
-    from train.loop.saver import describe_run
     ckpts = checkpoint.Checkpoints(directory, keep=1, pinned_host_copy=pinned_host_copy)
     rng = ckpt_format.rng_of(0, trainer.mesh)
     tree, sums = ckpt_format.to_tree_with_checksums(trainer, state, rng)
-    import jax
     jax.block_until_ready((tree, sums))  # the step's own work is not the save's
     t0 = time.perf_counter()
     blocked = ckpts.save(1, tree, describe_run(trainer), checksums=sums)
@@ -109,9 +111,6 @@ def time_save(trainer, state, directory: str, pinned_host_copy: bool | None = No
 def compare_attention(shape=(4, 1024, 12, 64), kv_heads: int = 12) -> list[dict]:
     """Each bf16 kernel this platform runs (XLA's; cuDNN's on a GPU), with and without segment ids, against
     XLA's in float32: the largest absolute difference of the output and of the gradients of q, k and v."""
-    import jax
-    import jax.numpy as jnp
-    from models import attention
     B, L, H, K = shape
     kq, kk, kv, kc = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(kq, shape)
@@ -149,10 +148,6 @@ def _print_rows(rows: list[dict]) -> None:
 
 
 def run(smoke: bool, steps: int, save_dir: str) -> dict:
-    import gc
-
-    import jax
-    from checkpoint import manager as ckpt_manager
     rows = []
     for name, model, batch, save in (SMOKE if smoke else WORKLOADS):
         row, trainer, state = run_workload(name, model, batch, steps)
@@ -180,15 +175,14 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.steps < 1:
         print(f"error: --steps={args.steps}: time at least one step", file=sys.stderr)
-        return USER_ERROR
+        return exit_codes.USER_ERROR
     if not args.smoke:
         xla_env.apply()  # before the backend starts, as python -m train does
-    import jax
     platform = jax.devices()[0].platform
     if platform != "gpu" and not args.smoke:
         print(f"error: experiments.bench_gpu needs an NVIDIA GPU (JAX's platform here is {platform}); "
               f"run it on a GPU machine, or pass --smoke for tiny shapes on any platform", file=sys.stderr)
-        return USER_ERROR
+        return exit_codes.USER_ERROR
     save_dir = args.save_dir or tempfile.mkdtemp(prefix="bench_gpu_")
     result = run(args.smoke, args.steps, save_dir)
     _print_rows(result["rows"])

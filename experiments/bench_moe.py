@@ -8,10 +8,17 @@ size measured on this machine's devices beside the fitted `local` topology's pre
 from __future__ import annotations
 
 import importlib
+import time
 
+import jax
 from absl import app, flags
 
 from mesh import bench  # defines --num_cpu_devices (and the sweep's flags), shared here
+from mesh import cost, topology
+from mesh import use_cpu_devices
+from train.planner import audit
+from train.planner import compile_report as report
+from train.trainer import Trainer
 
 _PRESETS = flags.DEFINE_list("presets", ["moe-tiny"], "Mixture-of-experts presets, on experiments/tiny.py's settings.")
 _LAYOUTS = flags.DEFINE_list("layouts", ["expert=8", "expert=4;data=2", "expert=2;data=2;tensor=2"],
@@ -22,7 +29,6 @@ _MEASURE_MAX = flags.DEFINE_integer("measure_max_mb", 16, "Measure one all-to-al
 
 
 def _trainer(preset: str, layout: dict[str, int], capacity_factor: float):
-    from train.trainer import Trainer
     config = importlib.import_module("experiments.tiny").get_config()
     config.model.update(preset=preset, capacity_factor=capacity_factor)
     config.data.source = "synthetic"
@@ -33,9 +39,6 @@ def _trainer(preset: str, layout: dict[str, int], capacity_factor: float):
 
 def row(preset: str, layout: dict[str, int], capacity_factor: float) -> dict:
     """Construction, compiled, dgx-h100 and local figures of one layout's all-to-alls."""
-    from mesh import cost, topology
-    from train.planner import audit
-    from train.planner import compile_report as report
     trainer = _trainer(preset, layout, capacity_factor)
     rep = report.build(trainer.plan, trainer.mesh, trainer.compile())
     rows = audit.audit(trainer, rep, "", "", 1, 0.4)["rows"]
@@ -63,11 +66,7 @@ def _us(x) -> str:
 
 def main(argv):
     del argv
-    from mesh import use_cpu_devices
     use_cpu_devices(flags.FLAGS.num_cpu_devices or 8)
-    import time
-
-    import jax
     device = jax.devices()[0]
     print(f"# {device.platform} ({device.device_kind}) x {jax.device_count()}, jax {jax.__version__}, "
           f"{time.strftime('%Y-%m-%d')}, global batch {_BATCH.value}")

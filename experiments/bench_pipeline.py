@@ -9,8 +9,14 @@ import importlib
 import json
 import time
 
+import jax
 import numpy as np
 from absl import app, flags
+
+from mesh import use_cpu_devices
+from mesh.errors import UserError
+from train.planner import compile_report as report
+from train.trainer import Trainer
 
 _CONFIG = flags.DEFINE_string("config", "default", "Experiment file in experiments/.")
 _LAYOUT = flags.DEFINE_string("layout", "pipeline=2;data=2;tensor=2", "The pipelined mesh, axes separated by ';'.")
@@ -42,10 +48,6 @@ def _config(mesh: dict[str, int], schedule: str = "1f1b", microbatches: int = 1,
 def measure(config) -> dict:
     """Compile, then time each step to completion. The minimum is reported beside the median: on a shared
     CPU, other processes only ever add time, so the fastest step is the best estimate of the program's own."""
-    import jax
-
-    from train.planner import compile_report as report
-    from train.trainer import Trainer
     trainer = Trainer.build(config)
     t = time.perf_counter()
     compiled = trainer.compile()
@@ -69,11 +71,7 @@ def measure(config) -> dict:
 
 def main(argv):
     del argv
-    from mesh import use_cpu_devices
     use_cpu_devices(_NUM_CPU_DEVICES.value)
-    import jax
-
-    from train.config import USER_ERRORS
     layout = _mesh(_LAYOUT.value)
     baseline = _mesh(_BASELINE.value) if _BASELINE.value else {
         **{k: v for k, v in layout.items() if k != "pipeline"}, "data": layout.get("data", 1) * layout["pipeline"]}
@@ -91,7 +89,7 @@ def main(argv):
         label = ",".join(f"{k}={s}" for k, s in mesh.items() if s > 1)
         try:
             row = measure(_config(mesh, schedule if schedule != "none" else "1f1b", m, v))
-        except USER_ERRORS as e:
+        except UserError as e:  # a layout this config cannot run: skip its row
             print(f"| {label} | {schedule} | {m} | {v} | skipped: {e} ||||||")
             continue
         rows.append({"layout": label, "schedule": schedule, "microbatches": m, "virtual_stages": v, **row})

@@ -13,7 +13,17 @@ import importlib
 import json
 import time
 
+import jax
+import optax
 from absl import app, flags
+
+import models
+from mesh import use_cpu_devices
+from mesh.errors import UserError
+from train.planner import compile_report as report
+from train.runtime import hardware
+from train.state import make_optimizer
+from train.trainer import Trainer
 
 _CONFIGS = flags.DEFINE_list("configs", ["tiny", "default"],
                               "Experiment files in experiments/, or model presets (e.g. llama3-tiny, llama3.2-1b) "
@@ -36,7 +46,6 @@ def _parse_layout(text: str) -> tuple[dict[str, int], bool]:
 
 
 def _config(name: str, layout: dict[str, int], sequence_parallel: bool = False):
-    import models
     if name in models.PRESETS:
         config = importlib.import_module("experiments.tiny").get_config()
         config.model.preset = name
@@ -50,7 +59,6 @@ def _config(name: str, layout: dict[str, int], sequence_parallel: bool = False):
 
 def _time_steps(step_fn, state, batches) -> float:
     """Mean seconds per step over the timed steps; one sync at the end, as a training loop would."""
-    import jax
     for i in range(WARMUP):
         state, _ = step_fn(state, batches(i))
     jax.block_until_ready(state)
@@ -63,13 +71,6 @@ def _time_steps(step_fn, state, batches) -> float:
 
 def minimal_step_time(config) -> float:
     """The same model and optimizer in the plainest JAX: one device, no mesh, no annotations."""
-    import jax
-    import optax
-
-    import models
-    from train.state import make_optimizer
-    from train.trainer import Trainer
-
     reference = Trainer.build(config, num_devices=1)  # only for its data source and plan
     cfg = reference.plan.model
     tx, _ = make_optimizer(config.optimizer, reference.plan.decay_steps)
@@ -88,10 +89,6 @@ def minimal_step_time(config) -> float:
 
 
 def framework_row(config, num_devices: int | None, peak_per_device: float) -> dict:
-    import jax
-
-    from train.planner import compile_report as report
-    from train.trainer import Trainer
     trainer = Trainer.build(config, num_devices=num_devices)
     compiled = trainer.compile()
     seconds = _time_steps(compiled, trainer.init_state(), trainer.batch)
@@ -104,13 +101,7 @@ def framework_row(config, num_devices: int | None, peak_per_device: float) -> di
 
 def main(argv):
     del argv
-    from mesh import use_cpu_devices
     use_cpu_devices(_NUM_CPU_DEVICES.value)
-    import jax
-
-    from train.runtime import hardware
-    from train.config import USER_ERRORS
-
     rows = []
     device = jax.devices()[0]
     print(f"# {device.platform} ({device.device_kind}) x {jax.device_count()}, jax {jax.__version__}, "
@@ -126,7 +117,7 @@ def main(argv):
         for label, (layout, sp), n in layouts:
             try:
                 row = framework_row(_config(name, layout, sp), n, peak * (jax.device_count() if n == 1 else 1))
-            except USER_ERRORS as e:
+            except UserError as e:  # a layout this config cannot run: skip its row
                 print(f"| {name} | {label} | skipped: {e} |||||")
                 continue
             overhead = row["step_time_s"] / minimal - 1 if n == 1 else None

@@ -5,6 +5,7 @@ python -m mesh.bench --num_cpu_devices=8 --mesh=data:2,tensor:4 --min_bytes=1024
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -14,9 +15,14 @@ import sys
 import time
 from typing import Mapping, Sequence
 
+import jax
+import numpy as np
 from absl import app, flags
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from mesh import collectives as C
 from mesh import cost, topology
+from mesh.errors import UserError
 from mesh.layout import AXES, MeshConfigError, axis_sizes, make_mesh, use_cpu_devices
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute")
@@ -62,12 +68,6 @@ def byte_sizes(min_bytes: int, max_bytes: int) -> list[int]:
 def _program(mesh, collective: str, axis: str, nbytes: int):
     """(jitted shard_map, input array, S actually moved): per-device float32 blocks sized so that S
     follows nccl-tests (the gathered output for all_gather, the full input otherwise)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from mesh import collectives as C
     n = axis_sizes(mesh)[axis]
     elems = max(n, (nbytes // 4) // n * n)  # divisible by n so scatters and all-to-alls split evenly
     local = elems // n if collective == "all_gather" else elems
@@ -125,9 +125,6 @@ def predict(records: list[dict], sizes: Mapping[str, int], topo: topology.Topolo
 def _fit_one(rows) -> tuple[float, float, float]:
     """(overhead us, alpha us/step, beta us/byte) minimising the squared relative error of
     t = overhead + alpha * steps + beta * bus_bytes, all three >= 0 (best over the 7 non-empty active sets)."""
-    import itertools
-
-    import numpy as np
     a = np.array([[1.0, cost.steps(r["collective"], r["group_size"]),
                    cost.bus_factor(r["collective"], r["group_size"]) * r["bytes"]] for r in rows], float)
     t = np.array([r["time_us"] for r in rows])
@@ -208,14 +205,13 @@ def main(argv):
     F = flags.FLAGS
     if F.num_cpu_devices:
         use_cpu_devices(F.num_cpu_devices)  # before anything touches a JAX backend
-    import jax
     try:
         sizes = parse_mesh(F.mesh)
         mesh = make_mesh(sizes)
         if not any(s > 1 for s in sizes.values()):
-            raise ValueError(f"--mesh={F.mesh}: no axis larger than 1, nothing to sweep")
+            raise MeshConfigError(f"--mesh={F.mesh}: no axis larger than 1, nothing to sweep")
         topo = topology.get_topology(F.topology, F.hosts or None) if not (F.fit and F.topology == "local") else None
-    except ValueError as e:  # MeshConfigError included: one line, no traceback
+    except UserError as e:  # mesh cannot use train.cli.run (it imports nothing above it): its own one line, exit 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     full = axis_sizes(mesh)

@@ -10,7 +10,8 @@ import dataclasses
 import math
 from typing import Iterable, Mapping, Sequence
 
-from mesh.topology import Level, Placement, Topology, placement
+from mesh.placement import Placement, placement
+from mesh.topology import Level, Topology
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute")
 ALGORITHMS = ("ring", "halving_doubling", "hierarchical")

@@ -1,9 +1,6 @@
-"""Interconnect topology: hosts x devices per host, a fast intra-host level and a slower inter-host level.
-
-Answers where each mesh axis's collectives travel (which level, how many hosts, how many groups share a
-host's links) and gives a hybrid device order that keeps the inner mesh axes inside one host.
-Audit part (where each mesh axis's traffic travels); train/planner/audit.py maps the parts of `--audit`.
-"""
+"""Interconnect topology as data: hosts x devices per host, a fast intra-host level and a slower inter-host
+level, the cluster presets, and their JSON files (read, written, validated into one-line errors).
+Where a mesh's collectives travel on a topology is mesh/placement.py; the device order, mesh/layout.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,12 +8,10 @@ import json
 import math
 import os
 import pathlib
-import warnings
-from typing import Mapping, Sequence
-
-import numpy as np
+from typing import Mapping
 
 from mesh import chips
+from mesh.errors import UserError
 
 FAMILIES = ("switch", "ring", "torus2d", "torus3d", "hypercube", "fat_tree")
 # The `local` topology (fitted by `python -m mesh.bench --fit`) is found by a documented lookup:
@@ -24,6 +19,10 @@ FAMILIES = ("switch", "ring", "torus2d", "torus3d", "hypercube", "fat_tree")
 # Any other file is named explicitly: --topology=PATH.json.
 LOCAL_FILE = pathlib.Path(__file__).resolve().parent / "topologies" / "local.json"
 LOCAL_ENV = "SPMDTRAIN_LOCAL_TOPOLOGY"
+
+
+class TopologyError(UserError):
+    """A topology preset, file or host count the user can fix; the message is one line naming it."""
 
 
 def local_file() -> pathlib.Path:
@@ -53,14 +52,14 @@ class Level:
 
     def __post_init__(self):
         if self.family not in FAMILIES:
-            raise ValueError(f"level {self.name}: family={self.family!r} is unknown; "
-                             f"use one of {', '.join(FAMILIES)}")
+            raise TopologyError(f"level {self.name}: family={self.family!r} is unknown; "
+                                f"use one of {', '.join(FAMILIES)}")
         if self.bandwidth_gbps <= 0 or self.latency_us < 0 or self.overhead_us < 0 or self.links < 1:
-            raise ValueError(f"level {self.name}: need bandwidth_gbps > 0, latency_us >= 0, overhead_us >= 0 "
-                             f"and links >= 1")
+            raise TopologyError(f"level {self.name}: need bandwidth_gbps > 0, latency_us >= 0, overhead_us >= 0 "
+                                f"and links >= 1")
         if self.oversubscription < 1:
-            raise ValueError(f"level {self.name}: oversubscription={self.oversubscription} must be >= 1 "
-                             f"(1 = full bisection)")
+            raise TopologyError(f"level {self.name}: oversubscription={self.oversubscription} must be >= 1 "
+                                f"(1 = full bisection)")
         object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
 
 
@@ -87,13 +86,13 @@ class Topology:
 
     def __post_init__(self):
         if self.hosts < 1 or self.devices_per_host < 1:
-            raise ValueError(f"topology {self.name}: hosts and devices_per_host must be >= 1")
+            raise TopologyError(f"topology {self.name}: hosts and devices_per_host must be >= 1")
         if self.intra.dims and math.prod(self.intra.dims) != self.devices_per_host:
-            raise ValueError(f"topology {self.name}: intra dims {self.intra.dims} must multiply to "
-                             f"devices_per_host={self.devices_per_host}")
+            raise TopologyError(f"topology {self.name}: intra dims {self.intra.dims} must multiply to "
+                                f"devices_per_host={self.devices_per_host}")
         if self.device_memory_gb < 0 or self.storage_gbps < 0 or any(v <= 0 for v in self.peak_tflops.values()):
-            raise ValueError(f"topology {self.name}: device_memory_gb and storage_gbps must be >= 0 and every "
-                             f"peak_tflops value > 0")
+            raise TopologyError(f"topology {self.name}: device_memory_gb and storage_gbps must be >= 0 and every "
+                                f"peak_tflops value > 0")
 
     @property
     def num_devices(self) -> int:
@@ -190,7 +189,7 @@ def get_topology(name: str, hosts: int | None = None) -> Topology:
     elif name.endswith(".json") or pathlib.Path(name).is_file():
         topo = load_topology(name)
     else:
-        raise ValueError(f"--topology={name}: unknown; use one of {', '.join(PRESETS)} or a path to a .json file")
+        raise TopologyError(f"--topology={name}: unknown; use one of {', '.join(PRESETS)} or a path to a .json file")
     return topo.with_hosts(hosts) if hosts else topo
 
 
@@ -205,18 +204,18 @@ def topology_from_dict(d: Mapping, source: str = "topology") -> Topology:
     """Inverse of `topology_to_dict`; unknown or missing keys are one-line errors naming the key."""
     def level(key, spec):
         if not isinstance(spec, Mapping):
-            raise ValueError(f"{source}: '{key}' must be an object with family, bandwidth_gbps, latency_us")
+            raise TopologyError(f"{source}: '{key}' must be an object with family, bandwidth_gbps, latency_us")
         fields = {f.name for f in dataclasses.fields(Level)}
         extra = sorted(set(spec) - fields)
         if extra:
-            raise ValueError(f"{source}: '{key}.{extra[0]}' is not a level setting; use {', '.join(sorted(fields))}")
+            raise TopologyError(f"{source}: '{key}.{extra[0]}' is not a level setting; use {', '.join(sorted(fields))}")
         try:
             return Level(**{"name": key, **spec})
         except TypeError as e:
-            raise ValueError(f"{source}: '{key}' needs family, bandwidth_gbps and latency_us ({e})") from None
+            raise TopologyError(f"{source}: '{key}' needs family, bandwidth_gbps and latency_us ({e})") from None
     for key in ("hosts", "devices_per_host", "intra", "inter"):
         if key not in d:
-            raise ValueError(f"{source}: missing '{key}'; a topology needs hosts, devices_per_host, intra, inter")
+            raise TopologyError(f"{source}: missing '{key}'; a topology needs hosts, devices_per_host, intra, inter")
     try:
         planning = dict(device_memory_gb=float(d.get("device_memory_gb", 0.0)),
                         peak_tflops={str(k): float(v) for k, v in d.get("peak_tflops", {}).items()},
@@ -224,8 +223,8 @@ def topology_from_dict(d: Mapping, source: str = "topology") -> Topology:
                         matmul_efficiency={str(k): [[float(x), float(e)] for x, e in v]
                                            for k, v in d.get("matmul_efficiency", {}).items()})
     except (TypeError, ValueError, AttributeError):
-        raise ValueError(f"{source}: device_memory_gb and storage_gbps must be numbers, peak_tflops "
-                         f"{{dtype: TFLOP/s}} and matmul_efficiency {{dtype: [[dim, fraction], ...]}}") from None
+        raise TopologyError(f"{source}: device_memory_gb and storage_gbps must be numbers, peak_tflops "
+                            f"{{dtype: TFLOP/s}} and matmul_efficiency {{dtype: [[dim, fraction], ...]}}") from None
     return Topology(name=str(d.get("name", pathlib.Path(source).stem)), hosts=int(d["hosts"]),
                     devices_per_host=int(d["devices_per_host"]), intra=level("intra", d["intra"]),
                     inter=level("inter", d["inter"]),
@@ -236,11 +235,13 @@ def load_topology(path: str | pathlib.Path) -> Topology:
     path = pathlib.Path(path)
     if not path.is_file():
         hint = " (run `python -m mesh.bench --fit` to create it)" if path == local_file() else ""
-        raise ValueError(f"--topology={path}: no such file{hint}")
+        raise TopologyError(f"--topology={path}: no such file{hint}")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"--topology={path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        raise TopologyError(f"--topology={path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except OSError as e:
+        raise TopologyError(f"--topology={path}: cannot read it ({e.strerror})") from None
     return topology_from_dict(data, str(path))
 
 
@@ -252,164 +253,3 @@ def save_topology(topo: Topology, path: str | pathlib.Path, provenance: Mapping 
     if provenance:
         data["provenance"] = dict(provenance)
     path.write_text(json.dumps(data, indent=2) + "\n")
-
-
-# ----------------------------------------------------------------------------- placement
-
-def _sizes_and_order(mesh_or_sizes, device_order):
-    """({axis: size} in mesh order, physical device index of each mesh position)."""
-    if isinstance(mesh_or_sizes, Mapping):
-        sizes = {a: int(s) for a, s in mesh_or_sizes.items()}
-        n = math.prod(sizes.values())
-        order = np.arange(n) if device_order is None else np.asarray(device_order)
-    else:  # a jax Mesh: physical index = rank of (process_index, id), i.e. process-major
-        mesh = mesh_or_sizes
-        from mesh.layout import axis_sizes  # here: mesh.layout imports this module
-        sizes = axis_sizes(mesh)
-        flat = list(mesh.devices.flat)
-        rank = {k: i for i, k in enumerate(sorted((d.process_index, d.id) for d in flat))}
-        order = (np.array([rank[(d.process_index, d.id)] for d in flat]) if device_order is None
-                 else np.asarray(device_order))
-    assert sorted(order.tolist()) == list(range(len(order))), "device_order must be a permutation"
-    return sizes, order
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """How the groups of a collective over `axes` land on hosts.
-
-    group_size: devices per group; num_groups; hosts: max hosts one group spans; members_per_host: max
-    members of one group on one host; crossing_groups_per_host: max number of host-crossing groups with a
-    member on the same host (they share its NICs); even: every group has the same number of members on
-    every host it touches; local: the members' positions inside their hosts (for torus dims).
-    """
-    axes: tuple[str, ...]
-    group_size: int
-    num_groups: int
-    hosts: int
-    members_per_host: int
-    crossing_groups_per_host: int
-    even: bool
-    level: str
-    local_dims_spanned: int = 0
-
-
-def groups_of(sizes: Mapping[str, int], axes: Sequence[str]) -> np.ndarray:
-    """[num_groups, group_size] mesh positions (row-major) of the groups of a collective over `axes`."""
-    names = list(sizes)
-    missing = [a for a in axes if a not in sizes]
-    if missing:
-        raise ValueError(f"axis {missing[0]}: not a mesh axis; the mesh has {', '.join(names)}")
-    shape = [sizes[a] for a in names]
-    pos = np.arange(math.prod(shape)).reshape(shape)
-    keep = [names.index(a) for a in names if a not in axes]
-    moved = np.transpose(pos, keep + [names.index(a) for a in names if a in axes])
-    group = math.prod(sizes[a] for a in axes)
-    return moved.reshape(-1, group)
-
-
-def placement(mesh_or_sizes, axes: Sequence[str], topology: Topology, device_order=None) -> Placement:
-    """Where the groups of a collective over `axes` sit on `topology` (device i on host i // devices_per_host)."""
-    sizes, order = _sizes_and_order(mesh_or_sizes, device_order)
-    axes = tuple(a for a in sizes if a in axes) if all(a in sizes for a in axes) else tuple(axes)
-    if len(order) > topology.num_devices:
-        raise ValueError(f"topology {topology.name} has {topology.num_devices} devices but the mesh needs "
-                         f"{len(order)}; raise --hosts to {math.ceil(len(order) / topology.devices_per_host)}")
-    groups = groups_of(sizes, axes)
-    phys = order[groups]
-    host = phys // topology.devices_per_host
-    per_host = [np.unique(h, return_counts=True) for h in host]
-    hosts_spanned = max(len(u) for u, _ in per_host)
-    members = max(int(c.max()) for _, c in per_host)
-    counts = {int(c) for _, cs in per_host for c in cs}
-    even = len(counts) == 1 and len({len(u) for u, _ in per_host}) == 1
-    crossing = np.zeros(topology.hosts, dtype=int)
-    for u, _ in per_host:
-        if len(u) > 1:
-            crossing[u] += 1
-    dims_spanned = 0
-    if topology.intra.dims and groups.shape[1] > 1:
-        coords = np.stack(np.unravel_index(phys % topology.devices_per_host, topology.intra.dims), -1)
-        dims_spanned = int(max((np.ptp(c, axis=0) > 0).sum() for c in coords))
-    return Placement(axes=axes, group_size=groups.shape[1], num_groups=groups.shape[0], hosts=hosts_spanned,
-                     members_per_host=members, crossing_groups_per_host=int(crossing.max()), even=even,
-                     level="inter" if hosts_spanned > 1 else "intra", local_dims_spanned=dims_spanned)
-
-
-# Axes whose traffic sits on every layer's critical path: they belong inside a host's fast domain.
-INTRA_HOST_AXES = {"tensor": "per-layer all-reduces", "context": "per-layer ring attention permutes"}
-
-
-def placement_warnings(mesh_or_sizes, topology: Topology, device_order=None) -> list[str]:
-    """One line per problem: `tensor` or `context` leaving a host, or an axis split unevenly across hosts."""
-    sizes, _ = _sizes_and_order(mesh_or_sizes, device_order)
-    out = []
-    for axis, size in sizes.items():
-        if size == 1:
-            continue
-        p = placement(mesh_or_sizes, (axis,), topology, device_order)
-        if axis in INTRA_HOST_AXES and p.level == "inter":
-            out.append(f"mesh axis {axis} crosses hosts on {topology.name} (groups span {p.hosts} hosts): its "
-                       f"{INTRA_HOST_AXES[axis]} run on {topology.inter.name}; keep {axis} <= "
-                       f"{topology.devices_per_host} devices per host")
-        if p.level == "inter" and not p.even:
-            out.append(f"mesh axis {axis} is split unevenly across hosts on {topology.name}: its groups have "
-                       f"different numbers of members per host; use hybrid_device_order or change the axis sizes")
-    return out
-
-
-def axis_links(mesh_or_sizes, topology: Topology, device_order=None, warn: bool = True) -> dict[str, Placement]:
-    """{axis: Placement} for every mesh axis of size > 1; `level` says which link its collectives cross."""
-    sizes, _ = _sizes_and_order(mesh_or_sizes, device_order)
-    if warn:
-        for line in placement_warnings(mesh_or_sizes, topology, device_order):
-            warnings.warn(line, stacklevel=2)
-    return {a: placement(mesh_or_sizes, (a,), topology, device_order) for a, s in sizes.items() if s > 1}
-
-
-def hybrid_device_order(sizes: Mapping[str, int], topology: Topology) -> list[int]:
-    """`hybrid_order` for the hosts of `topology`."""
-    return hybrid_order(sizes, topology.devices_per_host, topology.name)
-
-
-def hybrid_order(sizes: Mapping[str, int], dph: int, where: str = "this cluster") -> list[int]:
-    """Physical device index for each mesh position (row-major), intra-host x inter-host, for hosts of
-    `dph` devices (devices numbered host-major).
-
-    Filling from the innermost axis outwards, each axis takes the largest factor of its size that still
-    fits in the host (gcd with the room left); what remains of every axis spans hosts. A mesh position
-    is (outer coordinates, inner coordinates); the inner ones index a device inside a host, the outer ones
-    a host, so inner factors never leave a host and outer factors split evenly across hosts.
-    """
-    names = list(sizes)
-    n = math.prod(sizes.values())
-    if n <= dph:
-        return list(range(n))
-    if n % dph:
-        raise ValueError(f"mesh of {n} devices does not fill whole hosts of {dph} on {where}; "
-                         f"use a multiple of {dph} devices")
-    room, inner = dph, {}
-    for a in reversed(names):
-        inner[a] = math.gcd(sizes[a], room)
-        room //= inner[a]
-    inner_size = dph // room  # devices of one host a mesh fills; room > 1 leaves hosts shared by outer blocks
-    order = []
-    for pos in np.ndindex(*[sizes[a] for a in names]):
-        outer_idx, inner_idx = 0, 0
-        for a, c in zip(names, pos):
-            outer_idx = outer_idx * (sizes[a] // inner[a]) + c // inner[a]
-            inner_idx = inner_idx * inner[a] + c % inner[a]
-        order.append((outer_idx // room) * dph + (outer_idx % room) * inner_size + inner_idx)
-    return order
-
-
-def hybrid_devices(sizes: Mapping[str, int], topology: Topology, devices=None) -> list:
-    """Devices in hybrid order, for `mesh.layout.make_mesh(sizes, devices=...)` (sizes in mesh order)."""
-    import jax
-    if devices is None:
-        devices = jax.devices()
-    physical = sorted(devices, key=lambda d: (d.process_index, d.id))
-    order = hybrid_device_order(sizes, topology)
-    if len(order) > len(physical):
-        raise ValueError(f"mesh needs {len(order)} devices but {len(physical)} are available")
-    return [physical[i] for i in order]

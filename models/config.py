@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from mesh.errors import UserError  # the one module of ours models imports: the base of user errors
 from models.attention import IMPLEMENTATIONS as ATTENTION  # resolved per platform there
 from models.contract import FAMILIES
 
@@ -12,7 +13,7 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UserError):
     """A model setting the user can fix; the message is one line naming the setting."""
 
 

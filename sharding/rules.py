@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from mesh.errors import UserError
+
 Rules = dict[str, tuple[str, ...]]
 
 # Megatron-LM tensor parallelism (Shoeybi et al. 2019): QKV and MLP-in are column-parallel (their
@@ -34,7 +36,7 @@ STRATEGIES: dict[str, Rules] = {
 DEFAULT_STRATEGY = "fsdp_tensor"
 
 
-class ShardingConfigError(ValueError):
+class ShardingConfigError(UserError):
     """A sharding setting the user can fix; the message is one line naming the setting."""
 
 

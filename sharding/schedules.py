@@ -9,6 +9,8 @@ from typing import Sequence
 
 import numpy as np
 
+from mesh.errors import UserError
+
 # Action kinds, and the fields of one table cell (the last axis of `Schedule.table`).
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 KIND, MICROBATCH, CHUNK = 0, 1, 2
@@ -17,7 +19,7 @@ NAMES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 Action = tuple[int, int, int]  # (kind, virtual chunk c, microbatch i), as the per-stage orders list them
 
 
-class ScheduleConfigError(ValueError):
+class ScheduleConfigError(UserError):
     """A pipeline setting the user can fix; the message is one line naming the setting."""
 
 

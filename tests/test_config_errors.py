@@ -2,9 +2,9 @@
 
 import pytest
 
+from mesh.errors import UserError
 from tests.helpers import run_cli, tiny_config
 from train.loop import runner as loop
-from train.config import USER_ERRORS
 
 
 def _bad_configs():
@@ -50,7 +50,7 @@ def test_error_is_one_line_and_workdir_untouched(name, tmp_path, monkeypatch):
     before = {p.name: p.read_bytes() for p in workdir.iterdir()}
     # Compilation must not start: make it explode if reached.
     monkeypatch.setattr(loop.Trainer, "compile", lambda self: pytest.fail("compiled a bad config"))
-    with pytest.raises(USER_ERRORS) as info:
+    with pytest.raises(UserError) as info:
         loop.run(config, str(workdir))
     assert fragment in str(info.value) and "\n" not in str(info.value)
     assert {p.name: p.read_bytes() for p in workdir.iterdir()} == before
@@ -67,7 +67,7 @@ def test_cli_prints_one_line_and_exits_nonzero(tmp_path):
 def test_unwritable_workdir(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with pytest.raises(USER_ERRORS, match="--workdir="):
+    with pytest.raises(UserError, match="--workdir="):
         loop.prepare_workdir(str(blocker / "run"))
     assert blocker.read_text() == "not a directory"
 
@@ -91,7 +91,7 @@ def test_fault_tolerance_settings_are_checked_by_resolve(key, value, fragment):
     config = tiny_config(data=8)
     section, name = key.split(".")
     config[section][name] = value
-    with pytest.raises(USER_ERRORS) as info:
+    with pytest.raises(UserError) as info:
         resolve(config, 8)
     assert str(info.value).startswith(fragment) and "\n" not in str(info.value)
 

@@ -6,13 +6,13 @@ import math
 import numpy as np
 import pytest
 
+from mesh.errors import UserError
 from sharding.context import zigzag_order
 from tests.helpers import grads_and_run, reference_config, rel_norm, single_device_reference, tiny_config
 from tests.test_documents import _datadir
 from train.planner import audit as audit_lib
 from train.loop import runner as loop
 from train.planner import compile_report as report
-from train.config import USER_ERRORS
 from train.trainer import Trainer
 
 LAYOUTS = [  # (mesh, sequence parallelism); each runs on as many devices as its axes multiply to
@@ -107,7 +107,7 @@ def test_unsupported_combination_is_one_line_before_compiling(name, tmp_path, mo
     else:
         config, fragment = BAD[name]
     monkeypatch.setattr(loop.Trainer, "compile", lambda self: pytest.fail("compiled a bad config"))
-    with pytest.raises(USER_ERRORS) as info:
+    with pytest.raises(UserError) as info:
         loop.run(config, str(tmp_path / "run"))
     assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())

@@ -4,6 +4,7 @@ import math
 import pytest
 
 from mesh import cost as K
+from mesh import placement as PL
 from mesh import topology as T
 
 
@@ -52,13 +53,13 @@ def test_contention_doubles_time_when_two_groups_share_one_link():
 def test_eight_data_parallel_groups_leave_a_dgx_through_eight_nics():
     h100 = T.get_topology("dgx-h100", hosts=2)
     sizes = {"data": 2, "tensor": 8}
-    p = T.placement(sizes, ("data",), h100)
+    p = PL.placement(sizes, ("data",), h100)
     flat, _ = K.links_for(p, h100)
     assert flat.bandwidth_gbps == pytest.approx(50.0)   # 400 GB/s of NICs shared by 8 groups
     one_nic = T.Topology("one-nic", 2, 8, h100.intra, T.Level("eth", "switch", 50.0, 4.0, links=1))
-    flat1, _ = K.links_for(T.placement(sizes, ("data",), one_nic), one_nic)
+    flat1, _ = K.links_for(PL.placement(sizes, ("data",), one_nic), one_nic)
     assert flat1.bandwidth_gbps == pytest.approx(50.0 / 8)
-    tensor = T.placement(sizes, ("tensor",), h100)
+    tensor = PL.placement(sizes, ("tensor",), h100)
     assert K.links_for(tensor, h100)[0].bandwidth_gbps == pytest.approx(450.0)
 
 
@@ -72,8 +73,8 @@ def test_oversubscribed_fat_tree_and_torus_dims():
     assert (b - lat) == pytest.approx(2 * (a - lat))
     v5p = T.get_topology("tpu-v5p")
     cube = {"x": 4, "y": 4, "z": 4}
-    one = T.placement(cube, ("z",), v5p)
-    two = T.placement(cube, ("y", "z"), v5p)
+    one = PL.placement(cube, ("z",), v5p)
+    two = PL.placement(cube, ("y", "z"), v5p)
     assert (one.local_dims_spanned, two.local_dims_spanned) == (1, 2)
     assert K.links_for(two, v5p)[0].bandwidth_gbps == pytest.approx(2 * K.links_for(one, v5p)[0].bandwidth_gbps)
 

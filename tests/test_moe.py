@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 import models
+from mesh.errors import UserError
 from models import gpt, moe
 from tests.helpers import grads_and_run, rel_norm, step_with_grads, tiny_config
 from train.planner import audit as audit_lib
 from train.loop import runner as loop
 from train.planner import compile_report as report
-from train.config import USER_ERRORS, resolve
+from train.config import resolve
 from train.trainer import Trainer
 
 # Seed 5: the first batch's closest k-th / (k+1)-th router logits are 9e-4 apart at init (seed 0 has a pair
@@ -191,7 +192,7 @@ def test_unsupported_settings_are_one_line_errors(settings, message):
     for key, value in settings.items():
         section, name = key.split(".")
         config[section][name] = value
-    with pytest.raises(USER_ERRORS) as error:
+    with pytest.raises(UserError) as error:
         resolve(config, 8)
     assert message in str(error.value) and "\n" not in str(error.value)
 

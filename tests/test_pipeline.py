@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 
 from mesh import hlo
+from mesh.errors import UserError
 from sharding import pipeline as pipeline_lib
 from sharding import pipeline_stages as stages
 from sharding import schedules
 from tests.helpers import grads_and_run, reference_config, rel_norm, single_device_run, tiny_config
-from train.config import USER_ERRORS, resolve
+from train.config import resolve
 from train.trainer import Trainer
 
 STEPS = 3
@@ -142,6 +143,6 @@ def _bad(changes: dict, layout=(("pipeline", 4), ("data", 2))):
     ({"sharding.rules": {"mlp": "pipeline"}}, "sharding.rules maps 'mlp' onto 'pipeline'"),
 ], ids=["layers", "batch", "1f1b_microbatches", "interleaved_microbatches", "unknown", "virtual", "rule"])
 def test_misconfiguration_fails_in_one_line(changes, fragment):
-    with pytest.raises(USER_ERRORS) as info:
+    with pytest.raises(UserError) as info:
         resolve(_bad(changes), 8)
     assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)

@@ -10,6 +10,8 @@ import pytest
 import models
 from checkpoint import cadence
 from experiments.default import get_config as default_config
+from mesh import layout as L
+from mesh import placement as PL
 from mesh import topology as T
 from sharding import schedules
 from tests.helpers import run_cli, tiny_config
@@ -135,7 +137,7 @@ def test_slow_inter_host_link_keeps_tensor_in_a_host():
     best = [p for p in search.search(cfg, 128, slow, {"pipeline": 1, "fsdp": 1}) if p.fits][0]
     sizes = best.candidate.sizes
     assert sizes["tensor"] > 1
-    p = T.placement(sizes, ("tensor",), slow, device_order=T.hybrid_device_order(sizes, slow))
+    p = PL.placement(sizes, ("tensor",), slow, device_order=L.hybrid_device_order(sizes, slow))
     assert p.level == "intra", sizes
 
 

@@ -6,6 +6,8 @@ import jax
 import numpy as np
 import pytest
 
+from mesh import layout as L
+from mesh import placement as PL
 from mesh import topology as T
 from mesh.layout import make_mesh, resolve_axis_sizes
 
@@ -53,44 +55,44 @@ def test_user_file_roundtrip_and_errors(tmp_path):
 def test_axes_onto_links_on_two_dgx_hosts():
     topo = T.get_topology("dgx-h100", hosts=2)
     sizes = {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 4}  # 16 devices, process-major
-    links = T.axis_links(sizes, topo)
+    links = PL.axis_links(sizes, topo)
     assert set(links) == {"data", "fsdp", "tensor"}
     assert links["tensor"].level == links["fsdp"].level == "intra"
     d = links["data"]
     # 8 data-parallel groups of 2, one member on each host, all 8 leave each host at once
     assert (d.level, d.hosts, d.members_per_host, d.crossing_groups_per_host, d.num_groups) == ("inter", 2, 1, 8, 8)
-    both = T.placement(sizes, ("data", "fsdp", "tensor"), topo)
+    both = PL.placement(sizes, ("data", "fsdp", "tensor"), topo)
     assert (both.group_size, both.hosts, both.members_per_host, both.crossing_groups_per_host) == (16, 2, 8, 1)
 
 
 def test_placement_of_a_jax_mesh_uses_process_major_ids():
     topo = T.Topology("pairs", 4, 2, T.NVLINK4, T.IB_NDR)
     mesh = make_mesh({"data": 4, "tensor": 2})
-    assert T.placement(mesh, ("tensor",), topo).level == "intra"
+    assert PL.placement(mesh, ("tensor",), topo).level == "intra"
     flipped = make_mesh({"data": 4, "tensor": 2}, devices=[jax.devices()[i] for i in (0, 2, 1, 3, 4, 6, 5, 7)])
-    assert T.placement(flipped, ("tensor",), topo).level == "inter"
+    assert PL.placement(flipped, ("tensor",), topo).level == "inter"
 
 
 def test_warnings_for_tensor_across_hosts_and_uneven_axes():
     topo = T.get_topology("dgx-h100", hosts=2)
     with pytest.warns(UserWarning, match="mesh axis tensor crosses hosts"):
-        T.axis_links({"data": 1, "tensor": 16}, topo)
+        PL.axis_links({"data": 1, "tensor": 16}, topo)
     four = T.Topology("four", 3, 4, T.NVLINK4, T.IB_NDR)
     sizes = {"data": 2, "fsdp": 3, "tensor": 2}   # 12 devices, hosts of 4
-    lines = T.placement_warnings(sizes, four)
+    lines = PL.placement_warnings(sizes, four)
     assert any("fsdp is split unevenly" in line for line in lines)
     assert all("\n" not in line for line in lines)
-    order = T.hybrid_device_order(sizes, four)
-    assert T.placement_warnings(sizes, four, order) == []
+    order = L.hybrid_device_order(sizes, four)
+    assert PL.placement_warnings(sizes, four, order) == []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        T.axis_links({"data": 2, "tensor": 8}, topo)  # a clean layout warns nothing
+        PL.axis_links({"data": 2, "tensor": 8}, topo)  # a clean layout warns nothing
 
 
 def test_hybrid_order_keeps_inner_factors_in_a_host():
     four = T.Topology("four", 3, 4, T.NVLINK4, T.IB_NDR)
     sizes = {"data": 2, "fsdp": 3, "tensor": 2}
-    order = np.array(T.hybrid_device_order(sizes, four)).reshape(2, 3, 2)
+    order = np.array(L.hybrid_device_order(sizes, four)).reshape(2, 3, 2)
     assert sorted(order.ravel().tolist()) == list(range(12))
     host = order // 4
     assert (host[:, :, 0] == host[:, :, 1]).all()          # tensor pairs share a host
@@ -98,19 +100,19 @@ def test_hybrid_order_keeps_inner_factors_in_a_host():
     assert all(len(set(host[d, :, t])) == 3 for d in range(2) for t in range(2))  # fsdp: one per host
     # powers of two: process-major order already is the hybrid order
     h100 = T.get_topology("dgx-h100", hosts=4)
-    assert T.hybrid_device_order({"data": 4, "fsdp": 2, "tensor": 4}, h100) == list(range(32))
+    assert L.hybrid_device_order({"data": 4, "fsdp": 2, "tensor": 4}, h100) == list(range(32))
     with pytest.raises(ValueError, match="does not fill whole hosts"):
-        T.hybrid_device_order({"data": 3, "tensor": 4}, h100)
+        L.hybrid_device_order({"data": 3, "tensor": 4}, h100)
 
 
 def test_hybrid_devices_feed_make_mesh():
     topo = T.Topology("quads", 2, 4, T.NVLINK4, T.IB_NDR)
     sizes = resolve_axis_sizes({"data": 2, "tensor": 4}, 8)
-    mesh = make_mesh(sizes, devices=T.hybrid_devices(sizes, topo))
+    mesh = make_mesh(sizes, devices=L.hybrid_devices(sizes, topo))
     assert [d.id for d in mesh.devices.flat] == list(range(8))
-    assert T.axis_links(mesh, topo)["tensor"].level == "intra"
+    assert PL.axis_links(mesh, topo)["tensor"].level == "intra"
 
 
 def test_mesh_larger_than_topology_is_a_one_line_error():
     with pytest.raises(ValueError, match="raise --hosts to 2"):
-        T.placement({"data": 16}, ("data",), T.get_topology("dgx-h100"))
+        PL.placement({"data": 16}, ("data",), T.get_topology("dgx-h100"))

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import os
-import sys
 
-from absl import app, flags
+import jax
+from absl import app, flags, logging
 
+from mesh import use_cpu_devices
 from train import cli
+from train.loop import exit_codes
+from train.loop import runner as loop
+from train.runtime import distributed, xla_env
 
 _CONFIG = cli.config_file("config", "experiments/default.py", "Experiment config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: metrics, reports, checkpoints.", required=True)
@@ -31,32 +35,18 @@ _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/spmdtrain/xla",
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    from absl import logging
     logging.set_verbosity(logging.WARNING)  # keep the progress line readable
-    from train.runtime import xla_env
+    # Importing jax starts no backend: the XLA flags, device count and cluster below still take effect.
     xla_env.apply()  # GPU XLA flags and memory fraction the user has not set; recorded in config.json
-    import jax  # configured before any backend starts
-
-    from mesh import use_cpu_devices
-    from train.runtime import distributed
-    from train.loop import exit_codes
-    from train.config import USER_ERRORS
-
-    try:
-        use_cpu_devices(_NUM_CPU_DEVICES.value)
-        cluster = distributed.detect(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    except (*USER_ERRORS, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return exit_codes.USER_ERROR
+    use_cpu_devices(_NUM_CPU_DEVICES.value)
+    cluster = distributed.detect(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     distributed.initialize(cluster, init_timeout_s=_INIT_TIMEOUT.value, heartbeat_timeout_s=_HEARTBEAT_TIMEOUT.value,
                            shutdown_timeout_s=_SHUTDOWN_TIMEOUT.value)
     if _CACHE.value and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(_CACHE.value))
-    from train.loop import runner as loop
-
     audit = dict(topology=_TOPOLOGY.value, hosts=_HOSTS.value, mfu=_AUDIT_MFU.value) if _AUDIT.value else None
     loop.run(_CONFIG.value, _WORKDIR.value, compile_only=_COMPILE_ONLY.value, peak_tflops=_PEAK_TFLOPS.value,
-             audit=audit)  # expected failures end with their documented status in cli.run
+             audit=audit)  # user errors and expected failures end with their documented status in cli.run
     return exit_codes.OK
 
 

@@ -10,8 +10,8 @@ Use it in place of absl's app.run and config_flags.DEFINE_config_file:
         cli.run(main)   # main(argv) -> exit status (None means 0)
 
 It covers a misspelled override (`--config.model.presett=x`), an override of the wrong type, a missing
-or failing config file, an unknown flag, a missing required flag, absl's UsageError and the settings
-errors of train/config.py (USER_ERRORS), all raised before main does any work.
+or failing config file, an unknown flag, a missing required flag, absl's UsageError and every UserError
+(mesh/errors.py) a tool raises; this is the one place that turns a user's mistake into exit status 2.
 """
 from __future__ import annotations
 
@@ -22,13 +22,15 @@ from typing import Any, Callable, NoReturn
 from absl import app, flags
 from ml_collections import config_flags
 
-USER_ERROR = 2  # train/exit_codes.USER_ERROR, without importing jax to print a flag error
+from mesh.errors import UserError
+from train.loop import exit_codes
+
 _CONFIG_FLAGS: list[Any] = []
 
 
 def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(USER_ERROR)
+    sys.exit(exit_codes.USER_ERROR)
 
 
 def _last_line(text: str) -> str:
@@ -115,17 +117,15 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def run(main: Callable[[list[str]], int | None]) -> NoReturn:
-    """app.run(main) with one-line, exit-2 errors for flags, config files and settings (USER_ERRORS), and the
+    """app.run(main) with one-line, exit-2 errors for flags, config files and every UserError, and the
     documented exit status of every other expected failure (train/loop/exit_codes.py)."""
 
     def guarded(argv: list[str]) -> int:
         try:
             return main(argv) or 0
+        except (app.UsageError, UserError) as e:
+            fail(str(e))
         except Exception as e:  # noqa: BLE001  (anything else is re-raised: a crash keeps its traceback)
-            from train.loop import exit_codes
-            from train.config import USER_ERRORS  # imported only now: a tool need not load jax to start
-            if isinstance(e, (app.UsageError, *USER_ERRORS)):
-                fail(str(e))
             status = exit_codes.status_of(e)  # expected failures end with their documented status
             if status is None:
                 raise

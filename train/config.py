@@ -17,24 +17,17 @@ from ml_collections import config_dict
 
 import checkpoint
 import models
-from mesh import MeshConfigError, resolve_axis_sizes
-from models import ModelConfigError
+from mesh import resolve_axis_sizes
+from mesh.errors import UserError
 from models import attention as attention_lib
 from sharding import rules as sharding_rules
 from sharding import schedules
-from sharding.rules import ShardingConfigError
-from sharding.schedules import ScheduleConfigError
 from train import sections
 from train.data import datadir
-from train.data.datadir import DataConfigError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A training setting the user can fix; the message is one line naming the setting."""
-
-
-USER_ERRORS = (ConfigError, MeshConfigError, ModelConfigError, ShardingConfigError, ScheduleConfigError,
-               DataConfigError)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -182,19 +175,6 @@ def _fault_tolerance(config: ml_collections.ConfigDict) -> None:
         raise ConfigError("checkpoint.restore_params_only=True needs checkpoint.restore_from=PATH[:STEP]")
 
 
-def _check_names(t: Any) -> None:
-    from train.loop import actions
-    from train.loop import metrics  # the registry fills as experiment files import
-    for name in actions.names(t.loggers):
-        if name not in metrics.LOGGERS:
-            raise ConfigError(f"train.loggers={t.loggers!r}: unknown logger {name!r}; use {', '.join(metrics.LOGGERS)}")
-    for name in actions.names(t.actions):
-        if name not in actions.REGISTRY:
-            known = ", ".join(sorted(actions.REGISTRY)) or "none registered"
-            raise ConfigError(f"train.actions={t.actions!r}: unknown action {name!r} ({known}); register it with "
-                              f"train.loop.actions.register(name, factory) in the experiment file")
-
-
 def _check_model_splits(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str, int]) -> None:
     """Every model size a sharded logical axis has must divide by that axis's mesh ways (e.g. model.n_kv_heads
     by mesh.tensor), named before anything compiles."""
@@ -292,7 +272,7 @@ def _long_sequences(config: ml_collections.ConfigDict, model: models.ModelConfig
 
 def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str | None = None) -> Plan:
     """Validate `config` for `num_devices` devices of `platform` (default: this process's first device's);
-    raises one of USER_ERRORS."""
+    raises a UserError (mesh/errors.py) naming the setting."""
     data = datadir.resolve(config.data, config.train.global_batch_size)
     model_values = config.model.to_dict()
     if data and data.vocab_size and model_values.get("vocab_size") is None:
@@ -332,7 +312,6 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str |
     if config.data.source == "text" and model.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={model.vocab_size}: byte-level text needs at least 256")
     _fault_tolerance(config)
-    _check_names(t)
     train, ckpt, faults = sections.from_config(config)
     return Plan(model=model, mesh_sizes=mesh_sizes, rules=rules, global_batch=t.global_batch_size,
                 grad_accum=t.grad_accum_steps, steps=t.steps, decay_steps=decay_steps,

@@ -7,11 +7,13 @@ import json
 import pathlib
 from typing import Iterator
 
+from mesh.errors import UserError
+
 PARQUET = (".parquet", ".pq")
 JSONL = (".jsonl", ".ndjson")
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError):
     """Bad input: names the file (and line) and what is wrong."""
 
 

@@ -8,11 +8,13 @@ import json
 import pathlib
 from typing import Any
 
+from mesh.errors import UserError
+
 ORDERS = ("epochs", "random")
 DTYPES = ("uint16", "uint32")
 
 
-class DataConfigError(ValueError):
+class DataConfigError(UserError):
     """A data.* setting or prepared directory the user can fix; one line."""
 
 

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import numpy as np
 from absl import app, flags
 
+from mesh.errors import UserError
 from train import cli
 from train.data import corpus
 from train.loop import exit_codes
@@ -40,7 +41,7 @@ CHUNK_BYTES = 1 << 18  # text per work unit: large enough to amortize the hand-o
 SPLITS = ("train", "val")
 
 
-class PrepareError(ValueError):
+class PrepareError(UserError):
     """A bad flag or output directory; one line."""
 
 
@@ -277,16 +278,12 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # parallelism comes from --num_workers processes
-    try:
-        if not _INPUT.value or not _OUT.value:
-            raise PrepareError("--input and --out are required: --input=PATH[,PATH...] --out=DATADIR")
-        meta = prepare(_INPUT.value, _OUT.value, _TOKENIZER.value, text_field=_TEXT_FIELD.value,
-                       val_percent=_VAL_PERCENT.value, num_workers=_NUM_WORKERS.value,
-                       bpe_sample_mb=_BPE_SAMPLE_MB.value, eos_token=_EOS.value, bos_token=_BOS.value,
-                       overwrite=_OVERWRITE.value)
-    except (CorpusError, TokenizerError, PrepareError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return exit_codes.USER_ERROR
+    if not _INPUT.value or not _OUT.value:
+        raise PrepareError("--input and --out are required: --input=PATH[,PATH...] --out=DATADIR")
+    meta = prepare(_INPUT.value, _OUT.value, _TOKENIZER.value, text_field=_TEXT_FIELD.value,
+                   val_percent=_VAL_PERCENT.value, num_workers=_NUM_WORKERS.value,
+                   bpe_sample_mb=_BPE_SAMPLE_MB.value, eos_token=_EOS.value, bos_token=_BOS.value,
+                   overwrite=_OVERWRITE.value)  # a user's mistake raises a UserError: cli.run prints it, exit 2
     if meta is None:
         print(f"{_OUT.value} already holds these inputs prepared with --tokenizer={_TOKENIZER.value}; nothing to do")
     else:

@@ -9,11 +9,13 @@ from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from mesh.errors import UserError
+
 EOS_TEXT = "<|endoftext|>"
 FILE = "tokenizer.json"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError):
     """A tokenizer setting or file the user can fix; one line."""
 
 

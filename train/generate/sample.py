@@ -9,11 +9,21 @@ import math
 import pathlib
 import sys
 
-from absl import app, flags
+import numpy as np
+from absl import app, flags, logging
 
+import checkpoint
+from checkpoint import format as ckpt_format
+from mesh import use_cpu_devices
 from mesh.layout import AXES
 from train import cli
-from train.config import base_config
+from train import config as run_config
+from train.config import ConfigError, base_config
+from train.data import tokenizer as tok_lib
+from train.generate import decode as generate
+from train.generate import prompt as prompt_lib
+from train.loop import exit_codes
+from train.trainer import Trainer
 
 _CONFIG = cli.config_dict("config", base_config(), "Only --config.mesh.* overrides are read.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run's directory.", required=True)
@@ -31,11 +41,6 @@ _EVAL_BATCHES = flags.DEFINE_integer("eval_batches", 0, "Print the loss and perp
 _NUM_CPU_DEVICES = flags.DEFINE_integer("num_cpu_devices", 8, "Virtual devices when the platform is CPU.")
 
 
-def _fail(message: str):
-    from train.config import ConfigError
-    return ConfigError(message)
-
-
 def _mesh_overrides(config) -> None:
     """The run's mesh, with the --config.mesh.* flags given and `pipeline` and `context` folded into `data`
     (decoding runs the whole stack on every device, one new token at a time)."""
@@ -49,26 +54,13 @@ def _mesh_overrides(config) -> None:
 
 
 def run(workdir: pathlib.Path) -> None:
-    import numpy as np
-
-    import checkpoint
-    from train import config as run_config
-    from checkpoint import format as ckpt_format
-    from train.generate import decode as generate
-    from train.generate import prompt as prompt_lib
-    from train.data import tokenizer as tok_lib
-    from train.trainer import Trainer
-
     config = run_config.load_run_config(workdir)
     _mesh_overrides(config)
     trainer = Trainer.build(config)
     cfg = trainer.plan.model
     if _EVAL_BATCHES.value < 0 or _MAX_NEW.value < 1:
-        raise _fail("--eval_batches must be >= 0 and --max_new_tokens >= 1")
-    try:
-        codec = tok_lib.load_run_codec(workdir)
-    except tok_lib.TokenizerError as e:
-        raise _fail(str(e)) from None
+        raise ConfigError("--eval_batches must be >= 0 and --max_new_tokens >= 1")
+    codec = tok_lib.load_run_codec(workdir)
     prompt = None if _EVAL_BATCHES.value else prompt_lib.prompt_tokens(cfg.vocab_size, codec, _PROMPT.value, _PROMPT_TOKENS.value)
     source, step, spec = run_config.run_checkpoints(workdir, _STEP.value)
     got = checkpoint.restore_source(source, step, {"params": ckpt_format.target(trainer)["params"]}, True, spec)
@@ -88,10 +80,7 @@ def run(workdir: pathlib.Path) -> None:
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    from absl import logging
     logging.set_verbosity(logging.WARNING)  # Orbax's info lines would bury the output
-    from mesh import use_cpu_devices
-    from train.loop import exit_codes
     use_cpu_devices(_NUM_CPU_DEVICES.value)
     run(pathlib.Path(_WORKDIR.value).expanduser())
     return exit_codes.OK

@@ -7,15 +7,28 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-import sys
 
+import jax
 import ml_dtypes
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 
+import checkpoint
+import models
+from checkpoint import plain, safetensors_io
+from mesh import use_cpu_devices
+from mesh.errors import UserError
+from models import llama_hf
 from train import cli
+from train import config as run_config
+from train.data import tokenizer as tok_lib
+from train.loop import exit_codes
 
 FLAGS = flags.FLAGS
+
+
+class ExportError(UserError):
+    """A run or output directory that cannot be exported as asked; one line naming the flag."""
 
 
 def define_flags() -> None:
@@ -30,13 +43,6 @@ def define_flags() -> None:
 
 def restore_params(workdir: pathlib.Path, step: int | None):
     """(model config, params as numpy in logical layer order, step) from a run's checkpoint, on one device."""
-    import jax
-
-    import checkpoint
-    import models
-    from checkpoint import plain
-    from train import config as run_config
-
     config = run_config.load_run_config(workdir)
     values = config.model.to_dict()
     data_meta = workdir / "data_meta.json"  # a DATADIR run's vocabulary comes from its meta.json (train.config)
@@ -67,8 +73,6 @@ def _shards(tensors: dict[str, np.ndarray], max_bytes: float) -> list[dict[str, 
 def write(out: pathlib.Path, cfg, params, dtype: str, codec=None, max_shard_bytes: float = 5e9) -> None:
     """Write HFDIR (through a temporary sibling, renamed at the end). `codec` is the run's
     train.tokenizer.Codec, or None for a byte-level run (no tokenizer, no bos/eos ids)."""
-    from checkpoint import safetensors_io
-    from models import llama_hf
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
     tensors = {k: v.astype(np_dtype) for k, v in llama_hf.to_hf(params, cfg).items()}
     tmp = out.with_name(out.name + ".tmp")
@@ -106,37 +110,26 @@ def write_tokenizer(directory: pathlib.Path, codec) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def _check_exportable(workdir: pathlib.Path, cfg) -> None:
+    if not isinstance(cfg, models.LlamaConfig):
+        raise ExportError(f"--workdir={workdir} trains a {cfg.family} model; only Llama runs export to Hugging Face")
+    if models.is_moe(cfg):
+        raise ExportError(f"--workdir={workdir} trains a mixture of experts (model.n_experts={cfg.n_experts}); its "
+                          f"export is not implemented, only dense Llama runs export")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    from absl import logging
     logging.set_verbosity(logging.WARNING)  # Orbax's info lines would bury the output
-    from mesh import use_cpu_devices
-    from train.loop import exit_codes
     use_cpu_devices(1)
-    import models
-    from train.data import tokenizer as tok_lib
     workdir, out = pathlib.Path(FLAGS.workdir).expanduser(), pathlib.Path(FLAGS.out).expanduser()
-    try:
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise exit_codes.Stop(exit_codes.USER_ERROR, f"error: --out={out} exists and is not empty; "
-                                                         f"give a new directory")
-        codec = tok_lib.load_run_codec(workdir)  # a damaged tokenizer.json stops before the restore
-        cfg, params, step = restore_params(workdir, FLAGS.step)
-        if not isinstance(cfg, models.LlamaConfig):
-            raise exit_codes.Stop(exit_codes.USER_ERROR, f"error: --workdir={workdir} trains a {cfg.family} model; "
-                                                         f"only Llama runs export to Hugging Face")
-        if models.is_moe(cfg):
-            raise exit_codes.Stop(exit_codes.USER_ERROR, f"error: --workdir={workdir} trains a mixture of experts "
-                                                         f"(model.n_experts={cfg.n_experts}); its export is not "
-                                                         f"implemented, only dense Llama runs export")
-        write(out, cfg, params, FLAGS.dtype, codec if codec.from_run else None, FLAGS.max_shard_gb * 1e9)
-    except Exception as e:  # noqa: BLE001
-        status = exit_codes.USER_ERROR if isinstance(e, tok_lib.TokenizerError) else exit_codes.status_of(e)
-        if status is None:
-            raise
-        print(e if isinstance(e, exit_codes.Stop) else f"error: {e}", file=sys.stderr, flush=True)
-        return status
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"--out={out} exists and is not empty; give a new directory")
+    codec = tok_lib.load_run_codec(workdir)  # a damaged tokenizer.json stops before the restore
+    cfg, params, step = restore_params(workdir, FLAGS.step)
+    _check_exportable(workdir, cfg)
+    write(out, cfg, params, FLAGS.dtype, codec if codec.from_run else None, FLAGS.max_shard_gb * 1e9)
     print(f"wrote {out} (step {step}, {FLAGS.dtype}, {models.param_count(cfg):,} parameters)")
     return exit_codes.OK
 

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+from train.config import ConfigError
+from train.loop import metrics
 from train.loop.info import Action, StepInfo, Update
 
-__all__ = ["Action", "Every", "REGISTRY", "StepInfo", "Update", "build", "names", "register"]
+__all__ = ["Action", "Every", "REGISTRY", "StepInfo", "Update", "build", "check_names", "names", "register"]
 
 REGISTRY: dict[str, Callable[[Any], Action]] = {}
 
@@ -32,6 +34,19 @@ def register(name: str, factory: Callable[[Any], Action]) -> None:
 def names(text: str) -> tuple[str, ...]:
     """'a, b' -> ('a', 'b'): the comma-separated list of a train.actions or train.loggers setting."""
     return tuple(n.strip() for n in str(text or "").split(",") if n.strip())
+
+
+def check_names(t: Any) -> None:
+    """Every name in train.loggers and train.actions is registered (the registries fill as experiment files
+    import): checked by the loop before it touches the workdir, as train.config checks the other settings."""
+    for name in names(t.loggers):
+        if name not in metrics.LOGGERS:
+            raise ConfigError(f"train.loggers={t.loggers!r}: unknown logger {name!r}; use {', '.join(metrics.LOGGERS)}")
+    for name in names(t.actions):
+        if name not in REGISTRY:
+            known = ", ".join(sorted(REGISTRY)) or "none registered"
+            raise ConfigError(f"train.actions={t.actions!r}: unknown action {name!r} ({known}); register it with "
+                              f"train.loop.actions.register(name, factory) in the experiment file")
 
 
 class Every:

@@ -24,11 +24,11 @@ class Stop(Exception):
 
 def status_of(error: BaseException) -> int | None:
     """The documented status of an expected failure; None for a crash."""
-    from checkpoint import IncompatibleCheckpoint, NoRestorableCheckpoint, RestoreFromError, SaveFailed
-    from train.config import USER_ERRORS
+    from checkpoint import NoRestorableCheckpoint, SaveFailed
+    from mesh.errors import UserError
     if isinstance(error, Stop):
         return error.status
-    if isinstance(error, USER_ERRORS + (IncompatibleCheckpoint, RestoreFromError)):
+    if isinstance(error, UserError):
         return USER_ERROR
     if isinstance(error, NoRestorableCheckpoint):
         return NO_CHECKPOINT

@@ -94,6 +94,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
     # plan.auto: the planner's layout replaces mesh.* and the layout knobs (printed); the trainer then
     # builds exactly the layout of the config it is given.
     config = planner_auto.apply(config, jax.device_count())
+    actions_lib.check_names(config.train)
     trainer = Trainer.build(config)  # every user error is raised here, before the workdir is touched
     path = prepare_workdir(workdir)  # only creates the directory; nothing in it is touched yet
     if not options.compile_only:

@@ -4,7 +4,7 @@ communication time per axis on a chosen cluster (mesh.cost) against the step's c
 
 The audit's parts stay where the import rule puts them, each naming its part in its docstring:
 mesh/hlo.py (what XLA emitted), sharding/expected.py (what the layout must communicate: it knows the
-model and the strategy), mesh/topology.py and mesh/cost.py (where each axis's traffic travels, what it
+model and the strategy), mesh/placement.py and mesh/cost.py (where each axis's traffic travels, what it
 costs), mesh/chips.py (the compute side's peak), train/planner/compile_report.py (the compile report carrying the found
 collectives) and this module, which joins them.
 """
@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mesh import chips, cost, topology as topology_lib
+from mesh import chips, cost, placement, topology as topology_lib
 from sharding import pipeline as pipeline_lib
 from sharding.expected import expected_traffic
 from train.config import ConfigError
@@ -151,10 +151,7 @@ def project(records: list[dict], sizes: dict[str, int], topology_name: str, host
             flops_per_device: float, mfu: float) -> dict[str, Any]:
     """Predicted communication per step on `hosts` hosts of a topology preset (or file), scaling the
     `data` axis to fill the cluster with the per-device work unchanged (weak scaling)."""
-    try:
-        topo = topology_lib.get_topology(topology_name, hosts=hosts)
-    except (ValueError, OSError) as e:
-        raise ConfigError(str(e)) from None
+    topo = topology_lib.get_topology(topology_name, hosts=hosts)  # a TopologyError names --topology
     others = math.prod(s for a, s in sizes.items() if a != "data")
     if topo.num_devices % others:
         raise ConfigError(f"--hosts={hosts}: {topo.num_devices} devices cannot hold the non-data axes "
@@ -164,8 +161,8 @@ def project(records: list[dict], sizes: dict[str, int], topology_name: str, host
     peak = chips.peak_flops(PRESET_DEVICE_KIND.get(topology_name, ""), "bfloat16") or 0.0
     compute_us = flops_per_device / (peak * mfu) * 1e6 if peak else None
     return {"topology": topology_name, "hosts": hosts, "devices": topo.num_devices, "mesh": target,
-            "warnings": topology_lib.placement_warnings(target, topo),
-            "links": {axis: p.level for axis, p in topology_lib.axis_links(target, topo, warn=False).items()},
+            "warnings": placement.placement_warnings(target, topo),
+            "links": {axis: p.level for axis, p in placement.axis_links(target, topo, warn=False).items()},
             "comm_us_per_axis": per_axis, "comm_us": sum(per_axis.values()), "mfu": mfu,
             "compute_us": compute_us}
 

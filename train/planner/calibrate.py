@@ -8,6 +8,7 @@ import pathlib
 import jax
 
 from mesh import topology as topology_lib
+from train.planner.search import PlanError
 from train.runtime import hardware
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -21,21 +22,24 @@ def sweep(dtype: str, max_n: int) -> list[tuple[int, float]]:
 def write(topology: str, path: str, dtype: str) -> pathlib.Path:
     out = pathlib.Path(path).expanduser().resolve()
     if ROOT in out.parents and out.parent.name not in ("experiments", "topologies") and "tmp" not in out.parts:
-        raise ValueError(f"--calibrate={path}: write calibrations to a user file outside the package, "
-                         f"e.g. ~/.config/spmdtrain/{topology}.json")
+        raise PlanError(f"--calibrate={path}: write calibrations to a user file outside the package, "
+                        f"e.g. ~/.config/spmdtrain/{topology}.json")
     topo = topology_lib.get_topology(topology)
     platform = jax.devices()[0].platform
     measured = sweep(dtype, 8192 if platform != "cpu" else 1024)
     peaks = dict(topo.peak_tflops)
     if dtype not in peaks:
         if platform != "cpu":
-            raise ValueError(f"--topology={topology}: no peak_tflops for {dtype}; add the datasheet figure first")
+            raise PlanError(f"--topology={topology}: no peak_tflops for {dtype}; add the datasheet figure first")
         peaks[dtype] = max(f for _, f in measured) / 1e12  # a CPU has no datasheet peak: its best matmul is it
     curve = [[float(n), round(f / (peaks[dtype] * 1e12), 4)] for n, f in measured]
     topo = topology_lib.dataclasses.replace(topo, peak_tflops=peaks,
                                             matmul_efficiency={**topo.matmul_efficiency, dtype: curve})
-    topology_lib.save_topology(topo, out, provenance={
-        "command": f"python -m train.plan --calibrate={path} --topology={topology}",
-        "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-        "date": datetime.date.today().isoformat()})
+    provenance = {"command": f"python -m train.plan --calibrate={path} --topology={topology}",
+                  "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                  "date": datetime.date.today().isoformat()}
+    try:
+        topology_lib.save_topology(topo, out, provenance=provenance)
+    except OSError as e:
+        raise PlanError(f"--calibrate={path}: cannot write there ({e.strerror}); choose a writable file") from None
     return out

@@ -6,11 +6,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import sys
 
 from absl import app, flags
 
+import models
+from checkpoint import cadence
+from mesh import topology as topology_lib
 from train import cli
+from train.loop import exit_codes
+from train.planner import calibrate, report, search
 
 _CONFIG = cli.config_file("config", "experiments/default.py", "Experiment config file.")
 _TOPOLOGY = flags.DEFINE_string("topology", "dgx-h100", "Cluster: a preset name or a topology JSON file.")
@@ -30,12 +34,6 @@ HOST_COPY_GBPS = 1.5
 
 
 def _plan(config) -> int:
-    import models
-    from mesh import topology as topology_lib
-    from train.loop import exit_codes
-    from checkpoint import cadence
-    from train.planner import report, search
-
     topo = topology_lib.get_topology(_TOPOLOGY.value, hosts=_HOSTS.value)
     if _DPH.value:
         topo = dataclasses.replace(topo, devices_per_host=_DPH.value)
@@ -53,15 +51,18 @@ def _plan(config) -> int:
     print(report.table(ranked, _TOP.value))
     print(report.breakdown(fitting[0], fitting[1] if len(fitting) > 1 else None))
     if _MTBF.value:
-        _cadence(config, fitting[0], topo, cadence)
+        _cadence(config, fitting[0], topo)
     if _JSON.value:
         path = pathlib.Path(_JSON.value)
-        path.write_text(json.dumps([p.as_json() for p in fitting[:max(_TOP.value, 1)]], indent=2) + "\n")
+        try:
+            path.write_text(json.dumps([p.as_json() for p in fitting[:max(_TOP.value, 1)]], indent=2) + "\n")
+        except OSError as e:
+            raise search.PlanError(f"--json={path}: cannot write there ({e.strerror}); choose a writable file") from None
         print(f"wrote {path}")
     return exit_codes.OK
 
 
-def _cadence(config, best, topo, cadence) -> None:
+def _cadence(config, best, topo) -> None:
     m = best.memory
     state = m["params"] + m["optimizer_state"]
     save_s = _SAVE.value or state / (HOST_COPY_GBPS * 1e9)
@@ -82,20 +83,12 @@ def _cadence(config, best, topo, cadence) -> None:
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    from train.loop import exit_codes
-    from train.config import USER_ERRORS
-    try:
-        if _CALIBRATE.value:
-            from train.planner import calibrate
-            import models
-            dtype = models.from_dict(_CONFIG.value.model.to_dict()).compute_dtype
-            path = calibrate.write(_TOPOLOGY.value, _CALIBRATE.value, dtype)
-            print(f"wrote {path}")
-            return exit_codes.OK
-        return _plan(_CONFIG.value)
-    except (*USER_ERRORS, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return exit_codes.USER_ERROR
+    if _CALIBRATE.value:
+        dtype = models.from_dict(_CONFIG.value.model.to_dict()).compute_dtype
+        path = calibrate.write(_TOPOLOGY.value, _CALIBRATE.value, dtype)
+        print(f"wrote {path}")
+        return exit_codes.OK
+    return _plan(_CONFIG.value)  # a user's mistake raises a UserError: cli.run prints it and exits 2
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 import models
-from mesh import cost, topology as topology_lib
+from mesh import cost, layout, placement, topology as topology_lib
 from sharding import schedules
 from sharding.expected import expected_traffic
 from train.planner import memory
@@ -36,8 +36,8 @@ def efficiency(topo: topology_lib.Topology, dtype: str, dim: float) -> float:
 
 def peak_flops(topo: topology_lib.Topology, dtype: str) -> float:
     if dtype not in topo.peak_tflops:
-        raise ValueError(f"--topology={topo.name}: no peak_tflops for model.compute_dtype={dtype}; add "
-                         f"\"peak_tflops\": {{\"{dtype}\": TFLOPS}} to the topology file")
+        raise topology_lib.TopologyError(f"--topology={topo.name}: no peak_tflops for model.compute_dtype={dtype}; "
+                                         f"add \"peak_tflops\": {{\"{dtype}\": TFLOPS}} to the topology file")
     return topo.peak_tflops[dtype] * 1e12
 
 
@@ -58,12 +58,12 @@ def _placement(mesh: tuple[tuple[str, int], ...], axes: tuple[str, ...], topo_ke
     topo = _TOPOLOGIES[topo_key]
     sizes = dict(mesh)
     order = _order(mesh, topo_key)
-    return topology_lib.placement(sizes, axes, topo, device_order=order)
+    return placement.placement(sizes, axes, topo, device_order=order)
 
 
 @functools.lru_cache(maxsize=4096)
 def _order(mesh, topo_key):
-    return topology_lib.hybrid_device_order(dict(mesh), _TOPOLOGIES[topo_key])
+    return layout.hybrid_device_order(dict(mesh), _TOPOLOGIES[topo_key])
 
 
 _TOPOLOGIES: dict[tuple, topology_lib.Topology] = {}

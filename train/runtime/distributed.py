@@ -10,6 +10,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
+
+from mesh.errors import UserError
+
+
+class ClusterError(UserError):
+    """Multi-process settings (flags or JAX_* variables) that do not describe one cluster; one line."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
@@ -28,15 +36,15 @@ def detect(coordinator_address: str = "", num_processes: int = 1, process_id: in
     """Where the run's processes come from; None for a single-process run."""
     if num_processes > 1 or coordinator_address:
         if not coordinator_address or num_processes < 1 or not 0 <= process_id < num_processes:
-            raise ValueError(f"--coordinator_address={coordinator_address!r} --num_processes={num_processes} "
-                             f"--process_id={process_id}: give all three, with 0 <= process_id < num_processes")
+            raise ClusterError(f"--coordinator_address={coordinator_address!r} --num_processes={num_processes} "
+                               f"--process_id={process_id}: give all three, with 0 <= process_id < num_processes")
         return Cluster(coordinator_address, num_processes, process_id, "flags")
     env_n = _int_env("JAX_NUM_PROCESSES")
     if os.environ.get("JAX_COORDINATOR_ADDRESS") and env_n and env_n > 1:
         env_id = _int_env("JAX_PROCESS_ID")
         if env_id is None or env_id >= env_n:
-            raise ValueError(f"JAX_PROCESS_ID={os.environ.get('JAX_PROCESS_ID', '')!r}: with JAX_NUM_PROCESSES="
-                             f"{env_n} every process needs its index 0..{env_n - 1}")
+            raise ClusterError(f"JAX_PROCESS_ID={os.environ.get('JAX_PROCESS_ID', '')!r}: with JAX_NUM_PROCESSES="
+                               f"{env_n} every process needs its index 0..{env_n - 1}")
         return Cluster(os.environ["JAX_COORDINATOR_ADDRESS"], env_n, env_id, "env")
     # srun sets SLURM_STEP_NUM_TASKS for the step it launches; a batch script or salloc shell does not
     # run inside such a step, so a plain `python -m train` there stays single-process.
@@ -52,7 +60,6 @@ def initialize(cluster: Cluster | None, *, init_timeout_s: int, heartbeat_timeou
     """Join the cluster (before any JAX backend use). CPU processes talk over gloo."""
     if cluster is None:
         return
-    import jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=cluster.coordinator_address, num_processes=cluster.num_processes,

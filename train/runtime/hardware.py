@@ -14,6 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+import models
 from mesh import chips
 
 GiB = 1 << 30  # the unit of every memory figure the project prints
@@ -62,7 +63,6 @@ def peak_flops_per_device(compute_dtype: str, override_tflops: float = 0.0) -> f
 def compute_dtype(config) -> str:
     """The dtype the model computes in once its preset and overrides are resolved: what sets the peak
     (a preset's bf16 is not in the raw `model.compute_dtype`, which stays unset)."""
-    import models
     return models.from_dict(config.model.to_dict()).compute_dtype
 
 

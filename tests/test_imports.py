@@ -1,0 +1,110 @@
+"""The import graph of the project's packages, read with `ast` (imports inside functions included): no cycles,
+and imports flow downward only (shared/CONVENTIONS.md: train -> checkpoint, sharding, models, mesh)."""
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("mesh", "models", "sharding", "train", "checkpoint", "experiments")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """{dotted module name: file}; a package is its __init__."""
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _targets(node: ast.AST, modules: dict[str, pathlib.Path]) -> set[str]:
+    """Our modules one import statement loads: `from pkg import name` counts the submodule pkg.name when there is
+    one, else pkg itself; `import a.b.c` counts a.b.c."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in modules}
+    if not isinstance(node, ast.ImportFrom) or node.level or node.module not in modules:
+        return set()
+    return {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        edges = set().union(*(_targets(node, modules) for node in ast.walk(tree)))
+        graph[name] = edges - {name}
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan), as a closed path."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(set(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_cycle_in(graph, c) for c in components]
+
+
+def _cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A closed path inside a strongly connected component, found by walking edges until a module repeats."""
+    path = [min(component)]
+    while path.count(path[-1]) < 2:
+        path.append(min(w for w in graph[path[-1]] if w in component))
+    return path[path.index(path[-1]):]
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_names_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycles(graph) == [["a", "b", "c", "a"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+# Which packages each package may import (CONVENTIONS.md): models and mesh nothing of ours (models only the
+# error base), checkpoint at most mesh, sharding only models and mesh, train not experiments.
+ALLOWED = {
+    "mesh": {"mesh"},
+    "models": {"models"},
+    "checkpoint": {"checkpoint", "mesh"},
+    "sharding": {"sharding", "models", "mesh"},
+    "train": {"train", "checkpoint", "sharding", "models", "mesh"},
+    "experiments": set(PACKAGES),
+}
+EXCEPTIONS = {("models", "mesh.errors")}  # every package derives its user errors from mesh.errors.UserError
+
+
+def test_imports_flow_downward():
+    wrong = []
+    for module, edges in import_graph().items():
+        package = module.split(".")[0]
+        for target in sorted(edges):
+            if target.split(".")[0] not in ALLOWED[package] and (package, target) not in EXCEPTIONS:
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, "; ".join(wrong)
