@@ -24,6 +24,7 @@ class Stop(Exception):
 
 def status_of(error: BaseException) -> int | None:
     """The documented status of an expected failure; None for a crash."""
+    # Imported only once a run has failed: train.cli imports this module, and a flag error need not load Orbax.
     from checkpoint import NoRestorableCheckpoint, SaveFailed
     from mesh.errors import UserError
     if isinstance(error, Stop):
