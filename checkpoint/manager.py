@@ -163,7 +163,8 @@ class Checkpoints:
             self.manager.wait_until_finished()  # joins at once if done; raises the background error
         except Exception as e:  # noqa: BLE001
             raise SaveFailed(f"background save of checkpoint {self.step_dir(step)} failed ({_brief(e)}); the newest "
-                             f"complete checkpoint is intact: check the space and permissions of {self.directory}") from e
+                             f"complete checkpoint is intact: check the space and permissions of "
+                             f"{self.directory}") from e
         if step not in self.manager.all_steps():
             raise SaveFailed(f"background save of checkpoint {self.step_dir(step)} did not commit; "
                              f"the newest complete checkpoint is intact")

@@ -14,7 +14,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from checkpoint import integrity, meta as meta_lib
+from checkpoint import integrity
+from checkpoint import meta as meta_lib
 from checkpoint.errors import NoRestorableCheckpoint, RestoreFromError
 from checkpoint.manager import Checkpoints
 

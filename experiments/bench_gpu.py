@@ -29,8 +29,7 @@ from train.loop import exit_codes
 from train.loop import runner as loop
 from train.loop.saver import describe_run
 from train.planner import compile_report as report
-from train.runtime import hardware
-from train.runtime import xla_env
+from train.runtime import hardware, xla_env
 from train.trainer import Trainer
 
 # (name, model settings, global batch, save one checkpoint of its state)

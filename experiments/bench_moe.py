@@ -13,9 +13,12 @@ import time
 import jax
 from absl import app, flags
 
-from mesh import bench  # defines --num_cpu_devices (and the sweep's flags), shared here
-from mesh import cost, topology
-from mesh import use_cpu_devices
+from mesh import (
+    bench,  # defines --num_cpu_devices (and the sweep's flags), shared here
+    cost,
+    topology,
+    use_cpu_devices,
+)
 from train.planner import audit
 from train.planner import compile_report as report
 from train.trainer import Trainer

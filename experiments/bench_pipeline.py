@@ -20,7 +20,8 @@ from train.trainer import Trainer
 
 _CONFIG = flags.DEFINE_string("config", "default", "Experiment file in experiments/.")
 _LAYOUT = flags.DEFINE_string("layout", "pipeline=2;data=2;tensor=2", "The pipelined mesh, axes separated by ';'.")
-_BASELINE = flags.DEFINE_string("baseline", "", "The unpipelined mesh (default: the layout with pipeline folded into data).")
+_BASELINE = flags.DEFINE_string("baseline", "",
+                                 "The unpipelined mesh (default: the layout with pipeline folded into data).")
 _SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved"], "Schedules to run.")
 _MICROBATCHES = flags.DEFINE_list("microbatches", ["2", "4", "8"], "Microbatch counts per data-parallel replica.")
 _VIRTUAL = flags.DEFINE_integer("virtual_stages", 2, "Chunks per stage for the interleaved schedule.")
@@ -64,7 +65,8 @@ def measure(config) -> dict:
         times.append(time.perf_counter() - t)
     rep = report.build(trainer.plan, trainer.mesh, compiled)
     pipe = rep.get("pipeline") or {}
-    return {"step_time_s": min(times), "median_step_time_s": float(np.median(times)), "compile_s": compile_s, "temp_bytes": rep["memory_per_device"]["temp_bytes"],
+    return {"step_time_s": min(times), "median_step_time_s": float(np.median(times)), "compile_s": compile_s,
+            "temp_bytes": rep["memory_per_device"]["temp_bytes"],
             "bubble_fraction": pipe.get("bubble_fraction", 0.0), "slots": pipe.get("slots", 0),
             "loss": float(metrics["loss"])}
 
@@ -82,7 +84,8 @@ def main(argv):
     device = jax.devices()[0]
     print(f"# {_CONFIG.value} config, {device.platform} ({device.device_kind}) x {jax.device_count()}, "
           f"jax {jax.__version__}, {time.strftime('%Y-%m-%d')}")
-    print("| layout | schedule | microbatches | v | slots | bubble | step ms (min) | median | temp MiB/device | compile s |")
+    print("| layout | schedule | microbatches | v | slots | bubble | step ms (min) | median | temp MiB/device "
+          "| compile s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     for schedule, m, v, mesh in runs:
@@ -94,7 +97,8 @@ def main(argv):
             continue
         rows.append({"layout": label, "schedule": schedule, "microbatches": m, "virtual_stages": v, **row})
         print(f"| {label} | {schedule} | {m if schedule != 'none' else '-'} | {v} | {row['slots'] or '-'} | "
-              f"{100 * row['bubble_fraction']:.1f}% | {1e3 * row['step_time_s']:.0f} | {1e3 * row['median_step_time_s']:.0f} | "
+              f"{100 * row['bubble_fraction']:.1f}% | {1e3 * row['step_time_s']:.0f} | "
+              f"{1e3 * row['median_step_time_s']:.0f} | "
               f"{row['temp_bytes'] / 2**20:.2f} | {row['compile_s']:.1f} |", flush=True)
     if _JSON.value:
         with open(_JSON.value, "w") as f:

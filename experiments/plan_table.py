@@ -37,7 +37,8 @@ def main(topologies=("dgx-a100", "dgx-h100")) -> None:
             elapsed = time.perf_counter() - t0
             best = next((p for p in ranked if p.fits), None)
             if best is None:
-                print(f"| {name} | {models.param_count(cfg) / 1e9:,.1f}B | {gpus} | {batch} | {topo_name} | fits nowhere |")
+                size = f"{models.param_count(cfg) / 1e9:,.1f}B"
+                print(f"| {name} | {size} | {gpus} | {batch} | {topo_name} | fits nowhere |")
                 continue
             c = best.candidate
             pipe = f"{c.schedule} m={c.microbatches} v={c.virtual_stages}" if c.sizes["pipeline"] > 1 else "-"

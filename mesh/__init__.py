@@ -5,8 +5,16 @@ of ours)."""
 from mesh import collectives, cost, hlo, placement, topology
 from mesh.cost import bus_factor, predict_us, record_us
 from mesh.errors import UserError
-from mesh.layout import (AXES, MeshConfigError, axis_sizes, hybrid_device_order, hybrid_devices, make_mesh,
-                         resolve_axis_sizes, use_cpu_devices)
+from mesh.layout import (
+                         AXES,
+                         MeshConfigError,
+                         axis_sizes,
+                         hybrid_device_order,
+                         hybrid_devices,
+                         make_mesh,
+                         resolve_axis_sizes,
+                         use_cpu_devices,
+)
 from mesh.placement import axis_links
 from mesh.topology import Level, Topology, TopologyError, get_topology
 

@@ -18,7 +18,8 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 from absl import app, flags
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mesh import collectives as C
 from mesh import cost, topology
@@ -182,7 +183,7 @@ def plot(records: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5))
     keys = sorted({(r["collective"], r["axis"]) for r in records})
-    for i, (c, a) in enumerate(keys):
+    for c, a in keys:
         rows = [r for r in records if (r["collective"], r["axis"]) == (c, a)]
         line, = ax.plot([r["bytes"] for r in rows], [r["busbw_gbps"] for r in rows], marker="o", ms=3,
                         label=f"{c} / {a}")

@@ -37,8 +37,8 @@ def resolve_axis_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, 
     full = {axis: int(sizes.get(axis, 1)) for axis in AXES}
     wildcards = [axis for axis, size in full.items() if size == -1]
     if len(wildcards) > 1:
-        raise MeshConfigError(
-                              f"mesh.{wildcards[0]} and mesh.{wildcards[1]} are both -1; at most one axis may take the remaining devices")
+        raise MeshConfigError(f"mesh.{wildcards[0]} and mesh.{wildcards[1]} are both -1; at most one axis may take "
+                              "the remaining devices")
     for axis, size in full.items():
         if size == 0 or size < -1:
             raise MeshConfigError(f"mesh.{axis}={size}: axis sizes must be positive (or -1 for the remaining devices)")

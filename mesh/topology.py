@@ -124,9 +124,10 @@ IB_HDR = Level("infiniband-hdr", "fat_tree",
 
 
 # Dense (no sparsity) peak TFLOP/s per dtype: mesh/chips.py, the project's one datasheet table; memory per
-# device: NVIDIA H100 SXM5 80 GB, A100 SXM4 80 GB and 40 GB datasheets. Storage: each DGX has two storage/in-band network ports (DGX H100 datasheet: 2x dual-port
-# ConnectX-7, 400 Gb/s; DGX A100 datasheet: 2x dual-port ConnectX-6, 200 Gb/s), one port of each card
-# counted: 100 GB/s and 50 GB/s per host, an upper bound that a storage system may not sustain.
+# device: NVIDIA H100 SXM5 80 GB, A100 SXM4 80 GB and 40 GB datasheets. Storage: each DGX has two
+# storage/in-band network ports (DGX H100 datasheet: 2x dual-port ConnectX-7, 400 Gb/s; DGX A100 datasheet:
+# 2x dual-port ConnectX-6, 200 Gb/s), one port of each card counted: 100 GB/s and 50 GB/s per host, an upper
+# bound that a storage system may not sustain.
 def _peaks(device_kind: str) -> dict[str, float]:
     chip = chips.chip_of(device_kind)
     return {dtype: chip.peak_tflops(dtype) for dtype in ("bfloat16", "float16", "float32")}

@@ -2,9 +2,24 @@
 import nothing of ours. Importing this package registers GPT and Llama."""
 from models import gpt, llama  # noqa: F401  (registers the families)
 from models.config import ModelConfigError, from_dict
-from models.contract import (FAMILIES, LAYERS, ExpertBuffers, Family, ModelConfig, TensorTraffic, abstract_params,
-                             family_of, flops_per_token, forward, init_params, loss, loss_and_metrics, param_count,
-                             register, top_params)
+from models.contract import (
+                             FAMILIES,
+                             LAYERS,
+                             ExpertBuffers,
+                             Family,
+                             ModelConfig,
+                             TensorTraffic,
+                             abstract_params,
+                             family_of,
+                             flops_per_token,
+                             forward,
+                             init_params,
+                             loss,
+                             loss_and_metrics,
+                             param_count,
+                             register,
+                             top_params,
+)
 from models.documents import loss_mask, target_counter
 from models.gpt_config import GPT_PRESETS, GPTConfig
 from models.llama_config import LLAMA_PRESETS, LlamaConfig
@@ -14,5 +29,5 @@ PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
 
 __all__ = ["FAMILIES", "ExpertBuffers", "GPT_PRESETS", "GPTConfig", "LAYERS", "LLAMA_PRESETS", "LlamaConfig",
            "ModelConfigError", "PRESETS", "Family", "ModelConfig", "TensorTraffic", "abstract_params", "family_of",
-           "flops_per_token", "forward", "from_dict", "init_params", "is_moe", "loss", "loss_and_metrics", "loss_mask", "param_count",
-           "register", "target_counter", "top_params"]
+           "flops_per_token", "forward", "from_dict", "init_params", "is_moe", "loss", "loss_and_metrics", "loss_mask",
+           "param_count", "register", "target_counter", "top_params"]

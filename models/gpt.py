@@ -19,10 +19,9 @@ from flax import nnx
 
 from models import contract, lm_loss, moe
 from models.attention import attend_cached
-from models.gpt_config import GPT_PRESETS, GPTConfig
 from models.contract import Constrain, Params, no_constraint
-from models.layers import (decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, rms_norm,
-                           rotary)
+from models.gpt_config import GPT_PRESETS, GPTConfig
+from models.layers import decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, rms_norm, rotary
 from models.stack import layer_aux, run_stack
 
 
@@ -93,7 +92,8 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrai
     cache (models/attention.attend_cached). Returns (the output projection, the new cache or None)."""
     cdt = jnp.dtype(cfg.compute_dtype)
     # Pinning the projection's output (heads split) makes sequence parallelism gather the normed input, not the weight.
-    qkv = constrain(jnp.einsum("bld,dthk->tblhk", h_BxLxD, p["wqkv"].astype(cdt)), (None, "batch", "seq", "heads", "kv"))
+    qkv = constrain(jnp.einsum("bld,dthk->tblhk", h_BxLxD, p["wqkv"].astype(cdt)),
+                    (None, "batch", "seq", "heads", "kv"))
     q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (qkv[0], qkv[1], qkv[2]))
     q, k = rotary(q, positions_L=positions), rotary(k, positions_L=positions)
     if cache is None:

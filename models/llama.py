@@ -20,8 +20,7 @@ from flax import nnx
 from models import contract, gpt, moe
 from models.attention import attend_cached
 from models.contract import Constrain, Params, no_constraint
-from models.layers import (decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, rms_norm,
-                           rotary)
+from models.layers import decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, rms_norm, rotary
 from models.llama_config import LLAMA_PRESETS, LlamaConfig
 from models.stack import layer_aux, run_stack
 

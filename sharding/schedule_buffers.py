@@ -69,7 +69,9 @@ def _plan(schedule: Schedule, arrive_k: np.ndarray, release_k: np.ndarray, reade
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     T = schedule.num_slots
     # [K, m] -> [d, c, i]: model chunk k = c*p + d
-    to_stage = lambda a: a.reshape(v, p, m).transpose(1, 0, 2)
+    def to_stage(a: np.ndarray) -> np.ndarray:
+        return a.reshape(v, p, m).transpose(1, 0, 2)
+
     arrive, release = to_stage(arrive_k), to_stage(release_k)
     entry = np.full((p, v, m), -1)
     write = np.full((T, p), -1)

@@ -72,7 +72,8 @@ def entry_axes(entry) -> tuple[str, ...]:
 
 
 def spec_axes(spec: P) -> tuple[str, ...]:
-    """Every mesh axis `spec` splits over, in spec order: P('data', ('fsdp', 'tensor')) -> ('data', 'fsdp', 'tensor')."""
+    """Every mesh axis `spec` splits over, in spec order:
+    P('data', ('fsdp', 'tensor')) -> ('data', 'fsdp', 'tensor')."""
     return tuple(a for entry in spec for a in entry_axes(entry))
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from tests.helpers import ROOT, run_python, tiny_config
+from train.config import ConfigError
 from train.loop import actions
 from train.loop import runner as loop
-from train.config import ConfigError
 
 
 def small_config(steps: int = 6):
@@ -129,8 +129,8 @@ def test_fault_injection_is_an_action_only_a_test_config_adds():
     import types
 
     from train import sections
-    from train.loop import builtin as loop_actions
     from train.config import base_config
+    from train.loop import builtin as loop_actions
     config = base_config()
     _, checkpoint_section, faults = sections.from_config(config)
     loop = types.SimpleNamespace(plan=types.SimpleNamespace(faults=faults, checkpoint=checkpoint_section))

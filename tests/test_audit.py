@@ -14,8 +14,9 @@ LAYOUTS = {
     "data_parallel": ({"data": 8}, ["gradient all-reduce"]),
     "fsdp": ({"fsdp": 8}, ["weight all-gather (forward + backward)", "gradient reduce-scatter"]),
     "tensor_parallel": ({"tensor": 8}, ["activation all-reduce (Megatron)"]),
-    "fsdp_tensor": ({"data": 2, "fsdp": 2, "tensor": 2}, ["gradient all-reduce", "weight all-gather (forward + backward)",
-                                                          "gradient reduce-scatter", "activation all-reduce (Megatron)"]),
+    "fsdp_tensor": ({"data": 2, "fsdp": 2, "tensor": 2},
+                    ["gradient all-reduce", "weight all-gather (forward + backward)", "gradient reduce-scatter",
+                     "activation all-reduce (Megatron)"]),
 }
 
 

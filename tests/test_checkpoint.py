@@ -12,12 +12,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import checkpoint
-from checkpoint import integrity, meta as meta_lib, plain
-from tests.helpers import tiny_config
 from checkpoint import format as ckpt_format
-from train.loop import faults
-from train.loop import preemption
-from train.loop import resume
+from checkpoint import integrity, plain
+from checkpoint import meta as meta_lib
+from tests.helpers import tiny_config
+from train.loop import faults, preemption, resume
 from train.loop.goodput import Goodput
 from train.trainer import Trainer
 
@@ -182,7 +181,8 @@ def test_goodput_counts_recomputed_steps_across_attempts(tmp_path):
 
 
 def test_metrics_are_cut_back_to_the_restored_step(tmp_path):
-    lines = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.9}, {"step": 2, "eval_loss": 1.1}, {"step": 3, "loss": 0.8}]
+    lines = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.9}, {"step": 2, "eval_loss": 1.1},
+             {"step": 3, "loss": 0.8}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 4, "lo')
     resume.cut_metrics(tmp_path, 2)
     kept = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

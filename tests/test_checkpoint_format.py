@@ -6,10 +6,10 @@ import jax
 import numpy as np
 
 import checkpoint
+from checkpoint import format as ckpt_format
 from checkpoint import plain
 from experiments.tiny import get_config
 from tests.helpers import ROOT
-from checkpoint import format as ckpt_format
 from train.loop import resume
 from train.trainer import Trainer
 

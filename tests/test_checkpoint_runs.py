@@ -16,8 +16,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests.helpers import ROOT, last_step, losses, run_cli, start_cli, wait_for
-from train.loop import exit_codes
 from train.data import prepare
+from train.loop import exit_codes
 
 STEPS = 12
 # Half the tiny model's width and layers (4 still splits into 2 stages x 2 virtual stages): a warm run then
@@ -97,10 +97,10 @@ def test_sigkill_chaos_replays_exactly(tmp_path, reference):
     for kill in range(3):
         process = start(workdir, "--config.fault_injection.step_delay_s=0.1")
         out = workdir.with_suffix(".out")
-        wait_for(lambda: len(re.findall(r"from step (\d+)", out.read_text())) > kill, process)
+        wait_for(lambda out=out, kill=kill: len(re.findall(r"from step (\d+)", out.read_text())) > kill, process)
         restored = int(re.findall(r"from step (\d+)", out.read_text())[-1])
         target = min(restored + rng.randint(1, 4), STEPS - 2)  # two delayed steps left: it cannot finish first
-        wait_for(lambda: last_step(workdir) >= target, process)
+        wait_for(lambda target=target: last_step(workdir) >= target, process)
         time.sleep(rng.uniform(0.0, 0.1))  # mid-step, mid-save or mid-log
         process.kill()
         assert process.wait() == -signal.SIGKILL
@@ -221,8 +221,8 @@ def test_failing_background_save_is_reported_on_the_main_thread(tmp_path):
     resource.prlimit(process.pid, resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
     assert process.wait(timeout=60) == exit_codes.SAVE_FAILED
     message = workdir.with_suffix(".out").read_text().strip().splitlines()[-1]
-    assert re.match(r"error: background save of checkpoint .*/checkpoints/\d+ failed \(.*File too large.*\); the newest complete "
-                    r"checkpoint is intact", message), message
+    assert re.match(r"error: background save of checkpoint .*/checkpoints/\d+ failed \(.*File too large.*\); "
+                    r"the newest complete checkpoint is intact", message), message
     committed = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
     assert committed and committed[-1] < STEPS
 

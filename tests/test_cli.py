@@ -7,8 +7,9 @@ from train.loop import exit_codes
 CASES = {
     "misspelled override": (["--config.model.presett=x", "--workdir=W"],
                             'error: --config.model.presett: no such setting "presett"; did you mean "preset"?'),
-    "misspelled override after --config": (["--config=experiments/tiny.py", "--config.train.stpes=3", "--workdir=W"],
-                                           'error: --config.train.stpes: no such setting "stpes"; did you mean "steps"?'),
+    "misspelled override after --config": (
+        ["--config=experiments/tiny.py", "--config.train.stpes=3", "--workdir=W"],
+        'error: --config.train.stpes: no such setting "stpes"; did you mean "steps"?'),
     "missing config file": (["--config=experiments/nope.py", "--workdir=W"],
                             "error: --config=experiments/nope.py: no such config file; give an experiment file such "
                             "as experiments/default.py"),

@@ -95,8 +95,8 @@ def test_non_power_of_two_groups():
     mesh = make_mesh({"data": 2, "fsdp": 3}, num_devices=6)
     x = _blocks((5,), seed=6)[:6]
     for axis in ("fsdp", ("data", "fsdp")):
-        got = _run(mesh, lambda b: C.ring_all_reduce(b, axis), x)
-        np.testing.assert_array_equal(got, _run(mesh, lambda b: jax.lax.psum(b, axis), x))
+        got = _run(mesh, lambda b, axis=axis: C.ring_all_reduce(b, axis), x)
+        np.testing.assert_array_equal(got, _run(mesh, lambda b, axis=axis: jax.lax.psum(b, axis), x))
     got = _run(mesh, lambda b: C.hierarchical_all_reduce(b, "fsdp", "data"), x)
     np.testing.assert_array_equal(got, np.broadcast_to(x.sum(0), x.shape))
     with pytest.raises(ValueError, match="fsdp has size 3, not a power of two"):

@@ -10,8 +10,8 @@ from mesh.errors import UserError
 from sharding.context import zigzag_order
 from tests.helpers import grads_and_run, reference_config, rel_norm, single_device_reference, tiny_config
 from tests.test_documents import _datadir
-from train.planner import audit as audit_lib
 from train.loop import runner as loop
+from train.planner import audit as audit_lib
 from train.planner import compile_report as report
 from train.trainer import Trainer
 
@@ -93,7 +93,8 @@ BAD = {
     "sp_with_pipeline": (_bad({"pipeline": 2, "tensor": 4}, sharding__sequence_parallel=True),
                          "sharding.sequence_parallel=True with mesh.pipeline=2 is not supported"),
     "context_with_pipeline": (_bad({"pipeline": 2, "context": 4}), "mesh.context=4 with mesh.pipeline=2"),
-    "context_seq_len": (_bad({"context": 8}, model__seq_len=72), "model.seq_len=72 is not divisible by 2 x mesh.context=8"),
+    "context_seq_len": (_bad({"context": 8}, model__seq_len=72),
+                        "model.seq_len=72 is not divisible by 2 x mesh.context=8"),
     "context_cudnn": (_bad({"context": 8}, model__attention="cudnn"), "model.attention=cudnn with mesh.context=8"),
 }
 

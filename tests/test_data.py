@@ -3,14 +3,15 @@ import json
 
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
 from mesh import make_mesh
-from train.data import loader as data_lib
-from train.data import datadir
-from train.data import order as order_lib
 from train.config import ConfigError
-from jax.sharding import NamedSharding, PartitionSpec as P
+from train.data import datadir
+from train.data import loader as data_lib
+from train.data import order as order_lib
 
 
 def _cfg(tmp_path, **kw):

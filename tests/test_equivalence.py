@@ -3,8 +3,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import (grads_and_run, reference_config, rel_norm, run_steps, single_device_reference,
-                           step_with_grads)
+from tests.helpers import grads_and_run, reference_config, rel_norm, run_steps, single_device_reference, step_with_grads
 from train.trainer import Trainer
 
 LAYOUTS = [

@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch", reason="the `hf` extra (transformers, torch
 import models  # noqa: E402
 from checkpoint import RestoreFromError, safetensors_io  # noqa: E402
 from tests.helpers import run_cli, run_steps, tiny_config  # noqa: E402
-from train.hf import export as export_hf
-from train.generate import decode as generate
+from train.generate import decode as generate  # noqa: E402
+from train.hf import export as export_hf  # noqa: E402
 from train.hf import restore as hf_import  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
@@ -142,8 +142,8 @@ def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path):
 def test_export_and_sampling_use_the_runs_tokenizer(exported, tmp_path):
     """A run on a DATADIR: its tokenizer.json and bos/eos ids (copied into the workdir at train start) reach the
     HF directory, where AutoTokenizer encodes as we do; train.sample encodes prompts and decodes with it."""
-    from train.generate import prompt as sample
     from train.data import tokenizer as tok_lib
+    from train.generate import prompt as sample
     cfg, params, _ = exported
     workdir = tmp_path / "run"
     workdir.mkdir()

@@ -14,7 +14,8 @@ ALL = ("data", "pipeline", "fsdp", "tensor")
 SIZES = {"data": 2, "fsdp": 2, "tensor": 2}
 
 
-def _compile(fn, mesh, *shapes, out_specs=P(ALL)):
+def _compile(fn, mesh, *shapes, out_specs=None):
+    out_specs = P(ALL) if out_specs is None else out_specs
     sm = jax.shard_map(fn, mesh=mesh, in_specs=(P(ALL),) * len(shapes), out_specs=out_specs, check_vma=False)
     return jax.jit(sm).lower(*[jnp.zeros(s, jnp.float32) for s in shapes]).compile().as_text()
 

@@ -7,8 +7,8 @@ import pytest
 
 import models
 from tests.helpers import grads_and_run, rel_norm, run_cli, tiny_config
-from train.planner import audit as audit_lib
 from train import config as config_lib
+from train.planner import audit as audit_lib
 from train.planner import compile_report as report
 from train.trainer import Trainer
 

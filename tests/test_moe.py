@@ -13,10 +13,10 @@ import models
 from mesh.errors import UserError
 from models import gpt, moe
 from tests.helpers import grads_and_run, rel_norm, step_with_grads, tiny_config
-from train.planner import audit as audit_lib
-from train.loop import runner as loop
-from train.planner import compile_report as report
 from train.config import resolve
+from train.loop import runner as loop
+from train.planner import audit as audit_lib
+from train.planner import compile_report as report
 from train.trainer import Trainer
 
 # Seed 5: the first batch's closest k-th / (k+1)-th router logits are 9e-4 apart at init (seed 0 has a pair

@@ -67,7 +67,8 @@ def test_interleaving_lowers_the_bubble_as_the_closed_form_says(p, m, v):
     plain, inter = S.one_f_one_b(p, m), S.interleaved(p, m, v)
     assert S.bubble_fraction(inter) < S.bubble_fraction(plain)
     # idle slots per stage stay 2(p-1) while busy slots grow v-fold
-    idle = lambda s: (s.table[:, :, S.KIND] == S.IDLE).sum(axis=0).tolist()
+    def idle(s):
+        return (s.table[:, :, S.KIND] == S.IDLE).sum(axis=0).tolist()
     assert idle(inter) == idle(plain) == [2 * (p - 1)] * p
 
 

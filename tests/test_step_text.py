@@ -19,7 +19,8 @@ LAYOUTS = {  # name -> (mesh, other settings)
     "data8": ({"data": 8}, {}),
     "fsdp4_tensor2": ({"fsdp": 4, "tensor": 2}, {"sharding.shard_opt_state": True}),
     "pipeline2_data4_1f1b": ({"pipeline": 2, "data": 4}, {}),
-    "pipeline2_interleaved_tensor2": ({"pipeline": 2, "data": 2, "tensor": 2}, {"pipeline.schedule": "interleaved", "pipeline.virtual_stages": 2}),
+    "pipeline2_interleaved_tensor2": ({"pipeline": 2, "data": 2, "tensor": 2},
+                                      {"pipeline.schedule": "interleaved", "pipeline.virtual_stages": 2}),
     "context2_llama": ({"context": 2, "data": 4}, {"model.preset": "llama3-tiny"}),
     "expert4_moe": ({"expert": 4, "data": 2}, {"model.preset": "moe-tiny"}),
 }

@@ -18,7 +18,8 @@ _NUM_CPU_DEVICES = flags.DEFINE_integer("num_cpu_devices", 8, "Virtual devices w
 _COMPILE_ONLY = flags.DEFINE_boolean("compile_only", False, "Compile the step, write compile_report.json, exit.")
 _PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "Peak TFLOP/s per device for MFU (0: datasheet or measured).")
 _AUDIT = flags.DEFINE_boolean("audit", False, "Audit the step's collectives against the layout's needs.")
-_TOPOLOGY = flags.DEFINE_string("topology", "dgx-h100", "With --audit: cluster to project onto (preset or JSON file; '' for none).")
+_TOPOLOGY = flags.DEFINE_string("topology", "dgx-h100",
+                                "With --audit: cluster to project onto (preset or JSON file; '' for none).")
 _HOSTS = flags.DEFINE_integer("hosts", 1, "With --audit: hosts of --topology; the data axis grows to fill them.")
 _AUDIT_MFU = flags.DEFINE_float("audit_mfu", 0.4, "With --audit: MFU assumed for the projected compute time.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", "", "host:port of process 0, for multi-process runs.")

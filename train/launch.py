@@ -95,7 +95,8 @@ def supervise(procs: list[subprocess.Popen], grace_s: float) -> int:
 def main(argv: list[str]) -> int:
     train_args = argv[1:]
     if not train_args:
-        raise app.UsageError("give the training arguments after '--', e.g. -- --config=experiments/tiny.py --workdir=DIR")
+        raise app.UsageError("give the training arguments after '--', e.g. "
+                             "-- --config=experiments/tiny.py --workdir=DIR")
     procs = start(_NUM_PROCESSES.value, _NUM_CPU_DEVICES.value, train_args)
 
     def forward(signum, _frame):

@@ -13,10 +13,10 @@ import optax
 import models
 from mesh import make_mesh
 from sharding import pipeline as pipeline_lib
-from train.data import loader as data_lib
 from train import state as state_lib
 from train import step as step_lib
 from train.config import Plan, resolve
+from train.data import loader as data_lib
 
 
 @dataclasses.dataclass

@@ -21,10 +21,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from train.data import corpus
-from train.data import datadir
-from train.data import order as order_lib
 from train.config import ConfigError
+from train.data import corpus, datadir
+from train.data import order as order_lib
 
 EVAL_STREAM = 1 << 30  # eval batches draw from (seed, EVAL_STREAM + k): never a training step's stream
 

@@ -20,10 +20,10 @@ from absl import app, flags
 from mesh.errors import UserError
 from train import cli
 from train.data import corpus
-from train.loop import exit_codes
 from train.data import tokenizer as tok_lib
 from train.data.corpus import CorpusError
 from train.data.tokenizer import TokenizerError
+from train.loop import exit_codes
 
 _INPUT = flags.DEFINE_list("input", None, "Text files, directories, JSONL or Parquet files (comma-separated).")
 _OUT = flags.DEFINE_string("out", None, "DATADIR to write train.bin, val.bin, tokenizer.json, meta.json into.")

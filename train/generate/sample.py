@@ -61,7 +61,8 @@ def run(workdir: pathlib.Path) -> None:
     if _EVAL_BATCHES.value < 0 or _MAX_NEW.value < 1:
         raise ConfigError("--eval_batches must be >= 0 and --max_new_tokens >= 1")
     codec = tok_lib.load_run_codec(workdir)
-    prompt = None if _EVAL_BATCHES.value else prompt_lib.prompt_tokens(cfg.vocab_size, codec, _PROMPT.value, _PROMPT_TOKENS.value)
+    prompt = None if _EVAL_BATCHES.value else prompt_lib.prompt_tokens(cfg.vocab_size, codec, _PROMPT.value,
+                                                                        _PROMPT_TOKENS.value)
     source, step, spec = run_config.run_checkpoints(workdir, _STEP.value)
     got = checkpoint.restore_source(source, step, {"params": ckpt_format.target(trainer)["params"]}, True, spec)
     params = ckpt_format.params_from_tree(trainer, got.tree["params"])

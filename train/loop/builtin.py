@@ -13,8 +13,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from train.loop import exit_codes
-from train.loop import faults
+from train.loop import exit_codes, faults
 from train.loop.info import Action as ActionProtocol
 from train.loop.info import Decision, Services, StepInfo, Update
 from train.trainer import Trainer

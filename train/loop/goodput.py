@@ -70,8 +70,9 @@ class Goodput:
     def line(self) -> str:
         t = self.totals()
         other = t["wall_s"] - sum(t[p] for p in PARTS)
-        return (f"goodput {100 * t['goodput']:.1f}% over {t['attempts']} attempt(s): productive {t['productive_s']:.1f}s "
-                f"of {t['wall_s']:.1f}s wall; start-up {t['startup_s']:.1f}s, compile {t['compile_s']:.1f}s, memory "
-                f"check {t['memory_check_s']:.1f}s, restore {t['restore_s']:.1f}s, init {t['init_s']:.1f}s, checkpoint "
-                f"blocking {t['checkpoint_blocked_s']:.2f}s (+{t['final_save_wait_s']:.2f}s final wait), eval "
-                f"{t['eval_s']:.1f}s, recomputed {t['recomputed_s']:.1f}s, other {other:.1f}s")
+        return (f"goodput {100 * t['goodput']:.1f}% over {t['attempts']} attempt(s): "
+                f"productive {t['productive_s']:.1f}s of {t['wall_s']:.1f}s wall; "
+                f"start-up {t['startup_s']:.1f}s, compile {t['compile_s']:.1f}s, "
+                f"memory check {t['memory_check_s']:.1f}s, restore {t['restore_s']:.1f}s, init {t['init_s']:.1f}s, "
+                f"checkpoint blocking {t['checkpoint_blocked_s']:.2f}s (+{t['final_save_wait_s']:.2f}s final wait), "
+                f"eval {t['eval_s']:.1f}s, recomputed {t['recomputed_s']:.1f}s, other {other:.1f}s")

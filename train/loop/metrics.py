@@ -16,7 +16,9 @@ def _fmt_duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
     seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 LOGGERS = ("tensorboard", "wandb")

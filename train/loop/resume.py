@@ -12,13 +12,15 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+
 import checkpoint
-from checkpoint import meta as meta_lib
 from checkpoint import format as ckpt_format
-from train.hf import restore as hf_import
+from checkpoint import meta as meta_lib
 from train.config import ConfigError
+from train.hf import restore as hf_import
 from train.runtime.hardware import GiB
 from train.trainer import Trainer
+
 
 def _newest_meta(ckpts: checkpoint.Checkpoints) -> tuple[int, dict[str, Any]] | None:
     for step in reversed(ckpts.steps()):
@@ -33,7 +35,8 @@ def check_before_compile(trainer: Trainer, workdir: pathlib.Path) -> None:
     """Fail fast, moving nothing: the run's own newest checkpoint (or restore_from's) must hold the arrays
     this config trains, with the same seed; the workdir must have room for a checkpoint."""
     wanted, ck, seed_now = ckpt_format.target(trainer), trainer.plan.checkpoint, trainer.plan.train.seed
-    own = checkpoint.Checkpoints(workdir / "checkpoints", read_only=True) if (workdir / "checkpoints").is_dir() else None
+    own_dir = workdir / "checkpoints"
+    own = checkpoint.Checkpoints(own_dir, read_only=True) if own_dir.is_dir() else None
     found = _newest_meta(own) if own else None
     if found:
         step, meta = found
@@ -49,8 +52,9 @@ def check_before_compile(trainer: Trainer, workdir: pathlib.Path) -> None:
         try:
             meta = source.read_meta(step)
         except Exception as e:  # noqa: BLE001
-            raise checkpoint.RestoreFromError(f"checkpoint.restore_from={ck.restore_from!r}: the meta "
-                                              f"of {source.step_dir(step)} does not read ({type(e).__name__})") from None
+            raise checkpoint.RestoreFromError(
+                f"checkpoint.restore_from={ck.restore_from!r}: the meta of {source.step_dir(step)} does not read "
+                f"({type(e).__name__})") from None
         meta_lib.check_compatible(meta, wanted, str(source.step_dir(step)),
                                   prefix="params/" if ck.restore_params_only else "")
     if not ck.enabled:

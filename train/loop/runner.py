@@ -19,9 +19,7 @@ import checkpoint
 from train.config import ConfigError, Plan
 from train.data import loader as data_lib
 from train.loop import actions as actions_lib
-from train.loop import exit_codes
-from train.loop import preemption
-from train.loop import resume
+from train.loop import exit_codes, preemption, resume
 from train.loop.builtin import say
 from train.loop.goodput import Goodput
 from train.loop.info import Services
@@ -32,9 +30,7 @@ from train.loop.watchdog import Watchdog
 from train.planner import audit as audit_lib
 from train.planner import auto as planner_auto
 from train.planner import compile_report as report_lib
-from train.runtime import hardware
-from train.runtime import versions
-from train.runtime import xla_env
+from train.runtime import hardware, versions, xla_env
 from train.runtime.hardware import GiB
 from train.trainer import Trainer
 
@@ -47,7 +43,8 @@ def prepare_workdir(workdir: str) -> pathlib.Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"--workdir={workdir}: cannot write there ({e.strerror}); choose a writable directory") from None
+        raise ConfigError(f"--workdir={workdir}: cannot write there ({e.strerror}); "
+                          "choose a writable directory") from None
     return path
 
 

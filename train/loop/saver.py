@@ -11,12 +11,12 @@ from typing import Any
 import jax
 
 import checkpoint
+from checkpoint import format as ckpt_format
 from checkpoint import plain
 from mesh.layout import axis_sizes
-from checkpoint import format as ckpt_format
-from train.runtime import versions
 from train.loop.goodput import Goodput
 from train.loop.metrics import MetricsLog
+from train.runtime import versions
 from train.trainer import Trainer
 
 

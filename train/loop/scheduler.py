@@ -80,7 +80,7 @@ class Scheduler:
             done = self.unread.pop(0)
             self.values = {k: float(v) for k, v in jax.device_get(done.metrics).items()}
             self.read_through = done.step
-            self.run_due(self.metric_actions, lambda: self.read_info(done))
+            self.run_due(self.metric_actions, lambda done=done: self.read_info(done))
 
     def run_due(self, actions: list[builtin.Action], info_now: Callable[[], StepInfo]) -> None:
         """Each action sees the loop as the actions before it left it."""

@@ -19,7 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from mesh import chips, cost, placement, topology as topology_lib
+from mesh import chips, cost, placement
+from mesh import topology as topology_lib
 from sharding import pipeline as pipeline_lib
 from sharding.expected import expected_traffic
 from train.config import ConfigError

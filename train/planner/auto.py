@@ -10,9 +10,9 @@ import ml_collections
 
 import models
 from mesh import topology as topology_lib
-from train.runtime import hardware
 from train.planner import report, search
 from train.planner.candidate import Prediction
+from train.runtime import hardware
 
 
 def devices_topology(config: ml_collections.ConfigDict, num_devices: int, dtype: str) -> topology_lib.Topology:

@@ -27,7 +27,8 @@ class Candidate:
         out += ["--config.sharding.strategy=fsdp_tensor", f"--config.sharding.shard_opt_state={self.shard_opt_state}",
                 f"--config.model.remat={self.remat}", f"--config.train.grad_accum_steps={self.grad_accum_steps}"]
         if self.sizes.get("pipeline", 1) > 1:
-            out += [f"--config.pipeline.schedule={self.schedule}", f"--config.pipeline.microbatches={self.microbatches}",
+            out += [f"--config.pipeline.schedule={self.schedule}",
+                    f"--config.pipeline.microbatches={self.microbatches}",
                     f"--config.pipeline.virtual_stages={self.virtual_stages}"]
         return out
 

@@ -22,10 +22,12 @@ _HOSTS = flags.DEFINE_integer("hosts", 1, "Hosts of --topology.")
 _DPH = flags.DEFINE_integer("devices_per_host", 0, "Devices per host (0: the topology's).")
 _TOP = flags.DEFINE_integer("top", 10, "Rows of the ranked table.")
 _JSON = flags.DEFINE_string("json", "", "Write the ranked candidates to this JSON file.")
-_CALIBRATE = flags.DEFINE_string("calibrate", "", "Measure matmul efficiency here and write --topology plus it to FILE.")
+_CALIBRATE = flags.DEFINE_string("calibrate", "",
+                                  "Measure matmul efficiency here and write --topology plus it to FILE.")
 _MTBF = flags.DEFINE_float("mtbf_hours", 0.0, "Mean time between failures of one device or host (0: no cadence).")
 _SCOPE = flags.DEFINE_enum("mtbf_scope", "device", ["device", "host"], "What --mtbf_hours describes.")
-_RESTART = flags.DEFINE_float("restart_s", 300.0, "Seconds from a failure to training again (restart, restore, compile).")
+_RESTART = flags.DEFINE_float("restart_s", 300.0,
+                               "Seconds from a failure to training again (restart, restore, compile).")
 _SAVE = flags.DEFINE_float("save_s", 0.0, "Measured seconds a save blocks the loop (0: predict from the state size).")
 _DONATED = flags.DEFINE_boolean("donated", True, "The step donates its state (accelerators do; CPU does not).")
 # The loop waits while the state is copied device -> host: 1.5 GB/s was measured for an Orbax async save of a
@@ -57,7 +59,8 @@ def _plan(config) -> int:
         try:
             path.write_text(json.dumps([p.as_json() for p in fitting[:max(_TOP.value, 1)]], indent=2) + "\n")
         except OSError as e:
-            raise search.PlanError(f"--json={path}: cannot write there ({e.strerror}); choose a writable file") from None
+            raise search.PlanError(f"--json={path}: cannot write there ({e.strerror}); "
+                                   "choose a writable file") from None
         print(f"wrote {path}")
     return exit_codes.OK
 

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 import models
 from sharding import rules as sharding_rules
-from sharding import schedules, specs as sharding_specs
+from sharding import schedules
+from sharding import specs as sharding_specs
 from train.planner.candidate import Candidate
 
 STRATEGY = "fsdp_tensor"  # every axis size is a choice of the planner; size-1 axes drop out of the rules

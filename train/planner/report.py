@@ -16,7 +16,8 @@ def knobs(p: Prediction) -> str:
 
 
 def table(ranked: list[Prediction], top: int) -> str:
-    lines = ["| # | mesh | pipeline | remat | shard opt | accum | GB/device | step s | TFLOP/s/device | MFU | tokens/s |",
+    lines = ["| # | mesh | pipeline | remat | shard opt | accum | GB/device | step s | TFLOP/s/device | MFU "
+             "| tokens/s |",
              "|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for i, p in enumerate([p for p in ranked if p.fits][:top], 1):
         lines.append(f"| {i} | {mesh_text(p.candidate.sizes)} | {knobs(p)} | {p.memory['total'] / 1e9:,.1f} | "
@@ -41,6 +42,7 @@ def breakdown(best: Prediction, runner_up: Prediction | None) -> str:
         why = min(diffs, key=diffs.get)
         lines.append(f"runner-up: {mesh_text(runner_up.candidate.sizes)}, {knobs(runner_up).replace(' | ', ', ')}: "
                      f"{runner_up.step_time_s:.4g} s; the best saves most on {why} "
-                     f"({-diffs[why]:.3g} s), memory {m['total'] / 1e9:,.1f} vs {runner_up.memory['total'] / 1e9:,.1f} GB")
+                     f"({-diffs[why]:.3g} s), memory {m['total'] / 1e9:,.1f} vs "
+                     f"{runner_up.memory['total'] / 1e9:,.1f} GB")
     lines.append("run it: python -m train --config=FILE " + " ".join(best.candidate.overrides()))
     return "\n".join(lines)

@@ -7,8 +7,8 @@ import math
 from typing import Iterator, Mapping
 
 import models
-from mesh.layout import AXES
 from mesh import topology as topology_lib
+from mesh.layout import AXES
 from train.config import ConfigError
 from train.planner import memory, timing
 from train.planner.candidate import Candidate, Prediction, mesh_of

@@ -14,7 +14,8 @@ import math
 import numpy as np
 
 import models
-from mesh import cost, layout, placement, topology as topology_lib
+from mesh import cost, layout, placement
+from mesh import topology as topology_lib
 from sharding import schedules
 from sharding.expected import expected_traffic
 from train.planner import memory
