@@ -19,14 +19,14 @@ LossAndGrad = Callable[[Any, jax.Array], tuple[jax.Array | dict[str, jax.Array],
 
 
 def model_loss_and_grad(cfg: models.ModelConfig, constrain) -> LossAndGrad:
-    """Metrics and gradients of the unpipelined model on a [batch, seq+1] token batch: `loss` (the
-    language-model loss) and whatever the model logs beside it, with the gradients of the objective
-    (models.loss_and_metrics)."""
+    """The loss and gradients of the unpipelined model on a [batch, seq+1] token batch; when the model logs
+    more than its loss (a mixture's router statistics), the metrics in place of the loss, holding it under
+    `loss`. The gradients are those of the objective (models.loss_and_metrics)."""
     grad_fn = jax.value_and_grad(lambda p, t: models.loss_and_metrics(p, t, cfg, constrain), has_aux=True)
 
     def metrics_and_grad(params, tokens):
         (_, metrics), grads = grad_fn(params, tokens)
-        return metrics, grads
+        return (metrics if len(metrics) > 1 else metrics["loss"]), grads
     return metrics_and_grad
 
 
