@@ -320,10 +320,10 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str |
                 source=sections.data_of(config), shard_opt_state=bool(config.sharding.shard_opt_state))
 
 
-def _apply_saved(section: ml_collections.ConfigDict, values: dict[str, Any]) -> None:
+def apply_saved(section: ml_collections.ConfigDict, values: dict[str, Any]) -> None:
     for key, value in values.items():
         if isinstance(value, dict) and isinstance(section.get(key), ml_collections.ConfigDict):
-            _apply_saved(section[key], value)
+            apply_saved(section[key], value)
         else:
             section[key] = value
 
@@ -338,7 +338,7 @@ def load_run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
     except (ValueError, KeyError):
         raise ConfigError(f"--workdir={workdir}: {path} is not a run's config.json (no 'config' entry)") from None
     config = base_config()
-    _apply_saved(config, saved)
+    apply_saved(config, saved)
     # With plan.auto the saved mesh.* and layout knobs are the planner's choice, the layout actually trained:
     # use it as written (and let --config.mesh.* override it) rather than planning again.
     config.plan.auto = False
