@@ -83,3 +83,14 @@ def test_release_leaves_another_runs_lock_and_the_heartbeat_keeps_it_fresh(tmp_p
     write_holder(tmp_path, "other-host", 7)  # replaced behind its back (e.g. by hand)
     held.release()
     assert json.loads(path.read_text())["token"] == "theirs"
+
+
+def test_a_killed_but_unreaped_process_counts_as_gone():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert lock_lib._pid_alive(proc.pid)
+    proc.kill()
+    deadline = time.monotonic() + 10
+    while lock_lib._pid_alive(proc.pid):  # a zombie until wait() below
+        assert time.monotonic() < deadline, "a zombie still counts as running"
+        time.sleep(0.01)
+    proc.wait()

@@ -35,7 +35,10 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # exists, owned by someone else
-    return True
+    try:  # a killed process its parent has not reaped yet still answers kill(0): a zombie runs nothing
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): trust kill(0)
 
 
 def _read(path: pathlib.Path) -> tuple[dict[str, Any], float] | None:
