@@ -94,6 +94,9 @@ def supervise(procs: list[subprocess.Popen], grace_s: float) -> int:
 
 def main(argv: list[str]) -> int:
     train_args = argv[1:]
+    for flag, low in ((_NUM_PROCESSES, 1), (_NUM_CPU_DEVICES, 1), (_GRACE, 0)):
+        if flag.value < low:
+            raise app.UsageError(f"--{flag.name}={flag.value}: must be >= {low}")
     if not train_args:
         raise app.UsageError("give the training arguments after '--', e.g. "
                              "-- --config=experiments/tiny.py --workdir=DIR")

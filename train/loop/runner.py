@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import sys
 import time
 from typing import Any
@@ -115,7 +116,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
 @contextlib.contextmanager
 def claimed(workdir: str):
     """The workdir, created if needed, held by this run (process 0 takes the lock for every process) until it
-    ends. A start that fails on a user error removes the directory it created if it left it empty."""
+    ends. A start that fails on a user error (a setting, a damaged restore_from checkpoint found while restoring)
+    in a directory it created removes it, unless a checkpoint was saved there: no empty or half-made run stays."""
     created = not pathlib.Path(workdir).expanduser().exists()
     path = prepare_workdir(workdir)
     lock = WorkdirLock(path, jax.process_count())
@@ -125,9 +127,9 @@ def claimed(workdir: str):
         yield path
     except UserError:
         lock.release()
-        if created:
-            with contextlib.suppress(OSError):
-                path.rmdir()  # only if empty: another process's files stay
+        saved = (path / "checkpoints").is_dir() and any(p.name.isdigit() for p in (path / "checkpoints").iterdir())
+        if created and not saved and jax.process_index() == 0:
+            shutil.rmtree(path, ignore_errors=True)  # everything in it was written by this start
         raise
     finally:
         lock.release()
