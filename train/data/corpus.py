@@ -8,6 +8,7 @@ import pathlib
 from typing import Iterator
 
 from mesh.errors import UserError
+from train.runtime import extras
 
 PARQUET = (".parquet", ".pq")
 JSONL = (".jsonl", ".ndjson")
@@ -38,6 +39,9 @@ def input_files(paths: list[str]) -> list[pathlib.Path]:
             raise CorpusError(f"--input={raw}: no such file or directory")
     if not files:
         raise CorpusError(f"--input={','.join(paths)}: no files there; the corpus is empty")
+    parquet = next((f for f in files if f.name.lower().endswith(PARQUET)), None)
+    if parquet:
+        extras.check("pyarrow", f"--input={parquet} (Parquet)")
     return files
 
 
@@ -90,7 +94,7 @@ def _jsonl(path: pathlib.Path, field: str) -> Iterator[str]:
 
 
 def _parquet(path: pathlib.Path, field: str) -> Iterator[str]:
-    import pyarrow.parquet as pq
+    pq = extras.load("pyarrow.parquet", f"--input={path} (Parquet)")
     try:
         table = pq.ParquetFile(path)
     except Exception as e:  # noqa: BLE001  (pyarrow raises several types for a damaged file)

@@ -13,6 +13,8 @@ from typing import Any
 
 import jax
 
+from train.runtime import extras
+
 
 def _fmt_duration(seconds: float) -> str:
     if not math.isfinite(seconds):
@@ -62,7 +64,7 @@ class WandB:
     ID_FILE = "wandb_run_id"
 
     def __init__(self, workdir: pathlib.Path, config: dict[str, Any], summary: dict[str, Any]):
-        import wandb  # imported late: only runs that ask for it pay for it (the `wandb` extra)
+        wandb = extras.load("wandb", "train.loggers=wandb")  # late: only runs that ask for it pay for it
         run_id = self.run_id(workdir)
         self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "spmdtrain"), name=workdir.name,
                                dir=os.environ.get("WANDB_DIR", str(workdir)), config=config, id=run_id,
