@@ -70,7 +70,7 @@ def test_a_missing_extra_is_one_line_naming_the_pip_install(tmp_path, missing):
     missing.update({"pyarrow", "wandb"})
     (tmp_path / "a.parquet").write_bytes(b"PAR1")
     with pytest.raises(extras.MissingExtra) as error:
-        corpus.input_files([str(tmp_path)])
+        corpus.inputs([str(tmp_path)])
     assert str(error.value) == (f"--input={tmp_path / 'a.parquet'} (Parquet) needs pyarrow, which is not installed: "
                                 f"pip install 'spmdtrain[parquet]' (or pip install -e '.[parquet]' in a checkout)")
     config = tiny_config()
