@@ -19,7 +19,7 @@ import numpy as np
 
 import checkpoint
 from mesh.errors import UserError
-from train import phases, sections
+from train import phases
 from train.config import ConfigError, Plan
 from train.data import loader as data_lib
 from train.loop import actions as actions_lib
@@ -97,7 +97,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
     # builds exactly the layout of the config it is given.
     config = planner_auto.apply(config, jax.device_count())
     actions_lib.check_names(config.train)
-    if "wandb" in sections.from_config(config)[0].loggers:
+    if "wandb" in actions_lib.names(config.train.loggers):
         extras.check("wandb", "train.loggers=wandb")
     trainer = Trainer.build(config)  # every user error is raised here, before the workdir is touched
     with claimed(workdir) as path:  # created if needed and locked; nothing in it is touched yet
