@@ -45,7 +45,7 @@ def _hf_truncated(tmp):
 
 
 def _run_without_step_99(tmp):
-    """A run directory with config.json and a (bare) checkpoint 3."""
+    """A run directory with config.json (the tiny model on one device) and a (bare) checkpoint 3."""
     run = tmp / "trained"
     (run / "checkpoints" / "3" / "state").mkdir(parents=True)
     (run / "checkpoints" / "3" / "_CHECKPOINT_METADATA").write_text("{}")
@@ -97,6 +97,12 @@ def _cases(tmp):
                                               "--num_cpu_devices=1", "--config.mesh.data=1"],
                              rf"--step=99: {t(str(trained))} has no checkpoint of that step \(it has 3\); give one "
                              r"of them, or no --step for the newest", []),
+        "a change a new phase cannot make": ("train", [f"--workdir={trained}", "--num_cpu_devices=1",
+                                                       "--config.optimizer.lr=0.01"],
+                                             t(f"optimizer.lr=0.01: the run in {trained} trains with "
+                                               f"optimizer.lr=0.003, and that cannot change between phases (steps, "
+                                               f"cadences, loggers, actions, data.path and the layout can); set it "
+                                               f"back, or use a new --workdir"), [trained / ".lock"]),
         "plan --hosts=0": ("train.plan", ["--config=experiments/tiny.py", "--hosts=0"], t("--hosts=0: must be >= 1"),
                            []),
         "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],
