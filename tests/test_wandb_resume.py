@@ -1,4 +1,6 @@
 """W&B continues the same run across a run's phases and resumes: the id kept in the workdir (offline mode)."""
+import re
+
 import pytest
 
 from train.loop.metrics import WandB
@@ -19,4 +21,5 @@ def test_wandb_keeps_one_run_id_over_a_resume(tmp_path, monkeypatch):
         logger.close()
     assert ids[0] == ids[1] == (workdir / WandB.ID_FILE).read_text().strip()
     runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(name.endswith(f"-{ids[0]}") for name in runs), runs
+    # offline-run-<time>-<id>, with -1 added when both start within one second
+    assert len(runs) == 2 and all(re.fullmatch(rf"offline-run-\d+_\d+-{ids[0]}(-\d+)?", name) for name in runs), runs
