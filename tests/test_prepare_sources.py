@@ -1,6 +1,7 @@
-"""train.prepare reads data where it lives: a `save_to_disk` dataset, compressed files (.gz, .bz2, .xz, .zst), an
-fsspec `memory://` path and text split at blank lines or lines all give the same tokens as the same documents in a
-plain JSONL file; the val split is never silently empty; a changed --val_percent is named as such."""
+"""train.prepare reads data where it lives: a `save_to_disk` dataset, a folder streamed by `datasets`, compressed
+files (.gz, .bz2, .xz, .zst), an fsspec `memory://` path and text split at blank lines or lines all give the same
+tokens as the same documents in a plain JSONL file; the val split is never silently empty; a changed --val_percent
+is named as such."""
 import bz2
 import gzip
 import json
@@ -36,6 +37,8 @@ def test_every_source_gives_the_tokens_of_the_plain_file(tmp_path):
     (tmp_path / "docs.txt.gz").write_bytes(gzip.compress(paragraphs))
     (tmp_path / "docs.txt.xz").write_bytes(lzma.compress(paragraphs))
     datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "part.jsonl").write_bytes(jsonl)
     with fsspec.open("memory://corpus/docs.jsonl", "wb") as f:
         f.write(jsonl)
     train, val, meta = prepared(tmp_path, "plain", [str(tmp_path / "docs.jsonl")])
@@ -43,7 +46,8 @@ def test_every_source_gives_the_tokens_of_the_plain_file(tmp_path):
     cases = {"zst": ([str(tmp_path / "docs.jsonl.zst")], {}), "bz2": ([str(tmp_path / "docs.jsonl.bz2")], {}),
              "gz blank lines": ([str(tmp_path / "docs.txt.gz")], {"text_split": "blank_lines"}),
              "xz blank lines": ([str(tmp_path / "docs.txt.xz")], {"text_split": "blank_lines"}),
-             "save_to_disk": ([f"hf:{tmp_path / 'saved'}"], {}), "memory://": (["memory://corpus"], {})}
+             "save_to_disk": ([f"hf:{tmp_path / 'saved'}"], {}), "memory://": (["memory://corpus"], {}),
+             "dataset folder, streamed": ([f"hf:{tmp_path / 'folder'}:train"], {})}
     for name, (inputs, kwargs) in cases.items():
         assert prepared(tmp_path, name.replace(" ", "-"), inputs, **kwargs)[:2] == (train, val), name
     fsspec.filesystem("memory").rm("/corpus", recursive=True)
