@@ -2,6 +2,7 @@
 and nothing is written (a failed start leaves no workdir behind). One table; every command line runs in a forked
 child of one warm interpreter (tests/forked.py), so the table costs one interpreter start."""
 import json
+import os
 import re
 import shutil
 
@@ -13,6 +14,7 @@ from tests.forked import run_many
 from tests.helpers import ROOT, tiny_config
 from train.data import prepare
 from train.loop import exit_codes
+from train.runtime.lock import WorkdirLock
 
 TINY = ["--config=experiments/tiny.py", "--config.mesh.data=8"]
 
@@ -58,7 +60,7 @@ def _cases(tmp):
     """{name: (module, args, the error line as a regex, paths that must not exist afterwards)}."""
     bad, hf, trained = _datadirs(tmp), _hf_truncated(tmp), _run_without_step_99(tmp)
     (tmp / "file").write_text("a file, so nothing can be created under it")
-    W, blocked = tmp / "W", tmp / "file" / "sub"
+    W, blocked, busy = tmp / "W", tmp / "file" / "sub", tmp / "busy"  # busy: held by the test process
     tokens = [*TINY, "--config.data.source=tokens", f"--workdir={W}"]
     t = re.escape
     return {
@@ -107,6 +109,10 @@ def _cases(tmp):
                            []),
         "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],
                                    rf"--json={t(str(blocked))}: cannot write there .*", [blocked]),
+        "launch on a workdir in use": ("train.launch", ["--", *TINY, f"--workdir={busy}"],
+                                       rf"--workdir={t(str(busy))} is in use by another run \(host \S+, pid "
+                                       rf"{os.getpid()}, started \S+, 1 process\(es\), heartbeat \d+s ago\); .*",
+                                       []),
         "launch --num_processes=0": ("train.launch", ["--num_processes=0", "--", *TINY, f"--workdir={W}"],
                                      t("--num_processes=0: must be >= 1"), [W]),
         "launch --num_processes=-1": ("train.launch", ["--num_processes=-1", "--", *TINY, f"--workdir={W}"],
@@ -128,7 +134,10 @@ def _cases(tmp):
 def outcomes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad")
     cases = _cases(tmp)
-    results = run_many([(module, args) for module, args, _, _ in cases.values()])
+    (tmp / "busy").mkdir()
+    with WorkdirLock(tmp / "busy") as held:
+        held.acquire(print)
+        results = run_many([(module, args) for module, args, _, _ in cases.values()])
     return {name: (case, result) for (name, case), result in zip(cases.items(), results)}
 
 

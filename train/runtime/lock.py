@@ -71,6 +71,20 @@ def gone_because(holder: dict[str, Any], age_s: float, host: str | None = None,
     return None
 
 
+def _in_use(workdir: pathlib.Path, holder: dict[str, Any], age: float) -> str:
+    return (f"--workdir={workdir} is in use by another run ({describe(holder)}, heartbeat {age:.0f}s ago); wait "
+            f"for it to end, stop it, or choose another --workdir")
+
+
+def check_free(workdir: str | pathlib.Path) -> None:
+    """Raise WorkdirInUse when a live run holds `workdir`; takes nothing (a launcher's check before it starts
+    processes: their process 0 takes the lock)."""
+    path = pathlib.Path(workdir).expanduser()
+    found = _read(path / NAME)
+    if found is not None and gone_because(*found) is None:
+        raise WorkdirInUse(_in_use(path, *found))
+
+
 def describe(holder: dict[str, Any]) -> str:
     return (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {holder.get('started', '?')}, "
             f"{holder.get('processes', 1)} process(es)")
@@ -100,9 +114,7 @@ class WorkdirLock:
             holder, age = found
             why = gone_because(holder, age)
             if why is None:
-                raise WorkdirInUse(f"--workdir={self.path.parent} is in use by another run ({describe(holder)}, "
-                                   f"heartbeat {age:.0f}s ago); wait for it to end, stop it, or choose another "
-                                   f"--workdir")
+                raise WorkdirInUse(_in_use(self.path.parent, holder, age))
             warn(f"warning: --workdir={self.path.parent}: taking over the lock of a run that is gone "
                  f"({describe(holder)}: {why})")
             self._remove_if(holder.get("token"))
