@@ -197,9 +197,10 @@ def _staging_dir(out: pathlib.Path) -> pathlib.Path:
 def _difference(meta: dict[str, Any], inputs: list[dict], recipe: dict) -> str:
     """How an existing DATADIR's preparation differs from this one, in the flags' words."""
     before = meta.get("recipe") or {}
-    changed = [f"--{k}={before.get(k, '')!r} (now {recipe.get(k, '')!r})"
+    changed = [("another --tokenizer file" if k == "tokenizer_sha256" else
+                f"--{k}={before.get(k, '')} (now {recipe.get(k, '')})")
                for k in sorted(set(before) | set(recipe)) if before.get(k) != recipe.get(k)]
-    flags_text = "with " + ", ".join(changed).replace("'", "") if changed else ""
+    flags_text = "with " + ", ".join(changed) if changed else ""
     if meta.get("inputs") != inputs:
         return "from other inputs" + (f" and {flags_text}" if flags_text else "")
     return flags_text
