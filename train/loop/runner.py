@@ -119,7 +119,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
 def claimed(workdir: str):
     """The workdir, created if needed, held by this run (process 0 takes the lock for every process) until it
     ends. A start that fails on a user error (a setting, a damaged restore_from checkpoint found while restoring)
-    in a directory it created removes it, unless a checkpoint was saved there: no empty or half-made run stays."""
+    in a directory it created removes it, unless it trained there (a checkpoint or a logged step): no empty or
+    half-made run stays."""
     created = not pathlib.Path(workdir).expanduser().exists()
     path = prepare_workdir(workdir)
     lock = WorkdirLock(path, jax.process_count())
@@ -130,7 +131,8 @@ def claimed(workdir: str):
     except UserError:
         lock.release()
         saved = (path / "checkpoints").is_dir() and any(p.name.isdigit() for p in (path / "checkpoints").iterdir())
-        if created and not saved and jax.process_index() == 0:
+        logged = (path / "metrics.jsonl").is_file() and (path / "metrics.jsonl").stat().st_size > 0
+        if created and not saved and not logged and jax.process_index() == 0:
             shutil.rmtree(path, ignore_errors=True)  # everything in it was written by this start
         raise
     finally:
