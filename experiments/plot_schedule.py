@@ -6,14 +6,20 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Sequence
 
 import numpy as np
-from matplotlib import colormaps
-from matplotlib.figure import Figure  # no pyplot: no global backend state, renders with Agg
-from matplotlib.patches import Patch, Rectangle
 
 from sharding import schedules as S
+from train.runtime import extras
+
+try:  # the `plots` extra: without it main() says which pip install to run
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure  # no pyplot: no global backend state, renders with Agg
+    from matplotlib.patches import Patch, Rectangle
+except ImportError:
+    colormaps = Figure = Patch = Rectangle = None
 
 
 def microbatch_colors(m: int) -> np.ndarray:
@@ -103,6 +109,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> str:
+    if Figure is None:
+        print(f"error: {extras.message('matplotlib', 'python -m experiments.plot_schedule')}", file=sys.stderr)
+        sys.exit(2)
     args = parse_args(argv)
     render(args.schedules, args.out)
     for schedule in args.schedules:

@@ -5,11 +5,13 @@ python -m mesh.bench --num_cpu_devices=8 --mesh=data:2,tensor:4 --min_bytes=1024
 """
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -23,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from mesh import collectives as C
 from mesh import cost, topology
-from mesh.errors import UserError
+from mesh.errors import UserError, check_writable
 from mesh.layout import AXES, MeshConfigError, axis_sizes, make_mesh, use_cpu_devices
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute")
@@ -58,7 +60,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
 
 def byte_sizes(min_bytes: int, max_bytes: int) -> list[int]:
     if not 4 <= min_bytes <= max_bytes:
-        raise ValueError(f"--min_bytes={min_bytes} --max_bytes={max_bytes}: need 4 <= min_bytes <= max_bytes")
+        raise MeshConfigError(f"--min_bytes={min_bytes} --max_bytes={max_bytes}: need 4 <= min_bytes <= max_bytes")
     out, s = [], min_bytes
     while s <= max_bytes:
         out.append(s)
@@ -101,7 +103,7 @@ def sweep(mesh, sizes: Sequence[int], collectives: Sequence[str] = COLLECTIVES, 
     """Time every collective on every mesh axis of size > 1 at every size; predicted_us left None."""
     unknown = [c for c in collectives if c not in COLLECTIVES]
     if unknown:
-        raise ValueError(f"--collectives={unknown[0]}: unknown; use some of {', '.join(COLLECTIVES)}")
+        raise MeshConfigError(f"--collectives={unknown[0]}: unknown; use some of {', '.join(COLLECTIVES)}")
     records = []
     for axis, n in zip(mesh.axis_names, mesh.devices.shape):
         if n == 1:
@@ -201,20 +203,51 @@ def plot(records: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def main(argv):
-    del argv
-    F = flags.FLAGS
-    if F.num_cpu_devices:
-        use_cpu_devices(F.num_cpu_devices)  # before anything touches a JAX backend
+def _fail(message: str) -> None:
+    """mesh cannot use train.cli.run (it imports nothing above it): its own one line, exit 2."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
     try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _fail(re.sub(r"^flag ", "", " ".join(str(e).split())))
+
+
+def _check_flags(argv: list[str], F) -> None:
+    """Every flag a sweep reads, checked before the sweep (its outputs included: a sweep takes minutes)."""
+    if len(argv) > 1:
+        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+    for name, low in (("iters", 1), ("warmup", 0), ("hosts", 0), ("num_cpu_devices", 0)):
+        if F[name].value < low:
+            raise UserError(f"--{name}={F[name].value}: must be >= {low}")
+    byte_sizes(F.min_bytes, F.max_bytes)
+    unknown = [c for c in F.collectives if c not in COLLECTIVES]
+    if unknown:
+        raise MeshConfigError(f"--collectives={unknown[0]}: unknown; use some of {', '.join(COLLECTIVES)}")
+    if F.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UserError(f"--plot={F.plot} needs matplotlib, which is not installed: pip install 'spmdtrain[plots]'")
+    for flag, path, parents in (("--json", F.json, False), ("--plot", F.plot, False),
+                                ("--topology_out", F.topology_out if F.fit else None, True)):
+        if path:
+            check_writable(flag, path, parents=parents)
+
+
+def main(argv):
+    F = flags.FLAGS
+    try:
+        _check_flags(argv, F)
+        if F.num_cpu_devices:
+            use_cpu_devices(F.num_cpu_devices)  # before anything touches a JAX backend
         sizes = parse_mesh(F.mesh)
         mesh = make_mesh(sizes)
         if not any(s > 1 for s in sizes.values()):
             raise MeshConfigError(f"--mesh={F.mesh}: no axis larger than 1, nothing to sweep")
         topo = topology.get_topology(F.topology, F.hosts or None) if not (F.fit and F.topology == "local") else None
-    except UserError as e:  # mesh cannot use train.cli.run (it imports nothing above it): its own one line, exit 2
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except UserError as e:
+        _fail(str(e))
     full = axis_sizes(mesh)
     print(f"# devices: {mesh.devices.size} x {jax.devices()[0].platform}, mesh {F.mesh}, iters {F.iters}")
     records = sweep(mesh, byte_sizes(F.min_bytes, F.max_bytes), F.collectives, F.iters, F.warmup)
@@ -242,4 +275,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

@@ -1,8 +1,30 @@
 """The base of every error a user can cause (a setting, a flag, a file), kept in the lowest package so every
 package can derive from it; `train.cli.run` turns one into a single `error:` line and exit status 2."""
+import os
+import pathlib
 
 
 class UserError(ValueError):
     """A mistake the user can fix; the message is one line that names the setting and the fix.
 
     A ValueError, so code that catches bad values keeps catching it."""
+
+
+def check_writable(flag: str, path: str, what: str = "file", parents: bool = False) -> None:
+    """Raise a UserError unless `path` (a file or directory to create or replace) can be written: its parent
+    (with `parents`, its nearest existing ancestor: missing folders are made) is a writable directory and the
+    path itself, if it exists, is of the right kind. Checked before the work that produces it, so a long run
+    never ends on an unwritable output; nothing is created."""
+    target = pathlib.Path(path).expanduser()
+    if not target.parent.exists() and not parents:
+        raise UserError(f"{flag}={path}: the directory {target.parent} does not exist; create it or choose "
+                        f"another path")
+    if target.exists() and (target.is_dir() != (what == "directory")):
+        raise UserError(f"{flag}={path}: exists and is not a {what}; choose another path")
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or (
+            target.exists() and not os.access(target, os.W_OK)):
+        raise UserError(f"{flag}={path}: cannot write there ({parent} is not a writable directory); "
+                        f"choose a writable path")

@@ -185,6 +185,10 @@ def test_checkpoint_from_before_data_order_resumes_with_random(tmp_path, referen
         meta = json.loads(path.read_text())
         del meta["config"]["data"]["order"]
         path.write_text(json.dumps(meta))
+    for workdir in (old, explicit):  # the config.json of a run from then has no data.order either
+        saved = json.loads((workdir / "config.json").read_text())
+        del saved["config"]["data"]["order"]
+        (workdir / "config.json").write_text(json.dumps(saved))
     for workdir, extra in ((old, ()), (explicit, ("--config.data.order=random",))):
         result = train(workdir, *extra)
         assert result.returncode == 0, result.stderr[-3000:]

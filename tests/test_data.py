@@ -12,6 +12,7 @@ from train.config import ConfigError
 from train.data import datadir
 from train.data import loader as data_lib
 from train.data import order as order_lib
+from train.data import tokenizer as tokenizer_lib
 
 
 def _cfg(tmp_path, **kw):
@@ -71,7 +72,7 @@ def _datadir(path, tokens, vocab=320, tokenizer="same"):
     path.mkdir(parents=True)
     np.asarray(tokens, dtype=np.uint16).tofile(path / "train.bin")
     np.asarray(tokens[:200], dtype=np.uint16).tofile(path / "val.bin")
-    (path / "tokenizer.json").write_text("{}")
+    tokenizer_lib.bytes_tokenizer().save(str(path / "tokenizer.json"))
     meta = dict(vocab_size=vocab, dtype="uint16", eos_id=0, tokenizer_sha256=tokenizer)
     (path / "meta.json").write_text(json.dumps(meta))
     return path

@@ -13,6 +13,7 @@ import models
 from models import documents
 from tests.helpers import rel_norm, tiny_config
 from train.config import ConfigError, resolve
+from train.data import tokenizer
 from train.trainer import Trainer
 
 EOS = 0
@@ -63,7 +64,7 @@ def _datadir(path, n_tokens=6000, seed=0):
     tokens = np.where(rng.random(n_tokens) < 0.11, EOS, rng.integers(1, 320, n_tokens)).astype(np.uint16)
     tokens.tofile(path / "train.bin")
     tokens[:1000].tofile(path / "val.bin")
-    (path / "tokenizer.json").write_text("{}")
+    tokenizer.bytes_tokenizer().save(str(path / "tokenizer.json"))
     (path / "meta.json").write_text(json.dumps(dict(vocab_size=320, dtype="uint16", eos_id=EOS)))
     return path
 

@@ -1,13 +1,17 @@
-"""`python -m train --config=experiments/<file>.py[:variant] --workdir=DIR [--config.train.steps=N ...]`."""
+"""`python -m train --config=experiments/<file>.py[:variant] --workdir=DIR [--config.train.steps=N ...]`; with
+an existing run in DIR and no --config, `python -m train --workdir=DIR [--config.train.steps=N ...]` continues it
+with the config it trained with (train/phases.py)."""
 from __future__ import annotations
 
 import os
+import pathlib
 
 import jax
 from absl import app, flags, logging
+from ml_collections import config_flags
 
 from mesh import use_cpu_devices
-from train import cli
+from train import cli, phases
 from train.loop import exit_codes
 from train.loop import runner as loop
 from train.runtime import distributed, xla_env
@@ -33,6 +37,18 @@ _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/spmdtrain/xla",
                              "JAX persistent compilation cache ('' to disable); restarts then skip compilation.")
 
 
+def _config():
+    """(the config, the experiment file it came from): --config's, or without --config the run in --workdir's
+    (with this command line's overrides); a new workdir without --config gets the default experiment."""
+    flag = flags.FLAGS[_CONFIG.name]
+    if not flag.present:
+        workdir = pathlib.Path(_WORKDIR.value).expanduser()
+        resumed = phases.resume_config(workdir, config_flags.get_override_values(flag))
+        if resumed is not None:
+            return resumed, ""
+    return _CONFIG.value, flag.config_filename
+
+
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -46,8 +62,10 @@ def main(argv: list[str]) -> int:
     if _CACHE.value and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(_CACHE.value))
     audit = dict(topology=_TOPOLOGY.value, hosts=_HOSTS.value, mfu=_AUDIT_MFU.value) if _AUDIT.value else None
-    loop.run(_CONFIG.value, _WORKDIR.value, compile_only=_COMPILE_ONLY.value, peak_tflops=_PEAK_TFLOPS.value,
-             audit=audit)  # user errors and expected failures end with their documented status in cli.run
+    config, config_file = _config()
+    # user errors and expected failures end with their documented status in cli.run
+    loop.run(config, _WORKDIR.value, compile_only=_COMPILE_ONLY.value, peak_tflops=_PEAK_TFLOPS.value,
+             audit=audit, config_file=config_file)
     return exit_codes.OK
 
 

@@ -297,9 +297,11 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str |
     _positive(config.optimizer, "optimizer", ("lr", "warmup_steps", "decay_steps", "clip_norm"),
               allow_zero=("warmup_steps", "decay_steps", "clip_norm"))
     decay_steps = config.optimizer.decay_steps or t.steps
-    if config.optimizer.warmup_steps >= decay_steps:
-        raise ConfigError(f"optimizer.warmup_steps={config.optimizer.warmup_steps} must be below the schedule "
-                          f"length {decay_steps} (optimizer.decay_steps, or train.steps when it is 0)")
+    if config.optimizer.warmup_steps >= decay_steps:  # name the setting that makes the schedule this short
+        length = (f"optimizer.decay_steps={decay_steps}" if config.optimizer.decay_steps else
+                  f"train.steps={t.steps} (the schedule's length while optimizer.decay_steps=0)")
+        raise ConfigError(f"{length} is not longer than optimizer.warmup_steps={config.optimizer.warmup_steps}; "
+                          f"raise {length.split('=')[0]} or lower optimizer.warmup_steps")
     batch_ways = math.prod(mesh_sizes[a] for a in rules.get("batch", ()) if a in mesh_sizes)
     per_update = t.global_batch_size // t.grad_accum_steps
     if t.global_batch_size % t.grad_accum_steps or per_update % batch_ways:
@@ -320,10 +322,10 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str |
                 source=sections.data_of(config), shard_opt_state=bool(config.sharding.shard_opt_state))
 
 
-def _apply_saved(section: ml_collections.ConfigDict, values: dict[str, Any]) -> None:
+def apply_saved(section: ml_collections.ConfigDict, values: dict[str, Any]) -> None:
     for key, value in values.items():
         if isinstance(value, dict) and isinstance(section.get(key), ml_collections.ConfigDict):
-            _apply_saved(section[key], value)
+            apply_saved(section[key], value)
         else:
             section[key] = value
 
@@ -338,7 +340,7 @@ def load_run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
     except (ValueError, KeyError):
         raise ConfigError(f"--workdir={workdir}: {path} is not a run's config.json (no 'config' entry)") from None
     config = base_config()
-    _apply_saved(config, saved)
+    apply_saved(config, saved)
     # With plan.auto the saved mesh.* and layout knobs are the planner's choice, the layout actually trained:
     # use it as written (and let --config.mesh.* override it) rather than planning again.
     config.plan.auto = False
@@ -349,6 +351,10 @@ def run_checkpoints(workdir: pathlib.Path, step: int | None) -> tuple[checkpoint
     """(the run's checkpoints, read-only; the step to use, the newest by default; the spec for messages)."""
     if not (workdir / "checkpoints").is_dir():
         raise ConfigError(f"--workdir={workdir}: no checkpoints/ there; give the directory of a training run")
+    source, newest = checkpoint.open_source(str(workdir))
+    steps = source.steps()
+    if step is not None and step not in steps:
+        raise ConfigError(f"--step={step}: {workdir} has no checkpoint of that step (it has "
+                          f"{', '.join(map(str, steps))}); give one of them, or no --step for the newest")
     spec = str(workdir) + (f":{step}" if step is not None else "")
-    source, step = checkpoint.open_source(spec)
-    return source, step, spec
+    return source, newest if step is None else step, spec

@@ -20,6 +20,7 @@ from absl import app, flags
 
 from train import cli
 from train.loop.exit_codes import REQUEUE
+from train.runtime import lock
 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 _NUM_CPU_DEVICES = flags.DEFINE_integer("num_cpu_devices", 4, "Virtual CPU devices per process.")
@@ -94,9 +95,15 @@ def supervise(procs: list[subprocess.Popen], grace_s: float) -> int:
 
 def main(argv: list[str]) -> int:
     train_args = argv[1:]
+    for flag, low in ((_NUM_PROCESSES, 1), (_NUM_CPU_DEVICES, 1), (_GRACE, 0)):
+        if flag.value < low:
+            raise app.UsageError(f"--{flag.name}={flag.value}: must be >= {low}")
     if not train_args:
         raise app.UsageError("give the training arguments after '--', e.g. "
                              "-- --config=experiments/tiny.py --workdir=DIR")
+    workdir = next((a.split("=", 1)[1] for a in train_args if a.startswith("--workdir=")), None)
+    if workdir:
+        lock.check_free(workdir)  # a second launch on a workdir in use ends before starting anything
     procs = start(_NUM_PROCESSES.value, _NUM_CPU_DEVICES.value, train_args)
 
     def forward(signum, _frame):

@@ -1,20 +1,23 @@
-"""The documents of `train.prepare`'s inputs: a text file is one document, a JSONL line or a Parquet row is
-one (its `text_field`). Every problem is a one-line CorpusError naming the file (and line)."""
+"""The documents of `train.prepare`'s inputs: a JSONL line, a Parquet row or a dataset row is one (its
+`text_field`); a text file is one, or one per paragraph or line (`--text_split`). Where the inputs live and how
+they are decompressed is train/data/sources.py. Every problem is a one-line CorpusError naming the file (and line)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import pathlib
+import re
 from typing import Iterator
 
-from mesh.errors import UserError
+from train.data import sources
+from train.runtime import extras
 
 PARQUET = (".parquet", ".pq")
 JSONL = (".jsonl", ".ndjson")
+TEXT_SPLITS = ("file", "blank_lines", "lines")
+BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n\s*")  # a line break, one or more blank lines, what follows them
 
 
-class CorpusError(UserError):
-    """Bad input: names the file (and line) and what is wrong."""
+CorpusError = sources.CorpusError  # every bad input, wherever it lives
 
 
 def files_under(root: pathlib.Path, skip_dirs: tuple[str, ...] = ()) -> list[pathlib.Path]:
@@ -24,53 +27,70 @@ def files_under(root: pathlib.Path, skip_dirs: tuple[str, ...] = ()) -> list[pat
                   and not any(part.startswith(".") or part in skip_dirs for part in f.relative_to(root).parts))
 
 
-def input_files(paths: list[str]) -> list[pathlib.Path]:
-    """Files of every input path; directories walked without hidden entries or Python's bytecode caches
-    (`__pycache__`: a source tree's compiled files are never text)."""
-    files: list[pathlib.Path] = []
-    for raw in paths:
-        p = pathlib.Path(raw).expanduser()
-        if p.is_file():
-            files.append(p)
-        elif p.is_dir():
-            files += files_under(p, skip_dirs=("__pycache__",))
-        else:
-            raise CorpusError(f"--input={raw}: no such file or directory")
-    if not files:
+def inputs(paths: list[str]) -> list[sources.Input]:
+    """Every input of --input: files of each path or fsspec URL (directories walked without hidden entries or
+    Python's bytecode caches: `__pycache__` holds no text), and Hugging Face datasets (hf:...)."""
+    found = [item for raw in paths for item in sources.expand(raw, files_under)]
+    if not found:
         raise CorpusError(f"--input={','.join(paths)}: no files there; the corpus is empty")
-    return files
+    parquet = next((i for i in found if i.name.endswith(PARQUET)), None)
+    if parquet:
+        extras.check("pyarrow", f"--input={parquet.where} (Parquet)")
+    return found
 
 
 def checksum(path: pathlib.Path) -> str:
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
-    except OSError as e:
-        raise CorpusError(f"{path}: cannot read it ({e.strerror})") from None
-    return digest.hexdigest()
+    """SHA-256 of a local file."""
+    return sources.fingerprint(sources.Input(str(path), 0))["sha256"]
 
 
-def documents(path: pathlib.Path, text_field: str) -> Iterator[str]:
-    """The documents of one file, in order."""
-    name = path.name.lower()
-    if name.endswith(PARQUET):
-        yield from _parquet(path, text_field)
-    elif name.endswith(JSONL):
-        yield from _jsonl(path, text_field)
+def documents(item: sources.Input, text_field: str, text_split: str = "file") -> Iterator[str]:
+    """The documents of one input, in order: a dataset's rows, a Parquet file's rows, a JSONL file's lines, or a
+    text file as one document (`file`), split at blank lines (`blank_lines`) or one per non-empty line (`lines`)."""
+    if item.is_dataset:
+        yield from sources.dataset_rows(item.where, text_field)
+    elif item.name.endswith(PARQUET):
+        yield from _parquet(item, text_field)
+    elif item.name.endswith(JSONL):
+        yield from _jsonl(item, text_field)
     else:
-        try:
-            yield path.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise CorpusError(f"{path}: not UTF-8 text (byte {e.start}); convert it or leave it out") from None
-        except OSError as e:
-            raise CorpusError(f"{path}: cannot read it ({e.strerror})") from None
+        yield from split_text(_text(item), text_split)
 
 
-def _jsonl(path: pathlib.Path, field: str) -> Iterator[str]:
+def _text(item: sources.Input) -> str:
     try:
-        with open(path, "rb") as f:
+        with sources.open_bytes(item) as f:
+            return f.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CorpusError(f"{item.where}: not UTF-8 text (byte {e.start}); convert it or leave it out") from None
+    except sources.read_errors() as e:
+        raise CorpusError(f"{item.where}: cannot read it ({_why(e)})") from None
+
+
+def _why(e: BaseException) -> str:
+    """A read error in a few words: the OS's reason, else the first line of the message, else its type."""
+    text = getattr(e, "strerror", None) or str(e)
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def split_text(text: str, how: str) -> Iterator[str]:
+    """`file`: the text is one document; `blank_lines`: paragraphs separated by blank lines; `lines`: each line.
+    Empty pieces are no documents."""
+    if how == "file":
+        pieces = [text]
+    elif how == "blank_lines":
+        pieces = BLANK_LINES.split(text)
+    elif how == "lines":
+        pieces = text.splitlines()
+    else:
+        raise CorpusError(f"--text_split={how}: use one of {', '.join(TEXT_SPLITS)}")
+    yield from (p for p in pieces if p.strip())
+
+
+def _jsonl(item: sources.Input, field: str) -> Iterator[str]:
+    path = item.where
+    try:
+        with sources.open_bytes(item) as f:
             for number, raw in enumerate(f, 1):
                 if not raw.strip():
                     continue
@@ -85,14 +105,15 @@ def _jsonl(path: pathlib.Path, field: str) -> Iterator[str]:
                     raise CorpusError(f"{path}:{number}: no string field {field!r}; set --text_field to the "
                                       f"field holding the text")
                 yield text
-    except OSError as e:
-        raise CorpusError(f"{path}: cannot read it ({e.strerror})") from None
+    except sources.read_errors() as e:
+        raise CorpusError(f"{path}: cannot read it ({_why(e)})") from None
 
 
-def _parquet(path: pathlib.Path, field: str) -> Iterator[str]:
-    import pyarrow.parquet as pq
+def _parquet(item: sources.Input, field: str) -> Iterator[str]:
+    path = item.where
+    pq = extras.load("pyarrow.parquet", f"--input={path} (Parquet)")
     try:
-        table = pq.ParquetFile(path)
+        table = pq.ParquetFile(sources.open_bytes(item))
     except Exception as e:  # noqa: BLE001  (pyarrow raises several types for a damaged file)
         raise CorpusError(f"{path}: not a readable Parquet file ({type(e).__name__}); regenerate it") from None
     if field not in table.schema_arrow.names:

@@ -8,7 +8,10 @@ import json
 import pathlib
 from typing import Any
 
-from mesh.errors import UserError
+import numpy as np
+
+from mesh.errors import UserError, check_writable
+from train.data import tokenizer
 
 ORDERS = ("epochs", "random")
 DTYPES = ("uint16", "uint32")
@@ -71,14 +74,37 @@ def _source(where: str, weight: float, setting: str, name: str) -> SourceSpec:
             raise DataConfigError(f"{setting}: {p} has no meta.json; prepare it with python -m train.prepare "
                                   f"--input=... --out={p}")
         meta = read_meta(p, setting)
-        for f in ("train.bin", "val.bin"):
-            if not (p / f).is_file():
-                raise DataConfigError(f"{setting}: {p / f} is missing; run train.prepare again with --overwrite")
+        for split in ("train", "val"):
+            f = p / f"{split}.bin"
+            if not f.is_file():
+                raise DataConfigError(f"{setting}: {f} is missing; run train.prepare again with --overwrite")
+            _check_size(f, meta["dtype"], setting, meta.get(split, {}).get("tokens"))
+        if (p / tokenizer.FILE).is_file():
+            _check_tokenizer(p / tokenizer.FILE, setting)
         return SourceSpec(name, p / "train.bin", p / "val.bin", weight, meta)
     if p.is_file():
         sibling = p.with_name("val.bin")
         return SourceSpec(name, p, sibling if sibling.is_file() and sibling != p else None, weight, None)
     raise DataConfigError(f"{setting}: no such DATADIR or token file; prepare one with python -m train.prepare")
+
+
+def _check_size(path: pathlib.Path, dtype: str, setting: str, tokens: int | None) -> None:
+    """A token file holds whole tokens, as many as meta.json counts (a copy cut short is caught here)."""
+    size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
+    if size % itemsize:
+        raise DataConfigError(f"{setting}: {path} has {size} bytes, not a whole number of {dtype} tokens; the file "
+                              f"is damaged or has another dtype (data.token_dtype); prepare or copy it again")
+    if tokens is not None and size != int(tokens) * itemsize:
+        raise DataConfigError(f"{setting}: {path} holds {size // itemsize:,} tokens but its meta.json says "
+                              f"{int(tokens):,}; the copy is incomplete or damaged: prepare or copy it again")
+
+
+def _check_tokenizer(path: pathlib.Path, setting: str) -> None:
+    try:
+        tokenizer.load_file(str(path), setting)
+    except tokenizer.TokenizerError:
+        raise DataConfigError(f"{setting}: {path} is not a Hugging Face tokenizer.json (damaged?); run "
+                              f"train.prepare again with --overwrite") from None
 
 
 def _names(paths: list[str]) -> list[str]:
@@ -95,6 +121,8 @@ def resolve(data: Any, global_batch: int | None) -> DataSpec | None:
     if data.source != "tokens":
         if data.source == "text" and "," in str(data.path):
             raise DataConfigError(f"data.path={data.path!r}: mixtures need data.source=tokens and prepared DATADIRs")
+        if data.source == "text" and data.get("cache_dir"):  # written at the start of training: checked now
+            check_writable("data.cache_dir", str(data.cache_dir), "directory", parents=True)
         return None
     if not data.path:
         raise DataConfigError("data.path='': the tokens source needs a DATADIR (python -m train.prepare) or a "
@@ -117,6 +145,9 @@ def resolve(data: Any, global_batch: int | None) -> DataSpec | None:
     if meta is None:
         if data.token_dtype not in DTYPES:
             raise DataConfigError(f"data.token_dtype={data.token_dtype!r}: use uint16 or uint32")
+        for f in (sources[0].train, sources[0].val):
+            if f is not None:
+                _check_size(f, data.token_dtype, setting, None)
         return DataSpec(sources, data.token_dtype, None, None, None)
     return DataSpec(sources, meta["dtype"], int(meta["vocab_size"]), sources[0].train.parent / "tokenizer.json",
                     meta.get("eos_id"))

@@ -4,6 +4,7 @@ tokenized in parallel and streamed to disk; DATADIR only ever sees finished file
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import multiprocessing
 import os
@@ -12,24 +13,28 @@ import shutil
 import sys
 import time
 import zlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from absl import app, flags
 
 from mesh.errors import UserError
 from train import cli
-from train.data import corpus
+from train.data import corpus, sources
 from train.data import tokenizer as tok_lib
 from train.data.corpus import CorpusError
 from train.data.tokenizer import TokenizerError
 from train.loop import exit_codes
 
-_INPUT = flags.DEFINE_list("input", None, "Text files, directories, JSONL or Parquet files (comma-separated).")
+_INPUT = flags.DEFINE_list("input", None, "Text, JSONL or Parquet files (.gz/.bz2/.xz/.zst too), directories, "
+                           "fsspec URLs (s3://, gs://, https://, ...) or hf:DATASET[:SPLIT] (comma-separated).")
 _OUT = flags.DEFINE_string("out", None, "DATADIR to write train.bin, val.bin, tokenizer.json, meta.json into.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", "bytes", "bytes, hf:PATH (tokenizer.json or its directory), "
                                  "or train-bpe:VOCAB.")
-_TEXT_FIELD = flags.DEFINE_string("text_field", "text", "The text field of JSONL records and Parquet rows.")
+_TEXT_FIELD = flags.DEFINE_string("text_field", "text", "The text field of JSONL records, Parquet and dataset rows.")
+_TEXT_SPLIT = flags.DEFINE_enum("text_split", "file", ["file", "blank_lines", "lines"],
+                                "Documents of a plain text file: the whole file, paragraphs between blank lines, or "
+                                "each line.")
 _VAL_PERCENT = flags.DEFINE_float("val_percent", 1.0, "Percent of documents (by a hash of each) held out as val.bin.")
 _NUM_WORKERS = flags.DEFINE_integer("num_workers", max(1, (os.cpu_count() or 1)), "Tokenizing processes.")
 _BPE_SAMPLE_MB = flags.DEFINE_float("bpe_sample_mb", 200.0, "train-bpe: train on at most this much text (MB).")
@@ -45,13 +50,19 @@ class PrepareError(UserError):
     """A bad flag or output directory; one line."""
 
 
+def split_hash(text: str) -> int:
+    """0..9999, from the document's text only: it goes to val when below val_percent x 100."""
+    return zlib.crc32(text.encode("utf-8")) % 10_000
+
+
 def is_val(text: str, val_percent: float) -> bool:
     """The split of a document depends on its text only, so it is stable when inputs are added."""
-    return zlib.crc32(text.encode("utf-8")) % 10_000 < val_percent * 100
+    return split_hash(text) < val_percent * 100
 
 
-def build_tokenizer(spec: str, files: list[pathlib.Path], text_field: str, sample_mb: float, eos_token: str):
-    """(tokenizer, the text of its end-of-document token)."""
+def build_tokenizer(spec: str, files: list[sources.Input], docs_of: Callable[[sources.Input], Iterator[str]],
+                    sample_mb: float, eos_token: str):
+    """(tokenizer, the text of its end-of-document token); `docs_of(input)` gives an input's documents."""
     if spec == "bytes":
         return tok_lib.bytes_tokenizer(), tok_lib.EOS_TEXT
     if spec.startswith("hf:"):
@@ -68,26 +79,26 @@ def build_tokenizer(spec: str, files: list[pathlib.Path], text_field: str, sampl
             raise PrepareError(f"--tokenizer={spec}: VOCAB must be an integer, e.g. train-bpe:8192") from None
         if vocab <= 256:  # checked before reading the sample
             tok_lib.train_bpe([], vocab)
-        tok = tok_lib.train_bpe(_sample(files, text_field, sample_mb * 1e6), vocab)
+        tok = tok_lib.train_bpe(_sample(files, docs_of, sample_mb * 1e6), vocab)
         return tok, tok_lib.EOS_TEXT
     raise PrepareError(f"--tokenizer={spec}: use bytes, hf:PATH or train-bpe:VOCAB")
 
 
-def _sample(files: list[pathlib.Path], text_field: str, limit: float) -> Iterator[str]:
+def _sample(files: list[sources.Input], docs_of, limit: float) -> Iterator[str]:
     taken = 0
-    for path in files:
-        for doc in corpus.documents(path, text_field):
+    for item in files:
+        for doc in docs_of(item):
             yield doc
             taken += len(doc)
             if taken >= limit:
                 return
 
 
-def _chunks(files: list[pathlib.Path], text_field: str) -> Iterator[list[str]]:
+def _chunks(files: list[sources.Input], docs_of) -> Iterator[list[str]]:
     chunk: list[str] = []
     size = 0
-    for path in files:
-        for doc in corpus.documents(path, text_field):
+    for item in files:
+        for doc in docs_of(item):
             chunk.append(doc)
             size += len(doc)
             if size >= CHUNK_BYTES:
@@ -113,18 +124,25 @@ def _init_worker(tokenizer_json: str, eos: int, bos: int | None, val_percent: fl
 
 
 def _encode(docs: list[str]) -> dict[str, Any]:
-    """Token ids of each split (EOS after every document), document counts and the text bytes seen."""
+    """Token ids of each split (EOS after every document), document counts, the text bytes seen, and the train
+    document nearest to val (hash, token offset in this chunk's train ids, tokens): val's fallback."""
     w = _WORKER
     out: dict[str, list] = {s: [] for s in SPLITS}
     counts = dict.fromkeys(SPLITS, 0)
     eos = np.array([w["eos"]], dtype=w["dtype"])
     bos = np.array([] if w["bos"] is None else [w["bos"]], dtype=w["dtype"])
+    nearest, offset = None, 0
     for doc, ids in zip(docs, w["encode"](docs)):
-        split = "val" if is_val(doc, w["val_percent"]) else "train"
+        h = split_hash(doc)
+        split = "val" if h < w["val_percent"] * 100 else "train"
         out[split] += [bos, np.asarray(ids, dtype=w["dtype"]), eos]
         counts[split] += 1
+        if split == "train":
+            n = len(bos) + len(ids) + 1
+            nearest = min(nearest, (h, offset, n)) if nearest else (h, offset, n)
+            offset += n
     return {"ids": {s: np.concatenate(out[s]) if out[s] else np.zeros(0, w["dtype"]) for s in SPLITS},
-            "docs": counts, "bytes": sum(len(d.encode("utf-8")) for d in docs)}
+            "docs": counts, "bytes": sum(len(d.encode("utf-8")) for d in docs), "nearest": nearest}
 
 
 def _encoded(chunks: Iterator[list[str]], workers: int, init_args: tuple) -> Iterator[dict[str, Any]]:
@@ -176,6 +194,18 @@ def _staging_dir(out: pathlib.Path) -> pathlib.Path:
     return staging
 
 
+def _difference(meta: dict[str, Any], inputs: list[dict], recipe: dict) -> str:
+    """How an existing DATADIR's preparation differs from this one, in the flags' words."""
+    before = meta.get("recipe") or {}
+    changed = [("another --tokenizer file" if k == "tokenizer_sha256" else
+                f"--{k}={before.get(k, '')} (now {recipe.get(k, '')})")
+               for k in sorted(set(before) | set(recipe)) if before.get(k) != recipe.get(k)]
+    flags_text = "with " + ", ".join(changed) if changed else ""
+    if meta.get("inputs") != inputs:
+        return "from other inputs" + (f" and {flags_text}" if flags_text else "")
+    return flags_text
+
+
 def _check_out(out: pathlib.Path, inputs: list[dict], recipe: dict, overwrite: bool) -> bool:
     """True when DATADIR already holds exactly this preparation (a no-op)."""
     meta_path = out / "meta.json"
@@ -187,8 +217,8 @@ def _check_out(out: pathlib.Path, inputs: list[dict], recipe: dict, overwrite: b
         if meta.get("inputs") == inputs and meta.get("recipe") == recipe:
             return True
         if not overwrite:
-            raise PrepareError(f"--out={out} holds data prepared from other inputs or another tokenizer; "
-                               f"pass --overwrite to replace it, or choose another --out")
+            raise PrepareError(f"--out={out} holds data prepared {_difference(meta, inputs, recipe)}; pass "
+                               f"--overwrite to replace it, or choose another --out")
     elif out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise PrepareError(f"--out={out} exists and is not a prepared DATADIR; choose an empty or new "
                            f"directory (or pass --overwrite)")
@@ -197,16 +227,20 @@ def _check_out(out: pathlib.Path, inputs: list[dict], recipe: dict, overwrite: b
 
 def prepare(inputs: list[str], out: str, spec: str, *, text_field: str = "text", val_percent: float = 1.0,
             num_workers: int = 1, bpe_sample_mb: float = 200.0, eos_token: str = "", bos_token: str = "",
-            overwrite: bool = False) -> dict[str, Any] | None:
+            overwrite: bool = False, text_split: str = "file") -> dict[str, Any] | None:
     """Write DATADIR; returns its meta, or None when it already held this preparation."""
     if not 0 <= val_percent < 100:
         raise PrepareError(f"--val_percent={val_percent}: use a percentage in [0, 100)")
     if num_workers < 1:
         raise PrepareError(f"--num_workers={num_workers}: use 1 or more")
-    files = corpus.input_files(inputs)
-    listed = [{"path": str(f.resolve()), "size": f.stat().st_size, "sha256": corpus.checksum(f)} for f in files]
+    if text_split not in corpus.TEXT_SPLITS:
+        raise PrepareError(f"--text_split={text_split}: use one of {', '.join(corpus.TEXT_SPLITS)}")
+    files = corpus.inputs(inputs)
+    listed = [sources.fingerprint(f) for f in files]
     recipe = {"tokenizer": spec, "text_field": text_field, "val_percent": val_percent,
               "eos_token": eos_token, "bos_token": bos_token}
+    if text_split != "file":  # recorded only when set: DATADIRs prepared before it existed stay the same recipe
+        recipe["text_split"] = text_split
     if spec.startswith("train-bpe:"):
         recipe["bpe_sample_mb"] = bpe_sample_mb
     if spec.startswith("hf:"):
@@ -233,17 +267,40 @@ def _hf_file(path: str) -> pathlib.Path:
 
 def _write(staging: pathlib.Path, files, listed, recipe, text_field, val_percent, num_workers, sample_mb,
            bos_token) -> dict[str, Any]:
-    tok, eos_text = build_tokenizer(recipe["tokenizer"], files, text_field, sample_mb, recipe["eos_token"])
+    docs_of = functools.partial(corpus.documents, text_field=text_field, text_split=recipe.get("text_split", "file"))
+    tok, eos_text = build_tokenizer(recipe["tokenizer"], files, docs_of, sample_mb, recipe["eos_token"])
     eos = tok_lib.token_id(tok, eos_text, "--eos_token")
     bos = tok_lib.token_id(tok, bos_token, "--bos_token") if bos_token else None
     vocab = -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
     dtype = "uint16" if vocab <= 1 << 16 else "uint32"
-    counts = {s: {"documents": 0, "tokens": 0, "max_id": -1} for s in SPLITS}
     progress = Progress(sum(item["size"] for item in listed))
+    init = (tok.to_str(), eos, bos, val_percent, dtype, recipe["tokenizer"] == "bytes")
+    counts, nearest = _stream(staging, _encoded(_chunks(files, docs_of), num_workers, init), progress)
+    progress.show(final=True)
+    if counts["train"]["tokens"] == 0:
+        raise CorpusError(f"--input: the corpus has no training documents ({len(files)} files); add text")
+    if val_percent > 0 and counts["val"]["documents"] == 0:
+        _fill_val(staging, counts, nearest, dtype, val_percent)
+    tok.save(str(staging / tok_lib.FILE))
+    meta = {"vocab_size": vocab, "dtype": dtype, "eos_id": eos, "bos_id": bos, **counts,
+            "tokenizer_sha256": corpus.checksum(staging / tok_lib.FILE), "inputs": listed, "recipe": recipe,
+            "seconds": round(time.perf_counter() - progress.t0, 3)}
+    (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _stream(staging: pathlib.Path, encoded: Iterator[dict[str, Any]], progress: Progress):
+    """Write the encoded chunks to train.bin and val.bin: (counts per split, the train document nearest to val
+    as (hash, token offset in train.bin, tokens))."""
+    counts = {s: {"documents": 0, "tokens": 0, "max_id": -1} for s in SPLITS}
+    nearest = None
     sinks = {s: open(staging / f"{s}.bin", "wb") for s in SPLITS}
     try:
-        for got in _encoded(_chunks(files, text_field), num_workers,
-                            (tok.to_str(), eos, bos, val_percent, dtype, recipe["tokenizer"] == "bytes")):
+        for got in encoded:
+            if got["nearest"]:
+                h, offset, n = got["nearest"]
+                candidate = (h, counts["train"]["tokens"] + offset, n)
+                nearest = min(nearest, candidate) if nearest else candidate
             for s in SPLITS:
                 ids = got["ids"][s]
                 ids.tofile(sinks[s])
@@ -255,15 +312,33 @@ def _write(staging: pathlib.Path, files, listed, recipe, text_field, val_percent
     finally:
         for sink in sinks.values():
             sink.close()
-    progress.show(final=True)
-    if counts["train"]["tokens"] == 0:
-        raise CorpusError(f"--input: the corpus has no training documents ({len(files)} files); add text")
-    tok.save(str(staging / tok_lib.FILE))
-    meta = {"vocab_size": vocab, "dtype": dtype, "eos_id": eos, "bos_id": bos, **counts,
-            "tokenizer_sha256": corpus.checksum(staging / tok_lib.FILE), "inputs": listed, "recipe": recipe,
-            "seconds": round(time.perf_counter() - progress.t0, 3)}
-    (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
+    return counts, nearest
+
+
+def _fill_val(staging: pathlib.Path, counts: dict, nearest: tuple[int, int, int], dtype: str,
+              val_percent: float) -> None:
+    """No document hashed into val: move the train document nearest to it there (the same one on every rerun),
+    so val is never silently empty; a corpus of one document cannot be split."""
+    if counts["train"]["documents"] < 2:
+        raise CorpusError(f"--val_percent={val_percent}: the corpus is one document, which cannot be split into "
+                          f"train and val; add documents, split the text (--text_split=blank_lines or lines), or "
+                          f"set --val_percent=0 for no val split")
+    _, offset, n = nearest
+    train = np.memmap(staging / "train.bin", dtype=dtype, mode="r")
+    moved = np.array(train[offset:offset + n])
+    moved.tofile(staging / "val.bin")
+    step = 1 << 24
+    with open(staging / "train.rest", "wb") as f:
+        for begin, end in ((0, offset), (offset + n, len(train))):
+            for i in range(begin, end, step):
+                np.asarray(train[i:min(i + step, end)]).tofile(f)
+    rest = np.memmap(staging / "train.rest", dtype=dtype, mode="r")
+    train_max = max((int(rest[i:i + step].max()) for i in range(0, len(rest), step)), default=-1)
+    del train, rest
+    os.replace(staging / "train.rest", staging / "train.bin")
+    counts["train"].update(documents=counts["train"]["documents"] - 1, tokens=counts["train"]["tokens"] - n,
+                           max_id=train_max)
+    counts["val"].update(documents=1, tokens=n, max_id=int(moved.max()))
 
 
 def _publish(staging: pathlib.Path, out: pathlib.Path) -> None:
@@ -283,7 +358,8 @@ def main(argv: list[str]) -> int:
     meta = prepare(_INPUT.value, _OUT.value, _TOKENIZER.value, text_field=_TEXT_FIELD.value,
                    val_percent=_VAL_PERCENT.value, num_workers=_NUM_WORKERS.value,
                    bpe_sample_mb=_BPE_SAMPLE_MB.value, eos_token=_EOS.value, bos_token=_BOS.value,
-                   overwrite=_OVERWRITE.value)  # a user's mistake raises a UserError: cli.run prints it, exit 2
+                   overwrite=_OVERWRITE.value, text_split=_TEXT_SPLIT.value)
+    # (a user's mistake raises a UserError: cli.run prints it, exit 2)
     if meta is None:
         print(f"{_OUT.value} already holds these inputs prepared with --tokenizer={_TOKENIZER.value}; nothing to do")
     else:

@@ -53,13 +53,22 @@ def _mesh_overrides(config) -> None:
         config.mesh.data *= folded
 
 
+def check_flags() -> None:
+    """The sampling flags, before anything is loaded."""
+    for flag, ok, rule in ((_TEMPERATURE, _TEMPERATURE.value >= 0, ">= 0 (0 is greedy)"),
+                           (_TOP_K, _TOP_K.value >= 0, ">= 0 (0 keeps every token)"),
+                           (_TOP_P, 0 < _TOP_P.value <= 1, "in (0, 1] (1 keeps every token)"),
+                           (_MAX_NEW, _MAX_NEW.value >= 1, ">= 1"), (_EVAL_BATCHES, _EVAL_BATCHES.value >= 0, ">= 0"),
+                           (_NUM_CPU_DEVICES, _NUM_CPU_DEVICES.value >= 1, ">= 1")):
+        if not ok:
+            raise ConfigError(f"--{flag.name}={flag.value}: must be {rule}")
+
+
 def run(workdir: pathlib.Path) -> None:
     config = run_config.load_run_config(workdir)
     _mesh_overrides(config)
     trainer = Trainer.build(config)
     cfg = trainer.plan.model
-    if _EVAL_BATCHES.value < 0 or _MAX_NEW.value < 1:
-        raise ConfigError("--eval_batches must be >= 0 and --max_new_tokens >= 1")
     codec = tok_lib.load_run_codec(workdir)
     prompt = None if _EVAL_BATCHES.value else prompt_lib.prompt_tokens(cfg.vocab_size, codec, _PROMPT.value,
                                                                         _PROMPT_TOKENS.value)
@@ -82,6 +91,7 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)  # Orbax's info lines would bury the output
+    check_flags()
     use_cpu_devices(_NUM_CPU_DEVICES.value)
     run(pathlib.Path(_WORKDIR.value).expanduser())
     return exit_codes.OK

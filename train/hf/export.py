@@ -17,7 +17,7 @@ import checkpoint
 import models
 from checkpoint import plain, safetensors_io
 from mesh import use_cpu_devices
-from mesh.errors import UserError
+from mesh.errors import UserError, check_writable
 from models import llama_hf
 from train import cli
 from train import config as run_config
@@ -126,6 +126,9 @@ def main(argv: list[str]) -> int:
     workdir, out = pathlib.Path(FLAGS.workdir).expanduser(), pathlib.Path(FLAGS.out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out={out} exists and is not empty; give a new directory")
+    check_writable("--out", str(out), "directory", parents=True)
+    if not FLAGS.max_shard_gb > 0:
+        raise ExportError(f"--max_shard_gb={FLAGS.max_shard_gb}: must be > 0 (the most GB one safetensors file holds)")
     codec = tok_lib.load_run_codec(workdir)  # a damaged tokenizer.json stops before the restore
     cfg, params, step = restore_params(workdir, FLAGS.step)
     _check_exportable(workdir, cfg)

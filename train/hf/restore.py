@@ -63,10 +63,21 @@ def open_tensors(spec: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     tensors: dict[str, np.ndarray] = {}
     for f in _weight_files(spec, path):
         try:
+            _check_complete(spec, f)
             tensors.update(safetensors_io.open_tensors(f))
         except safetensors_io.SafetensorsError as e:
             raise _fail(spec, str(e)) from None
     return hf, tensors
+
+
+def _check_complete(spec: str, f: pathlib.Path) -> None:
+    """A file cut short (an interrupted download or copy) holds fewer bytes than its header's tensors."""
+    start, header = safetensors_io.read_header(f)
+    end = start + max((int(info["data_offsets"][1]) for info in header.values()
+                       if isinstance(info, dict) and "data_offsets" in info), default=0)
+    size = f.stat().st_size
+    if size < end:
+        raise _fail(spec, f"{f} is truncated ({size:,} bytes, its header needs {end:,}); download or copy it again")
 
 
 def check(spec: str, trainer: Trainer, workdir: pathlib.Path | None = None) -> dict[str, np.ndarray]:

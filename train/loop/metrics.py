@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import sys
+import uuid
 from typing import Any
 
 import jax
+
+from train.runtime import extras
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -54,15 +58,28 @@ class TensorBoard:
 
 class WandB:
     """Weights & Biases: the same scalars, the resolved config, and the compile report as the summary.
-    WANDB_MODE=offline keeps it on disk (under $WANDB_DIR, else the workdir)."""
+    WANDB_MODE=offline keeps it on disk (under $WANDB_DIR, else the workdir). The run's id is kept in
+    `DIR/wandb_run_id`, so every phase, resume and requeue of the run continues the same W&B run."""
+
+    ID_FILE = "wandb_run_id"
 
     def __init__(self, workdir: pathlib.Path, config: dict[str, Any], summary: dict[str, Any]):
-        import os
-
-        import wandb  # imported late: only runs that ask for it pay for it
+        wandb = extras.load("wandb", "train.loggers=wandb")  # late: only runs that ask for it pay for it
+        run_id = self.run_id(workdir)
         self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "spmdtrain"), name=workdir.name,
-                               dir=os.environ.get("WANDB_DIR", str(workdir)), config=config)
+                               dir=os.environ.get("WANDB_DIR", str(workdir)), config=config, id=run_id,
+                               resume="allow")
         self._run.summary.update(json.loads(json.dumps(summary, default=str)))
+
+    @classmethod
+    def run_id(cls, workdir: pathlib.Path) -> str:
+        """The id the run in `workdir` logs to; a new one (written down before the run starts) the first time."""
+        path = workdir / cls.ID_FILE
+        if path.is_file() and path.read_text().strip():
+            return path.read_text().strip()
+        run_id = uuid.uuid4().hex[:16]  # W&B ids: letters and digits
+        path.write_text(run_id + "\n")
+        return run_id
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._run.log(values, step=step)

@@ -3,10 +3,12 @@ resume or initialize, then hand the loop to train/loop/scheduler.py (checkpoints
 logging, watchdog and goodput as periodic actions, ordered as train/loop/builtin.py documents)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import sys
 import time
 from typing import Any
@@ -16,6 +18,8 @@ import ml_collections
 import numpy as np
 
 import checkpoint
+from mesh.errors import UserError
+from train import phases
 from train.config import ConfigError, Plan
 from train.data import loader as data_lib
 from train.loop import actions as actions_lib
@@ -30,8 +34,9 @@ from train.loop.watchdog import Watchdog
 from train.planner import audit as audit_lib
 from train.planner import auto as planner_auto
 from train.planner import compile_report as report_lib
-from train.runtime import hardware, versions, xla_env
+from train.runtime import extras, hardware, versions, xla_env
 from train.runtime.hardware import GiB
+from train.runtime.lock import WorkdirLock
 from train.trainer import Trainer
 
 
@@ -64,6 +69,7 @@ class Options:
     compile_only: bool = False
     peak_tflops: float = 0.0
     audit: dict[str, Any] | None = None  # {topology, hosts, mfu}
+    config_file: str = ""  # the experiment file, recorded in config.json
 
 
 @dataclasses.dataclass
@@ -76,14 +82,13 @@ class Compiled:
     info: dict[str, Any]  # config.json's content: what the loggers record as the run's config
 
 
-def run(config: ml_collections.ConfigDict, workdir: str, *, compile_only: bool = False,
-        peak_tflops: float = 0.0, audit: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Train (or with `compile_only` just compile and report); `audit` = {topology, hosts, mfu} adds
-    the communication audit to the report and prints it."""
-    options = Options(compile_only, peak_tflops, audit)
+def run(config: ml_collections.ConfigDict, workdir: str, **options: Any) -> dict[str, Any]:
+    """Train; `options` are Options' fields: with `compile_only` just compile and report; `audit` = {topology,
+    hosts, mfu} adds the communication audit to the report and prints it; `config_file` goes into config.json."""
+    chosen = Options(**options)
     # From the start (compilation and restore included), SIGTERM or Ctrl-C means: save, exit 75.
-    with preemption.StopSignals(enabled=not compile_only) as signals:
-        return _run(config, workdir, signals, options)
+    with preemption.StopSignals(enabled=not chosen.compile_only) as signals:
+        return _run(config, workdir, signals, chosen)
 
 
 def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.StopSignals,
@@ -92,22 +97,63 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
     # builds exactly the layout of the config it is given.
     config = planner_auto.apply(config, jax.device_count())
     actions_lib.check_names(config.train)
+    if "wandb" in actions_lib.names(config.train.loggers):
+        extras.check("wandb", "train.loggers=wandb")
     trainer = Trainer.build(config)  # every user error is raised here, before the workdir is touched
-    path = prepare_workdir(workdir)  # only creates the directory; nothing in it is touched yet
-    if not options.compile_only:
-        resume.check_before_compile(trainer, path)  # checkpoint compatibility: nothing moved yet
-    goodput = Goodput(path, enabled=jax.process_index() == 0)
-    run = _compile(trainer, path, goodput, options)
-    if options.compile_only:
-        mem = run.rep["memory_per_device"]
-        say(f"compiled in {run.rep['compile_seconds']:.1f}s: peak {mem['peak_bytes'] / GiB:.3f} GiB/device, "
-            f"{len(run.rep['collectives'])} distinct collectives; wrote {path / 'compile_report.json'}")
-        return {"compile_report": run.rep}
-    return train(run, path, goodput, signals)
+    with claimed(workdir) as path:  # created if needed and locked; nothing in it is touched yet
+        changed = {}
+        if not options.compile_only:
+            resume.check_before_compile(trainer, path)  # checkpoint compatibility: nothing moved yet
+            changed = _phase_changes(trainer, path)
+        goodput = Goodput(path, enabled=jax.process_index() == 0)
+        run = _compile(trainer, path, goodput, options, changed)
+        if options.compile_only:
+            mem = run.rep["memory_per_device"]
+            say(f"compiled in {run.rep['compile_seconds']:.1f}s: peak {mem['peak_bytes'] / GiB:.3f} GiB/device, "
+                f"{len(run.rep['collectives'])} distinct collectives; wrote {path / 'compile_report.json'}")
+            return {"compile_report": run.rep}
+        return train(run, path, goodput, signals)
 
 
-def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Options) -> Compiled:
-    """Compile (with the memory check and the audit), then write compile_report.json and config.json."""
+@contextlib.contextmanager
+def claimed(workdir: str):
+    """The workdir, created if needed, held by this run (process 0 takes the lock for every process) until it
+    ends. A start that fails on a user error (a setting, a damaged restore_from checkpoint found while restoring)
+    in a directory it created removes it, unless it trained there (a checkpoint or a logged step): no empty or
+    half-made run stays."""
+    created = not pathlib.Path(workdir).expanduser().exists()
+    path = prepare_workdir(workdir)
+    lock = WorkdirLock(path, jax.process_count())
+    try:
+        if jax.process_index() == 0:
+            lock.acquire(say)
+        yield path
+    except UserError:
+        lock.release()
+        saved = (path / "checkpoints").is_dir() and any(p.name.isdigit() for p in (path / "checkpoints").iterdir())
+        logged = (path / "metrics.jsonl").is_file() and (path / "metrics.jsonl").stat().st_size > 0
+        if created and not saved and not logged and jax.process_index() == 0:
+            shutil.rmtree(path, ignore_errors=True)  # everything in it was written by this start
+        raise
+    finally:
+        lock.release()
+
+
+def _phase_changes(trainer: Trainer, path: pathlib.Path) -> dict[str, list[Any]]:
+    """The settings this phase changes in the run in `path` (printed; refused unless allowed), {} for a new run."""
+    saved = phases.read(path)
+    if saved is None:
+        return {}
+    changed = phases.changes(saved["config"], trainer.config.to_dict(), path)
+    if changed:
+        say("this phase changes " + "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items()))
+    return changed
+
+
+def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Options,
+             changed: dict[str, list[Any]]) -> Compiled:
+    """Compile (with the memory check and the audit), then write compile_report.json and config.json (with
+    the history of the run's phases: `changed` is this one's)."""
     plan, is_main = trainer.plan, jax.process_index() == 0
     t0 = time.perf_counter()
     audit = options.audit
@@ -129,7 +175,8 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
                 "mesh": rep["mesh"], "versions": versions.environment(),
                 "runtime_defaults": dict(xla_env.APPLIED)}  # GPU XLA flags / memory fraction set for the user
     if is_main and not options.compile_only:  # a what-if compile leaves the run's own config.json alone
-        (path / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
+        record = phases.with_history(resolved, phases.read(path), changed, options.config_file)
+        (path / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
         data_lib.copy_tokenizer(plan.data, path)
     return Compiled(trainer, compiled, rep, options.peak_tflops, resolved)
 

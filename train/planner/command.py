@@ -12,6 +12,7 @@ from absl import app, flags
 import models
 from checkpoint import cadence
 from mesh import topology as topology_lib
+from mesh.errors import check_writable
 from train import cli
 from train.loop import exit_codes
 from train.planner import calibrate, report, search
@@ -36,6 +37,10 @@ HOST_COPY_GBPS = 1.5
 
 
 def _plan(config) -> int:
+    if _HOSTS.value < 1:
+        raise search.PlanError(f"--hosts={_HOSTS.value}: must be >= 1")
+    if _JSON.value:
+        check_writable("--json", _JSON.value)  # before the search, not after it
     topo = topology_lib.get_topology(_TOPOLOGY.value, hosts=_HOSTS.value)
     if _DPH.value:
         topo = dataclasses.replace(topo, devices_per_host=_DPH.value)

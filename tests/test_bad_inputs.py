@@ -1,0 +1,152 @@
+"""Every bad input of the user's path is one `error:` line naming it, exit status 2, before any expensive work,
+and nothing is written (a failed start leaves no workdir behind). One table; every command line runs in a forked
+child of one warm interpreter (tests/forked.py), so the table costs one interpreter start."""
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from checkpoint import safetensors_io
+from tests.forked import run_many
+from tests.helpers import ROOT, tiny_config
+from train.data import prepare
+from train.loop import exit_codes
+from train.runtime.lock import WorkdirLock
+
+TINY = ["--config=experiments/tiny.py", "--config.mesh.data=8"]
+
+
+def _datadirs(tmp):
+    """A good DATADIR and three damaged copies: a train.bin of an odd size, one shorter than meta.json says, and
+    a tokenizer.json that is not one."""
+    good = tmp / "data"
+    prepare.prepare([str(ROOT / "train" / "data")], str(good), "bytes", val_percent=25)
+    bad = {name: tmp / name for name in ("odd", "short", "tokenizer")}
+    for path in bad.values():
+        shutil.copytree(good, path)
+    with open(bad["odd"] / "train.bin", "ab") as f:
+        f.write(b"\0")
+    size = (bad["short"] / "train.bin").stat().st_size
+    with open(bad["short"] / "train.bin", "r+b") as f:
+        f.truncate(size - 2)
+    (bad["tokenizer"] / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    return bad
+
+
+def _hf_truncated(tmp):
+    hf = tmp / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    safetensors_io.write(hf / "model.safetensors", {"w": np.zeros(4096, np.float32)})
+    with open(hf / "model.safetensors", "r+b") as f:
+        f.truncate(8000)
+    return hf
+
+
+def _run_without_step_99(tmp):
+    """A run directory with config.json (the tiny model on one device) and a (bare) checkpoint 3."""
+    run = tmp / "trained"
+    (run / "checkpoints" / "3" / "state").mkdir(parents=True)
+    (run / "checkpoints" / "3" / "_CHECKPOINT_METADATA").write_text("{}")
+    config = tiny_config()
+    (run / "config.json").write_text(json.dumps({"config": config.to_dict()}))
+    return run
+
+
+def _cases(tmp):
+    """{name: (module, args, the error line as a regex, paths that must not exist afterwards)}."""
+    bad, hf, trained = _datadirs(tmp), _hf_truncated(tmp), _run_without_step_99(tmp)
+    (tmp / "file").write_text("a file, so nothing can be created under it")
+    W, blocked, busy = tmp / "W", tmp / "file" / "sub", tmp / "busy"  # busy: held by the test process
+    tokens = [*TINY, "--config.data.source=tokens", f"--workdir={W}"]
+    t = re.escape
+    return {
+        "train.bin not whole tokens": ("train", [*tokens, f"--config.data.path={bad['odd']}"],
+                                       rf"data.path='{t(str(bad['odd']))}': {t(str(bad['odd']))}/train.bin has "
+                                       r"\d+ bytes, not a whole number of uint16 tokens; .*", [W]),
+        "train.bin shorter than meta.json": ("train", [*tokens, f"--config.data.path={bad['short']}"],
+                                             r"data.path=.*/train.bin holds [\d,]+ tokens but its meta.json says "
+                                             r"[\d,]+; the copy is incomplete or damaged: .*", [W]),
+        "damaged tokenizer.json": ("train", [*tokens, f"--config.data.path={bad['tokenizer']}"],
+                                   r"data.path=.*/tokenizer.json is not a Hugging Face tokenizer.json \(damaged\?\); "
+                                   r"run train.prepare again with --overwrite", [W]),
+        "truncated safetensors": ("train", ["--config=experiments/llama3_tiny.py", "--config.mesh.data=2",
+                                            f"--config.checkpoint.restore_from=hf:{hf}", f"--workdir={W}"],
+                                  r"checkpoint.restore_from='hf:.*': .*/model.safetensors is truncated \(8,000 bytes, "
+                                  r"its header needs [\d,]+\); download or copy it again", [W]),
+        "unwritable data.cache_dir": ("train", [*TINY, f"--config.data.cache_dir={blocked}", f"--workdir={W}"],
+                                      rf"data.cache_dir={t(str(blocked))}: cannot write there \(.*", [W]),
+        "schedule shorter than warmup": ("train", [*TINY, "--config.train.steps=2", f"--workdir={W}"],
+                                         t("train.steps=2 (the schedule's length while optimizer.decay_steps=0) is "
+                                           "not longer than optimizer.warmup_steps=2; raise train.steps or lower "
+                                           "optimizer.warmup_steps"), [W]),
+        "export_hf unwritable --out": ("train.export_hf", [f"--workdir={trained}", f"--out={blocked}"],
+                                       rf"--out={t(str(blocked))}: cannot write there .*", [blocked]),
+        "export_hf --max_shard_gb=-1": ("train.export_hf", [f"--workdir={trained}", f"--out={tmp / 'hf-out'}",
+                                                            "--max_shard_gb=-1"],
+                                        t("--max_shard_gb=-1.0: must be > 0 (the most GB one safetensors file "
+                                          "holds)"), [tmp / "hf-out"]),
+        "sample --top_k=-5": ("train.sample", [f"--workdir={trained}", "--top_k=-5"],
+                              t("--top_k=-5: must be >= 0 (0 keeps every token)"), []),
+        "sample --top_p=1.5": ("train.sample", [f"--workdir={trained}", "--top_p=1.5"],
+                               t("--top_p=1.5: must be in (0, 1] (1 keeps every token)"), []),
+        "sample --temperature=-1": ("train.sample", [f"--workdir={trained}", "--temperature=-1"],
+                                    t("--temperature=-1.0: must be >= 0 (0 is greedy)"), []),
+        "sample --step=99": ("train.sample", [f"--workdir={trained}", "--step=99", "--prompt=a",
+                                              "--num_cpu_devices=1", "--config.mesh.data=1"],
+                             rf"--step=99: {t(str(trained))} has no checkpoint of that step \(it has 3\); give one "
+                             r"of them, or no --step for the newest", []),
+        "a change a new phase cannot make": ("train", [f"--workdir={trained}", "--num_cpu_devices=1",
+                                                       "--config.optimizer.lr=0.01"],
+                                             t(f"optimizer.lr=0.01: the run in {trained} trains with "
+                                               f"optimizer.lr=0.003, and that cannot change between phases (steps, "
+                                               f"cadences, loggers, actions, data.path and the layout can); set it "
+                                               f"back, or use a new --workdir"), [trained / ".lock"]),
+        "plan --hosts=0": ("train.plan", ["--config=experiments/tiny.py", "--hosts=0"], t("--hosts=0: must be >= 1"),
+                           []),
+        "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],
+                                   rf"--json={t(str(blocked))}: cannot write there .*", [blocked]),
+        "launch on a workdir in use": ("train.launch", ["--", *TINY, f"--workdir={busy}"],
+                                       rf"--workdir={t(str(busy))} is in use by another run \(host \S+, pid "
+                                       rf"{os.getpid()}, started \S+, 1 process\(es\), heartbeat \d+s ago\); .*",
+                                       []),
+        "launch --num_processes=0": ("train.launch", ["--num_processes=0", "--", *TINY, f"--workdir={W}"],
+                                     t("--num_processes=0: must be >= 1"), [W]),
+        "launch --num_processes=-1": ("train.launch", ["--num_processes=-1", "--", *TINY, f"--workdir={W}"],
+                                      t("--num_processes=-1: must be >= 1"), [W]),
+        "bench --iters=0": ("mesh.bench", ["--iters=0"], t("--iters=0: must be >= 1"), []),
+        "bench --iters=abc": ("mesh.bench", ["--iters=abc"],
+                              t("--iters=abc: invalid literal for int() with base 10: 'abc'"), []),
+        "bench --collectives=foo": ("mesh.bench", ["--collectives=foo"],
+                                    r"--collectives=foo: unknown; use some of all_reduce, .*", []),
+        "bench --min_bytes=1": ("mesh.bench", ["--min_bytes=1"],
+                                t("--min_bytes=1 --max_bytes=1048576: need 4 <= min_bytes <= max_bytes"), []),
+        "bench unwritable --fit output": ("mesh.bench", ["--fit", f"--topology_out={blocked}/local.json"],
+                                          rf"--topology_out={t(str(blocked))}/local.json: cannot write there .*",
+                                          [blocked]),
+    }
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    cases = _cases(tmp)
+    (tmp / "busy").mkdir()
+    with WorkdirLock(tmp / "busy") as held:
+        held.acquire(print)
+        results = run_many([(module, args) for module, args, _, _ in cases.values()])
+    return {name: (case, result) for (name, case), result in zip(cases.items(), results)}
+
+
+def test_every_bad_input_is_one_line_exit_2_and_writes_nothing(outcomes):
+    failures = []
+    for name, ((_module, _args, pattern, absent), (status, _out, err)) in outcomes.items():
+        line = err.strip()
+        ok = status == exit_codes.USER_ERROR and re.fullmatch(f"error: {pattern}", line) is not None
+        left = [str(p) for p in absent if p.exists()]
+        if not ok or left:
+            failures.append(f"{name}: status {status}, stderr {err.strip()[-600:]!r}, left behind {left}")
+    assert not failures, "\n".join(failures)
