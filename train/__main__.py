@@ -1,6 +1,6 @@
 """`python -m train --config=experiments/<file>.py[:variant] --workdir=DIR [--config.train.steps=N ...]`; with
 an existing run in DIR and no --config, `python -m train --workdir=DIR [--config.train.steps=N ...]` continues it
-with the config it trained with (train/phases.py)."""
+with the config it trained with (train/loop/phases.py)."""
 from __future__ import annotations
 
 import os
@@ -11,8 +11,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from mesh import use_cpu_devices
-from train import cli, phases
-from train.loop import exit_codes
+from train import cli
+from train.loop import exit_codes, phases
 from train.loop import runner as loop
 from train.runtime import distributed, xla_env
 

@@ -19,11 +19,10 @@ import numpy as np
 
 import checkpoint
 from mesh.errors import UserError
-from train import phases
 from train.config import ConfigError, Plan
 from train.data import loader as data_lib
 from train.loop import actions as actions_lib
-from train.loop import exit_codes, preemption, resume
+from train.loop import exit_codes, phases, preemption, resume
 from train.loop.builtin import say
 from train.loop.goodput import Goodput
 from train.loop.info import Services
