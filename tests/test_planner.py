@@ -184,7 +184,9 @@ def test_plan_cli_and_bad_input(tmp_path):
     done = run_cli("--config=experiments/default.py", "--topology=dgx-a100", "--hosts=1", "--top=3",
                    f"--json={out}", "--mtbf_hours=1000", module="train.plan")
     assert done.returncode == 0, done.stderr[-2000:]
-    ranked = json.loads(out.read_text())
+    written = json.loads(out.read_text())
+    ranked = written["candidates"]
+    assert written["skipped"] == {"layers not divisible by pipeline=8": 1}  # the small model has 4 layers
     assert ranked[0]["fits"] and ranked[0]["step_time_s"] <= ranked[-1]["step_time_s"]
     assert set(ranked[0]) >= {"mesh", "schedule", "microbatches", "virtual_stages", "remat", "shard_opt_state",
                               "grad_accum_steps", "memory_bytes_per_device", "tflops_per_device", "mfu",

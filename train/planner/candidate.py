@@ -6,6 +6,8 @@ from typing import Any
 
 from mesh.layout import AXES
 
+REMATS = ("none", "save_dots", "full")  # model.remat's policies, from most memory to most recomputation
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
