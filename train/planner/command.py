@@ -8,6 +8,7 @@ import json
 import pathlib
 
 from absl import app, flags
+from ml_collections import config_flags
 
 import models
 from checkpoint import cadence
@@ -52,6 +53,9 @@ def _plan(config) -> int:
           f"{len(fitting)} fit" + (f"; meshes {search.skipped_text(skipped)}" if skipped else ""))
     print(report.table(ranked, _TOP.value))
     print(report.breakdown(fitting[0], fitting[1] if len(fitting) > 1 else None))
+    flag = flags.FLAGS[_CONFIG.name]
+    print(report.run_line(config_flags.get_config_filename(flag), config_flags.get_override_values(flag), fitting[0],
+                          bool(config.plan.auto)))
     if _MTBF.value:
         _cadence(config, fitting[0], topo)
     if _JSON.value:

@@ -2,7 +2,14 @@
 the runner-up, the flags that run it, and the checkpoint cadence."""
 from __future__ import annotations
 
+import shlex
+from typing import Any, Mapping
+
 from train.planner.candidate import Prediction
+
+# What the chosen layout sets (Candidate.overrides), so the user's own values for them are not repeated.
+LAYOUT_KEYS = ("mesh.", "pipeline.", "sharding.strategy", "sharding.shard_opt_state", "model.remat",
+               "train.grad_accum_steps", "plan.")
 
 
 def mesh_text(sizes: dict[str, int]) -> str:
@@ -25,6 +32,14 @@ def table(ranked: list[Prediction], top: int) -> str:
     return "\n".join(lines)
 
 
+def run_line(config_file: str, overrides: Mapping[str, Any], best: Prediction, auto: bool) -> str:
+    """`python -m train` with the user's --config file and own overrides (those the layout does not set), then
+    the chosen layout's (and plan.auto off if the file turns it on), shell-quoted, so the line runs as printed."""
+    own = [f"--config.{k}={v}" for k, v in overrides.items() if not k.startswith(LAYOUT_KEYS)]
+    words = ["python", "-m", "train", f"--config={config_file}", *own, *best.candidate.overrides()]
+    return "run it: " + " ".join(shlex.quote(w) for w in words + ["--config.plan.auto=False"] * auto)
+
+
 def breakdown(best: Prediction, runner_up: Prediction | None) -> str:
     m = best.memory
     lines = [f"best: {mesh_text(best.candidate.sizes)}, {knobs(best).replace(' | ', ', ')}",
@@ -44,5 +59,4 @@ def breakdown(best: Prediction, runner_up: Prediction | None) -> str:
                      f"{runner_up.step_time_s:.4g} s; the best saves most on {why} "
                      f"({-diffs[why]:.3g} s), memory {m['total'] / 1e9:,.1f} vs "
                      f"{runner_up.memory['total'] / 1e9:,.1f} GB")
-    lines.append("run it: python -m train --config=FILE " + " ".join(best.candidate.overrides()))
     return "\n".join(lines)
