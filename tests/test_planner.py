@@ -109,7 +109,7 @@ def test_bubble_is_the_schedule_tables():
         f = schedules.bubble_fraction(schedules.build(name, 4, m, v))
         assert timing.bubble_fraction(c) == f
         pred = search.evaluate(cfg, c, 64, topo, donated=True)
-        assert pred.bubble_s == pytest.approx(pred.compute_s * f / (1 - f))
+        assert pred.bubble_s == pytest.approx((pred.compute_s + pred.memory_bound_s) * f / (1 - f))
 
 
 def test_too_large_for_one_device_is_never_unsharded():
@@ -195,6 +195,7 @@ def test_plan_cli_run_it_line_trains_the_planned_layout(tmp_path):
     assert set(ranked[0]) >= {"mesh", "schedule", "microbatches", "virtual_stages", "remat", "shard_opt_state",
                               "grad_accum_steps", "memory_bytes_per_device", "tflops_per_device", "mfu",
                               "tokens_per_s", "breakdown"}
+    assert ranked[0]["breakdown"]["memory_bound_s"] > 0
     assert "best interval (Young/Daly)" in done.stdout
     line = next(l for l in done.stdout.splitlines() if l.startswith("run it: "))
     words = shlex.split(line[len("run it: "):])

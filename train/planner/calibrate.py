@@ -1,5 +1,6 @@
-"""`--calibrate=FILE`: a square-matmul sweep on this device gives the fraction of peak reached at each size,
-written with the chosen topology into a user topology file (never into the package's presets)."""
+"""`--calibrate=FILE`: a square-matmul sweep on this device gives the fraction of peak reached at each size, and a
+streaming element-wise op its memory bandwidth (`hbm_gbps`), written with the chosen topology into a user topology
+file (never into the package's presets)."""
 from __future__ import annotations
 
 import datetime
@@ -33,7 +34,10 @@ def write(topology: str, path: str, dtype: str) -> pathlib.Path:
             raise PlanError(f"--topology={topology}: no peak_tflops for {dtype}; add the datasheet figure first")
         peaks[dtype] = max(f for _, f in measured) / 1e12  # a CPU has no datasheet peak: its best matmul is it
     curve = [[float(n), round(f / (peaks[dtype] * 1e12), 4)] for n, f in measured]
-    topo = topology_lib.dataclasses.replace(topo, peak_tflops=peaks,
+    # One device streaming alone; virtual CPU devices share the machine's memory bus, so each gets its share.
+    shared = jax.local_device_count() if platform == "cpu" else 1
+    hbm = hardware.measure_memory_gbps(1 << (30 if platform != "cpu" else 28)) / shared
+    topo = topology_lib.dataclasses.replace(topo, peak_tflops=peaks, hbm_gbps=round(hbm, 2),
                                             matmul_efficiency={**topo.matmul_efficiency, dtype: curve})
     provenance = {"command": f"python -m train.plan --calibrate={path} --topology={topology}",
                   "device": jax.devices()[0].device_kind, "jax": jax.__version__,

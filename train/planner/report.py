@@ -40,10 +40,15 @@ def run_line(config_file: str, overrides: Mapping[str, Any], best: Prediction, a
     return "run it: " + " ".join(shlex.quote(w) for w in words + ["--config.plan.auto=False"] * auto)
 
 
+def _parts(by_part: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3g}" for k, v in by_part.items() if v) or "no hbm_gbps in the topology"
+
+
 def breakdown(best: Prediction, runner_up: Prediction | None) -> str:
     m = best.memory
     lines = [f"best: {mesh_text(best.candidate.sizes)}, {knobs(best).replace(' | ', ', ')}",
-             f"  time  {best.step_time_s:.4g} s = compute {best.compute_s:.4g} + exposed communication "
+             f"  time  {best.step_time_s:.4g} s = matmuls {best.compute_s:.4g} + memory-bound "
+             f"{best.memory_bound_s:.4g} ({_parts(best.memory_bound_by_part)}) + exposed communication "
              f"{best.communication_s:.4g} (of {best.communication_total_s:.4g}) + bubble {best.bubble_s:.4g}",
              "  memory " + ", ".join(f"{k} {v / 1e9:,.2f}" for k, v in m.items() if k != "total")
              + f" = {m['total'] / 1e9:,.2f} GB per device"]
@@ -51,7 +56,8 @@ def breakdown(best: Prediction, runner_up: Prediction | None) -> str:
         if s > 0:
             lines.append(f"  comm  {purpose}: {s:.4g} s (not overlapped)")
     if runner_up is not None:
-        diffs = {"compute": best.compute_s - runner_up.compute_s,
+        diffs = {"matmuls": best.compute_s - runner_up.compute_s,
+                 "memory-bound work": best.memory_bound_s - runner_up.memory_bound_s,
                  "exposed communication": best.communication_s - runner_up.communication_s,
                  "bubble": best.bubble_s - runner_up.bubble_s}
         why = min(diffs, key=diffs.get)

@@ -1,4 +1,5 @@
-"""What a device can do: peak FLOP/s (for MFU) and memory capacity (for the fits-in-memory check).
+"""What a device can do: peak FLOP/s (for MFU), memory bandwidth (for the planner's calibration) and memory capacity
+(for the fits-in-memory check).
 
 GPUs and TPUs: the datasheet table of mesh/chips.py, by device_kind. CPUs: a large matmul measured once
 and cached, since no datasheet describes a virtual device; virtual CPU devices share the machine, so each
@@ -36,6 +37,20 @@ def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype: str = "float32"
         f(x).block_until_ready()
         best = min(best, time.perf_counter() - t)
     return 2.0 * n ** 3 / best
+
+
+def measure_memory_gbps(nbytes: int = 1 << 28, repeats: int = 5) -> float:
+    """GB/s one device reads from its memory: a sum over a float32 array of `nbytes` (well past the caches), best
+    of `repeats`. A read, not a copy: a copy's fresh output buffer costs page faults on CPU, not bandwidth."""
+    x = jnp.ones((nbytes // 4,), jnp.float32, device=jax.devices()[0])
+    f = jax.jit(jnp.sum)
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
 
 
 def peak_flops_per_device(compute_dtype: str, override_tflops: float = 0.0) -> float:
