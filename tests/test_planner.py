@@ -205,7 +205,9 @@ def test_plan_cli_run_it_line_trains_the_planned_layout(tmp_path):
     trained = run_cli(*words[3:], f"--workdir={run}", "--config.train.steps=2", "--config.optimizer.warmup_steps=1")
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert json.loads((run / "compile_report.json").read_text())["mesh"] == ranked[0]["mesh"]
-    assert json.loads((run / "config.json").read_text())["config"]["model"]["preset"] == "llama3-tiny"
+    written = json.loads((run / "config.json").read_text())
+    assert written["config"]["model"]["preset"] == "llama3-tiny"
+    assert written["peak"]["flops_per_device"] > 0 and written["peak"]["source"].startswith("measured")  # for MFU
     bad = run_cli("--config=experiments/default.py", "--topology=nvl72", module="train.plan")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--topology=nvl72" in bad.stderr
 
