@@ -32,10 +32,12 @@ def write(topology: str, path: str, dtype: str) -> pathlib.Path:
     if dtype not in peaks:
         if platform != "cpu":
             raise PlanError(f"--topology={topology}: no peak_tflops for {dtype}; add the datasheet figure first")
-        # A CPU has no datasheet peak: the one measured peak MFU uses too (raised if this sweep beats it), as each
-        # virtual device's share; the efficiency curve is a fraction of the whole machine's.
+        # A CPU has no datasheet peak: the one measured peak MFU uses too (raised if this sweep's sizes the peak is
+        # measured at beat it; smaller matmuls take too few microseconds to time), as each virtual device's share;
+        # the efficiency curve is a fraction of the whole machine's.
         machine = jax.local_device_count()
-        peaks[dtype] = cpu_peak.per_device(max(f for _, f in measured) / machine) / 1e12
+        best = max(f for n, f in measured if n >= min(cpu_peak.SIZES))
+        peaks[dtype] = cpu_peak.per_device(best / machine) / 1e12
     curve = [[float(n), round(f / (peaks[dtype] * 1e12 * machine), 4)] for n, f in measured]
     # One device streaming alone; virtual CPU devices share the machine's memory bus, so each gets its share.
     hbm = probes.measure_memory_gbps(1 << (30 if platform != "cpu" else 28))

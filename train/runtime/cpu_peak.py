@@ -19,7 +19,7 @@ REPEATS = 5
 
 def cache_file() -> pathlib.Path:
     root = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "spmdtrain"
-    return root / "cpu_peak.json"
+    return root / "cpu_peak_measured.json"  # not cpu_peak.json, whose entries older versions read as bare numbers
 
 
 def measure() -> float:
