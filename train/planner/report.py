@@ -54,7 +54,7 @@ def breakdown(best: Prediction, runner_up: Prediction | None) -> str:
              + f" = {m['total'] / 1e9:,.2f} GB per device"]
     for purpose, s in sorted(best.comm_by_purpose.items(), key=lambda x: -x[1]):
         if s > 0:
-            lines.append(f"  comm  {purpose}: {s:.4g} s (not overlapped)")
+            lines.append(f"  comm  {purpose}: {s:.4g} s (before overlap)")
     if runner_up is not None:
         diffs = {"matmuls": best.compute_s - runner_up.compute_s,
                  "memory-bound work": best.memory_bound_s - runner_up.memory_bound_s,
