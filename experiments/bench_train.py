@@ -95,7 +95,7 @@ def framework_row(config, num_devices: int | None, peak_per_device: float) -> di
     rep = report.build(trainer.plan, trainer.mesh, compiled)
     devices = num_devices or jax.device_count()
     return {"step_time_s": seconds, "tokens_per_s": rep["tokens_per_step"] / seconds,
-            "mfu": rep["flops_per_step"] / seconds / (peak_per_device * devices),
+            "mfu": hardware.mfu(rep["flops_per_step"], seconds, peak_per_device * devices, hardware.peak_is_measured()),
             "temp_bytes": rep["memory_per_device"]["temp_bytes"]}
 
 

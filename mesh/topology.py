@@ -70,8 +70,9 @@ class Topology:
     `axes` optionally holds per-mesh-axis levels fitted by `python -m mesh.bench --fit`; they override
     the generic levels for collectives over exactly that axis. What planning needs besides the links:
     `device_memory_gb` per device (GB = 1e9 bytes), dense `peak_tflops` per dtype name, `storage_gbps`
-    (one host's checkpoint write bandwidth, GB/s), and `matmul_efficiency` {dtype: [[dim, fraction of
-    peak], ...]} measured by `python -m train.plan --calibrate` (0 / empty = unknown).
+    (one host's checkpoint write bandwidth, GB/s), `matmul_efficiency` {dtype: [[dim, fraction of
+    peak], ...]} and `hbm_gbps` (one device's memory bandwidth, GB/s: a datasheet's, or measured by
+    `python -m train.plan --calibrate`) (0 / empty = unknown).
     """
     name: str
     hosts: int
@@ -83,6 +84,7 @@ class Topology:
     peak_tflops: Mapping[str, float] = dataclasses.field(default_factory=dict)
     storage_gbps: float = 0.0
     matmul_efficiency: Mapping[str, list] = dataclasses.field(default_factory=dict)
+    hbm_gbps: float = 0.0
 
     def __post_init__(self):
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -90,9 +92,10 @@ class Topology:
         if self.intra.dims and math.prod(self.intra.dims) != self.devices_per_host:
             raise TopologyError(f"topology {self.name}: intra dims {self.intra.dims} must multiply to "
                                 f"devices_per_host={self.devices_per_host}")
-        if self.device_memory_gb < 0 or self.storage_gbps < 0 or any(v <= 0 for v in self.peak_tflops.values()):
-            raise TopologyError(f"topology {self.name}: device_memory_gb and storage_gbps must be >= 0 and every "
-                                f"peak_tflops value > 0")
+        if min(self.device_memory_gb, self.storage_gbps, self.hbm_gbps) < 0 or \
+                any(v <= 0 for v in self.peak_tflops.values()):
+            raise TopologyError(f"topology {self.name}: device_memory_gb, storage_gbps and hbm_gbps must be >= 0 "
+                                f"and every peak_tflops value > 0")
 
     @property
     def num_devices(self) -> int:
@@ -123,8 +126,8 @@ IB_HDR = Level("infiniband-hdr", "fat_tree",
                links=8)
 
 
-# Dense (no sparsity) peak TFLOP/s per dtype: mesh/chips.py, the project's one datasheet table; memory per
-# device: NVIDIA H100 SXM5 80 GB, A100 SXM4 80 GB and 40 GB datasheets. Storage: each DGX has two
+# Dense (no sparsity) peak TFLOP/s per dtype and memory bandwidth: mesh/chips.py, the project's one datasheet
+# table; memory per device: NVIDIA H100 SXM5 80 GB, A100 SXM4 80 GB and 40 GB datasheets. Storage: each DGX has two
 # storage/in-band network ports (DGX H100 datasheet: 2x dual-port ConnectX-7, 400 Gb/s; DGX A100 datasheet:
 # 2x dual-port ConnectX-6, 200 Gb/s), one port of each card counted: 100 GB/s and 50 GB/s per host, an upper
 # bound that a storage system may not sustain.
@@ -133,14 +136,16 @@ def _peaks(device_kind: str) -> dict[str, float]:
     return {dtype: chip.peak_tflops(dtype) for dtype in ("bfloat16", "float16", "float32")}
 
 
-H100_PEAK = _peaks("NVIDIA H100 80GB HBM3")
-A100_PEAK = _peaks("NVIDIA A100-SXM4-80GB")
+H100 = "NVIDIA H100 80GB HBM3"
+A100 = "NVIDIA A100-SXM4-80GB"
+A100_40GB = "NVIDIA A100-SXM4-40GB"
 
 
-def _dgx(name: str, nvlink: Level, ib: Level, hosts: int, memory_gb: float, peak: Mapping[str, float],
+def _dgx(name: str, nvlink: Level, ib: Level, hosts: int, memory_gb: float, device_kind: str,
          storage_gbps: float) -> Topology:
     return Topology(name, hosts, 8, nvlink, ib,  # 8 GPUs per DGX node (both datasheets)
-                    device_memory_gb=memory_gb, peak_tflops=dict(peak), storage_gbps=storage_gbps)
+                    device_memory_gb=memory_gb, peak_tflops=_peaks(device_kind), storage_gbps=storage_gbps,
+                    hbm_gbps=chips.memory_gbps(device_kind))
 
 
 def _tpu_v5p(hosts: int) -> Topology:
@@ -154,7 +159,8 @@ def _tpu_v5p(hosts: int) -> Topology:
                 latency_us=10.0,       # assumed: data-center network round trip, not on the datasheet
                 links=64)              # one DCN share per chip of the 64-chip slice
     # same page: 95 GB HBM and 459 bf16 TFLOP/s per chip; storage bandwidth is not on it (0 = unknown)
-    return Topology("tpu-v5p", hosts, 64, ici, dcn, device_memory_gb=95.0, peak_tflops=_peaks("TPU v5p"))
+    return Topology("tpu-v5p", hosts, 64, ici, dcn, device_memory_gb=95.0, peak_tflops=_peaks("TPU v5p"),
+                    hbm_gbps=chips.memory_gbps("TPU v5p"))
 
 
 def _tpu_v5e(hosts: int) -> Topology:
@@ -167,13 +173,14 @@ def _tpu_v5e(hosts: int) -> Topology:
                 latency_us=10.0,       # assumed: not on the datasheet
                 links=64)              # 32 hosts per pod x 2 NICs
     # same page: 16 GB HBM and 197 bf16 TFLOP/s per chip
-    return Topology("tpu-v5e", hosts, 256, ici, dcn, device_memory_gb=16.0, peak_tflops=_peaks("TPU v5 lite"))
+    return Topology("tpu-v5e", hosts, 256, ici, dcn, device_memory_gb=16.0, peak_tflops=_peaks("TPU v5 lite"),
+                    hbm_gbps=chips.memory_gbps("TPU v5 lite"))
 
 
 PRESETS = {
-    "dgx-h100": lambda hosts: _dgx("dgx-h100", NVLINK4, IB_NDR, hosts, 80.0, H100_PEAK, 100.0),
-    "dgx-a100": lambda hosts: _dgx("dgx-a100", NVLINK3, IB_HDR, hosts, 80.0, A100_PEAK, 50.0),
-    "dgx-a100-40gb": lambda hosts: _dgx("dgx-a100-40gb", NVLINK3, IB_HDR, hosts, 40.0, A100_PEAK, 50.0),
+    "dgx-h100": lambda hosts: _dgx("dgx-h100", NVLINK4, IB_NDR, hosts, 80.0, H100, 100.0),
+    "dgx-a100": lambda hosts: _dgx("dgx-a100", NVLINK3, IB_HDR, hosts, 80.0, A100, 50.0),
+    "dgx-a100-40gb": lambda hosts: _dgx("dgx-a100-40gb", NVLINK3, IB_HDR, hosts, 40.0, A100_40GB, 50.0),
     "tpu-v5p": _tpu_v5p,
     "tpu-v5e": _tpu_v5e,
     "local": None,  # read from local_file(), written by `python -m mesh.bench --fit`
@@ -220,11 +227,11 @@ def topology_from_dict(d: Mapping, source: str = "topology") -> Topology:
     try:
         planning = dict(device_memory_gb=float(d.get("device_memory_gb", 0.0)),
                         peak_tflops={str(k): float(v) for k, v in d.get("peak_tflops", {}).items()},
-                        storage_gbps=float(d.get("storage_gbps", 0.0)),
+                        storage_gbps=float(d.get("storage_gbps", 0.0)), hbm_gbps=float(d.get("hbm_gbps", 0.0)),
                         matmul_efficiency={str(k): [[float(x), float(e)] for x, e in v]
                                            for k, v in d.get("matmul_efficiency", {}).items()})
     except (TypeError, ValueError, AttributeError):
-        raise TopologyError(f"{source}: device_memory_gb and storage_gbps must be numbers, peak_tflops "
+        raise TopologyError(f"{source}: device_memory_gb, storage_gbps and hbm_gbps must be numbers, peak_tflops "
                             f"{{dtype: TFLOP/s}} and matmul_efficiency {{dtype: [[dim, fraction], ...]}}") from None
     return Topology(name=str(d.get("name", pathlib.Path(source).stem)), hosts=int(d["hosts"]),
                     devices_per_host=int(d["devices_per_host"]), intra=level("intra", d["intra"]),

@@ -48,3 +48,13 @@ def test_benchmarks_take_the_dtype_of_the_resolved_model():
     assert config.model.compute_dtype is None and hardware.compute_dtype(config) == "bfloat16"
     config.model.compute_dtype = "float32"  # an explicit override wins (float16 is refused: no loss scaling)
     assert hardware.compute_dtype(config) == "float32"
+
+
+@pytest.mark.parametrize("kind, gbps", [
+    ("NVIDIA A100-SXM4-80GB", 2039.0), ("NVIDIA A100-SXM4-40GB", 1555.0), ("NVIDIA A100-PCIE-40GB", 1555.0),
+    ("NVIDIA A100 80GB PCIe", 1935.0), ("NVIDIA H100 80GB HBM3", 3350.0), ("NVIDIA H100 PCIe", 2000.0),
+    ("NVIDIA H200", 4800.0), ("TPU v5 lite", 819.0), ("TPU v5p", 2765.0), ("TPU v4", 1200.0),
+])
+def test_device_kind_finds_its_datasheet_memory_bandwidth(kind, gbps):
+    assert chips.memory_gbps(kind) == gbps
+    assert chips.memory_gbps("cpu") is None

@@ -3,6 +3,7 @@ Young/Daly closed form checked by a simulated Poisson failure process."""
 import dataclasses
 import json
 import math
+import shlex
 
 import numpy as np
 import pytest
@@ -108,7 +109,7 @@ def test_bubble_is_the_schedule_tables():
         f = schedules.bubble_fraction(schedules.build(name, 4, m, v))
         assert timing.bubble_fraction(c) == f
         pred = search.evaluate(cfg, c, 64, topo, donated=True)
-        assert pred.bubble_s == pytest.approx(pred.compute_s * f / (1 - f))
+        assert pred.bubble_s == pytest.approx((pred.compute_s + pred.memory_bound_s) * f / (1 - f))
 
 
 def test_too_large_for_one_device_is_never_unsharded():
@@ -179,17 +180,34 @@ def test_simulated_poisson_failures_match_predicted_goodput():
     assert abs(simulated - cadence.expected_goodput(tau, C, M, R)) < 0.02
 
 
-def test_plan_cli_and_bad_input(tmp_path):
+def test_plan_cli_run_it_line_trains_the_planned_layout(tmp_path):
+    """The printed `run it:` line repeats the user's config file and overrides (here another model) and runs as
+    printed: parsed and run for 2 steps, it trains the planned layout of that model."""
     out = tmp_path / "plan.json"
-    done = run_cli("--config=experiments/default.py", "--topology=dgx-a100", "--hosts=1", "--top=3",
-                   f"--json={out}", "--mtbf_hours=1000", module="train.plan")
+    done = run_cli("--config=experiments/tiny.py", "--config.model.preset=llama3-tiny",
+                   "--config.data.source=synthetic", "--config.train.eval_every=0", "--topology=dgx-a100",
+                   "--hosts=1", "--top=3", f"--json={out}", "--mtbf_hours=1000", module="train.plan")
     assert done.returncode == 0, done.stderr[-2000:]
-    ranked = json.loads(out.read_text())
+    written = json.loads(out.read_text())
+    ranked = written["candidates"]
+    assert written["skipped"] == {"heads not divisible by tensor=8": 1}  # 4 kv heads
     assert ranked[0]["fits"] and ranked[0]["step_time_s"] <= ranked[-1]["step_time_s"]
     assert set(ranked[0]) >= {"mesh", "schedule", "microbatches", "virtual_stages", "remat", "shard_opt_state",
                               "grad_accum_steps", "memory_bytes_per_device", "tflops_per_device", "mfu",
                               "tokens_per_s", "breakdown"}
+    assert ranked[0]["breakdown"]["memory_bound_s"] > 0
     assert "best interval (Young/Daly)" in done.stdout
+    line = next(l for l in done.stdout.splitlines() if l.startswith("run it: "))
+    words = shlex.split(line[len("run it: "):])
+    assert words[:4] == ["python", "-m", "train", "--config=experiments/tiny.py"]
+    assert "--config.model.preset=llama3-tiny" in words
+    run = tmp_path / "run"
+    trained = run_cli(*words[3:], f"--workdir={run}", "--config.train.steps=2", "--config.optimizer.warmup_steps=1")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert json.loads((run / "compile_report.json").read_text())["mesh"] == ranked[0]["mesh"]
+    written = json.loads((run / "config.json").read_text())
+    assert written["config"]["model"]["preset"] == "llama3-tiny"
+    assert written["peak"]["flops_per_device"] > 0 and written["peak"]["source"].startswith("measured")  # for MFU
     bad = run_cli("--config=experiments/default.py", "--topology=nvl72", module="train.plan")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--topology=nvl72" in bad.stderr
 

@@ -16,6 +16,7 @@ from jax.experimental import multihost_utils
 from train.loop import exit_codes, faults
 from train.loop.info import Action as ActionProtocol
 from train.loop.info import Decision, Services, StepInfo, Update
+from train.runtime import hardware
 from train.trainer import Trainer
 
 
@@ -83,7 +84,7 @@ class MetricsLogging(Action):
         s, plan, step = self.s, self.s.plan, info.step
         recent = float(np.mean(info.recent_step_times))
         tps = s.rep["tokens_per_step"] / recent
-        mfu = s.rep["flops_per_step"] / recent / s.peak if s.peak else 0.0
+        mfu = hardware.mfu(s.rep["flops_per_step"], recent, s.peak, s.peak_measured)
         record = {"step": step, **info.values, "step_time_s": recent, "tokens_per_s": tps, "mfu": mfu,
                   **s.trainer.source.progress(step, plan.global_batch, plan.model.seq_len + 1)}
         if jax.process_count() > 1:  # every process logs at the same steps, so this gather cannot hang

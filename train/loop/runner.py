@@ -172,7 +172,8 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
         report_lib.write(rep, path)
     resolved = {"config": trainer.config.to_dict(), "model": vars(plan.model) | {"param_count": rep["param_count"]},
                 "mesh": rep["mesh"], "versions": versions.environment(),
-                "runtime_defaults": dict(xla_env.APPLIED)}  # GPU XLA flags / memory fraction set for the user
+                "runtime_defaults": dict(xla_env.APPLIED),  # GPU XLA flags / memory fraction set for the user
+                "peak": hardware.peak_record(plan.model.compute_dtype, options.peak_tflops)}  # what MFU divides by
     if is_main and not options.compile_only:  # a what-if compile leaves the run's own config.json alone
         record = phases.with_history(resolved, phases.read(path), changed, options.config_file)
         (path / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
@@ -198,9 +199,9 @@ def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preempti
     with Watchdog(plan.train.step_timeout_s, exit_codes.WATCHDOG,
                   before_exit=lambda: goodput.flush(exit_codes.WATCHDOG)) as dog:
         services = Services(trainer, run.compiled, path, log, saver, goodput, signals, preemption.Agreement(),
-                            dog, begin.rng, run.rep, peak)
+                            dog, begin.rng, run.rep, peak, hardware.peak_is_measured(run.peak_tflops))
         outcome = _supervised(Scheduler(services, begin, actions_lib.build(plan.train.actions, trainer.config)))
-    summary = _summary(outcome, run.rep, path, peak)
+    summary = _summary(outcome, run.rep, path, services)
     say(f"done: loss {summary['final_loss']:.4f}, eval loss {summary['eval_loss']:.4f}, "
         f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}%; {goodput.line()}; outputs in "
         f"{path} (metrics.jsonl, goodput.json, checkpoints/, compile_report.json, config.json, tensorboard/)")
@@ -258,10 +259,10 @@ def _supervised(scheduler: Scheduler) -> Outcome:
         goodput.flush(status)
 
 
-def _summary(outcome: Outcome, rep: dict[str, Any], path: pathlib.Path, peak: float) -> dict[str, Any]:
+def _summary(outcome: Outcome, rep: dict[str, Any], path: pathlib.Path, s: Services) -> dict[str, Any]:
     steady = outcome.step_times[1:] or outcome.step_times  # the first step's time includes warm-up
     step_time = float(np.mean(steady)) if steady else float("nan")
     eval_loss = outcome.eval_loss if outcome.eval_loss is not None else float("nan")
     return {"final_loss": outcome.loss, "eval_loss": eval_loss,
             "step_time_s": step_time, "tokens_per_s": rep["tokens_per_step"] / step_time,
-            "mfu": rep["flops_per_step"] / step_time / peak if peak else 0.0, "workdir": str(path)}
+            "mfu": hardware.mfu(rep["flops_per_step"], step_time, s.peak, s.peak_measured), "workdir": str(path)}

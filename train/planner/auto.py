@@ -9,6 +9,7 @@ import jax
 import ml_collections
 
 import models
+from mesh import chips
 from mesh import topology as topology_lib
 from train.planner import report, search
 from train.planner.candidate import Prediction
@@ -25,8 +26,9 @@ def devices_topology(config: ml_collections.ConfigDict, num_devices: int, dtype:
     peak = dict(topo.peak_tflops)
     peak.setdefault(dtype, hardware.peak_flops_per_device(dtype) / 1e12)
     intra = topo.intra if not topo.intra.dims else dataclasses.replace(topo.intra, dims=())
+    hbm = topo.hbm_gbps or chips.memory_gbps(jax.devices()[0].device_kind) or 0.0  # a CPU's: from --calibrate
     return dataclasses.replace(topo, hosts=hosts, devices_per_host=num_devices // hosts, intra=intra,
-                               device_memory_gb=memory / 1e9, peak_tflops=peak)
+                               device_memory_gb=memory / 1e9, peak_tflops=peak, hbm_gbps=hbm)
 
 
 def choose(config: ml_collections.ConfigDict, num_devices: int) -> list[Prediction]:

@@ -6,6 +6,8 @@ from typing import Any
 
 from mesh.layout import AXES
 
+REMATS = ("none", "save_dots", "full")  # model.remat's policies, from most memory to most recomputation
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -42,7 +44,8 @@ class Prediction:
     candidate: Candidate
     memory: dict[str, float]            # bytes per device by part, and "total"
     fits: bool
-    compute_s: float
+    compute_s: float                    # matmuls (and attention's batched matmuls) at the matmul efficiency
+    memory_bound_s: float               # work bound by the device's memory bandwidth
     communication_s: float              # exposed (after overlap)
     communication_total_s: float        # every collective, none overlapped
     bubble_s: float
@@ -51,6 +54,7 @@ class Prediction:
     mfu: float
     tokens_per_s: float
     comm_by_purpose: dict[str, float] = dataclasses.field(default_factory=dict)
+    memory_bound_by_part: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         c = self.candidate
@@ -59,7 +63,9 @@ class Prediction:
                 "grad_accum_steps": c.grad_accum_steps, "memory_bytes_per_device": int(self.memory["total"]),
                 "fits": self.fits, "step_time_s": self.step_time_s, "tflops_per_device": self.tflops_per_device,
                 "mfu": self.mfu, "tokens_per_s": self.tokens_per_s,
-                "breakdown": {"compute_s": self.compute_s, "communication_s": self.communication_s,
+                "breakdown": {"compute_s": self.compute_s, "memory_bound_s": self.memory_bound_s,
+                              "memory_bound_by_part_s": self.memory_bound_by_part,
+                              "communication_s": self.communication_s,
                               "communication_total_s": self.communication_total_s, "bubble_s": self.bubble_s,
                               **{f"{k}_bytes": int(v) for k, v in self.memory.items() if k != "total"},
                               "communication_by_purpose_s": self.comm_by_purpose},

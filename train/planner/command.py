@@ -8,6 +8,7 @@ import json
 import pathlib
 
 from absl import app, flags
+from ml_collections import config_flags
 
 import models
 from checkpoint import cadence
@@ -49,20 +50,24 @@ def _plan(config) -> int:
     cfg = models.from_dict(config.model.to_dict())
     batch = int(config.train.global_batch_size)
     fixed = search.parse_fixed(config.plan.fixed, topo.num_devices)
-    ranked = search.search(cfg, batch, topo, fixed, donated=_DONATED.value)
+    ranked, skipped = search.explore(cfg, batch, topo, fixed, donated=_DONATED.value)
     search.check_fits(ranked, topo)
     fitting = [p for p in ranked if p.fits]
     print(f"{models.param_count(cfg) / 1e9:,.2f}B parameters, global batch {batch} x {cfg.seq_len} tokens, on "
           f"{topo.num_devices} devices of {topo.name} ({topo.hosts} hosts); {len(ranked)} candidates, "
-          f"{len(fitting)} fit")
+          f"{len(fitting)} fit" + (f"; meshes {search.skipped_text(skipped)}" if skipped else ""))
     print(report.table(ranked, _TOP.value))
     print(report.breakdown(fitting[0], fitting[1] if len(fitting) > 1 else None))
+    flag = flags.FLAGS[_CONFIG.name]
+    print(report.run_line(config_flags.get_config_filename(flag), config_flags.get_override_values(flag), fitting[0],
+                          bool(config.plan.auto)))
     if _MTBF.value:
         _cadence(config, fitting[0], topo)
     if _JSON.value:
         path = pathlib.Path(_JSON.value)
         try:
-            path.write_text(json.dumps([p.as_json() for p in fitting[:max(_TOP.value, 1)]], indent=2) + "\n")
+            path.write_text(json.dumps({"candidates": [p.as_json() for p in fitting[:max(_TOP.value, 1)]],
+                                        "skipped": dict(skipped.most_common())}, indent=2) + "\n")
         except OSError as e:
             raise search.PlanError(f"--json={path}: cannot write there ({e.strerror}); "
                                    "choose a writable file") from None

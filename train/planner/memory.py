@@ -25,7 +25,7 @@ STRATEGY = "fsdp_tensor"  # every axis size is a choice of the planner; size-1 a
 
 
 @functools.lru_cache(maxsize=64)
-def _abstract(cfg: models.ModelConfig):
+def abstract_params(cfg: models.ModelConfig):
     return models.abstract_params(dataclasses.replace(cfg, remat="none"))
 
 
@@ -34,7 +34,7 @@ def layout_specs(cfg: models.ModelConfig, mesh: tuple[tuple[str, int], ...]):
     """(abstract params, their PartitionSpecs, rules) of `cfg` on `mesh`; raises ShardingConfigError if a
     weight does not divide."""
     sizes = dict(mesh)
-    abstract, logical = _abstract(dataclasses.replace(cfg, remat="none"))
+    abstract, logical = abstract_params(dataclasses.replace(cfg, remat="none"))
     rules = sharding_rules.resolve(STRATEGY, {}, sizes)
     return abstract, sharding_specs.param_specs(abstract, logical, rules, sizes), rules
 
@@ -73,9 +73,10 @@ def per_token_layer_bytes(cfg: models.ModelConfig, remat: str, tensor: int) -> f
 
 
 def rows_per_device(c: Candidate, global_batch: int) -> float:
-    """Rows of one microbatch on one device (the batch splits over data x fsdp, accumulation and microbatches)."""
+    """Rows of one microbatch on one device (the batch splits over data x fsdp x expert, accumulation and
+    microbatches)."""
     sizes = c.sizes
-    return global_batch / (sizes["data"] * sizes["fsdp"] * c.grad_accum_steps * c.microbatches)
+    return global_batch / (sizes["data"] * sizes["fsdp"] * sizes["expert"] * c.grad_accum_steps * c.microbatches)
 
 
 def predict(cfg: models.ModelConfig, c: Candidate, global_batch: int, donated: bool) -> dict[str, float]:
@@ -86,8 +87,8 @@ def predict(cfg: models.ModelConfig, c: Candidate, global_batch: int, donated: b
     params, moments = state_bytes(cfg, c.mesh, c.shard_opt_state)
     grads = params * (2 if c.grad_accum_steps > 1 else 1)  # the accumulator and one slice's gradients
     outputs = 0.0 if donated else params + moments
-    batch = global_batch / (sizes["data"] * sizes["fsdp"]) * (cfg.seq_len + 1) * 4  # int32 tokens
-    tokens = rows_per_device(c, global_batch) * cfg.seq_len
+    batch = global_batch / (sizes["data"] * sizes["fsdp"] * sizes["expert"]) * (cfg.seq_len + 1) * 4  # int32 tokens
+    tokens = rows_per_device(c, global_batch) * cfg.seq_len / sizes["context"]  # context splits every row
     layer = per_token_layer_bytes(cfg, c.remat, t) * tokens
     working = per_token_layer_bytes(cfg, "none", t) * tokens  # one layer recomputed in the backward
     b = jnp.dtype(cfg.compute_dtype).itemsize

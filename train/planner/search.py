@@ -3,96 +3,64 @@ stages, remat, optimizer-state sharding, gradient accumulation), predict each, r
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Iterator, Mapping
+from collections import Counter
+from typing import Any, Iterator, Mapping
 
 import models
 from mesh import topology as topology_lib
 from mesh.layout import AXES
-from train.config import ConfigError
-from train.planner import memory, timing
-from train.planner.candidate import Candidate, Prediction, mesh_of
+from train.planner import feasible, memory, timing
+from train.planner import fixed as fixed_lib
+from train.planner.candidate import REMATS, Candidate, Prediction, mesh_of
+from train.planner.fixed import PlanError
 
-REMATS = ("none", "save_dots", "full")
 # Usable share of a device's memory: the rest is left for the CUDA/XLA runtime, NCCL buffers and
 # fragmentation. An assumption, not a measurement.
 USABLE_MEMORY = 0.9
-UNSEARCHED = ("expert", "context")
-
-
-class PlanError(ConfigError):
-    """A planning request the user can fix; one line naming the setting."""
-
-
-def parse_fixed(text: str, num_devices: int) -> dict[str, int]:
-    """`tensor:8,pipeline:4` (the mesh.bench syntax) -> {axis: size}, checked against the devices."""
-    fixed: dict[str, int] = {}
-    for item in filter(None, (x.strip() for x in str(text or "").split(","))):
-        axis, _, size = item.partition(":")
-        if axis not in AXES:
-            raise PlanError(f"plan.fixed={text!r}: {axis!r} is not a mesh axis; use {', '.join(AXES)}")
-        try:
-            fixed[axis] = int(size)
-        except ValueError:
-            raise PlanError(f"plan.fixed={text!r}: use AXIS:SIZE pairs, e.g. tensor:8,pipeline:4") from None
-        if fixed[axis] < 1 or num_devices % fixed[axis]:
-            raise PlanError(f"plan.fixed={text!r}: {axis}={fixed[axis]} does not divide the {num_devices} devices")
-    if num_devices % math.prod(fixed.values() or [1]):
-        raise PlanError(f"plan.fixed={text!r}: the fixed sizes multiply to {math.prod(fixed.values())}, which does "
-                        f"not divide the {num_devices} devices")
-    return fixed
+ALWAYS_SEARCHED = ("data", "pipeline", "fsdp", "tensor")
+parse_fixed = fixed_lib.parse
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(n: int, fixed: Mapping[str, int], cfg: models.ModelConfig, global_batch: int) -> Iterator[dict[str, int]]:
-    """Every mesh multiplying to n that the model's widths and the batch divide. The planner does not search
-    `expert` and `context` (they serve mixture-of-experts models and long sequences, which it does not model):
-    they stay at 1 unless plan.fixed sets them."""
+def searched_axes(cfg: models.ModelConfig) -> tuple[str, ...]:
+    """The mesh axes the planner varies: `expert` only for a model with experts, `context` only for sequences
+    long enough for it to pay (feasible.long_sequence); plan.fixed may set any axis."""
+    extra = ("expert",) * feasible.has_experts(cfg) + ("context",) * feasible.long_sequence(cfg)
+    return tuple(a for a in AXES if a in ALWAYS_SEARCHED + extra)
+
+
+def meshes(n: int, fixed: Mapping[str, Any], cfg: models.ModelConfig) -> Iterator[dict[str, int]]:
+    """Every mesh multiplying to n with the fixed axes at their sizes and the unsearched ones at 1."""
+    searched = searched_axes(cfg)
+
     def rec(i: int, left: int, acc: dict[str, int]):
-        if i == len(AXES) - 1:
-            yield {**acc, AXES[i]: left}
-            return
         axis = AXES[i]
-        options = [fixed[axis]] if axis in fixed else [1] if axis in UNSEARCHED else _divisors(left)
+        if i == len(AXES) - 1:
+            if left == fixed.get(axis, left) and (axis in searched or axis in fixed or left == 1):
+                yield {**acc, axis: left}
+            return
+        options = [fixed[axis]] if axis in fixed else _divisors(left) if axis in searched else [1]
         for s in options:
             if left % s == 0:
                 yield from rec(i + 1, left // s, {**acc, axis: s})
-    for sizes in rec(0, n, {}):
-        if "tensor" in fixed and sizes["tensor"] != fixed["tensor"]:
-            continue
-        if _divides(cfg, sizes) and not global_batch % (sizes["data"] * sizes["fsdp"]):
-            yield sizes
-
-
-# The mesh axis that splits each logical axis of the planner's strategy (sharding/rules.py, fsdp_tensor).
-SPLIT_BY = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor", "embed": "fsdp"}
-
-
-def _divides(cfg: models.ModelConfig, sizes: Mapping[str, int]) -> bool:
-    """The model's sizes the family names per logical axis (models.Family.divisibility) divide the axis that
-    splits them, and the layers divide into the pipeline's stages."""
-    for logical, settings in models.family_of(cfg).divisibility(cfg).items():
-        if logical in SPLIT_BY and any(size % sizes[SPLIT_BY[logical]] for _, size in settings):
-            return False
-    return not cfg.n_layers % sizes["pipeline"]
+    yield from rec(0, n, {})
 
 
 def pipeline_options(p: int, n_layers: int, rows: int) -> list[tuple[str, int, int]]:
-    """(schedule, microbatches, virtual stages) for p stages with `rows` rows per replica and update."""
+    """(schedule, microbatches, virtual stages) for p stages with `rows` rows per replica and update: every
+    microbatch count dividing the rows (down to one row each) that the schedule allows (sharding/schedules.py)."""
     if p == 1:
         return [("none", 1, 1)]
     out = []
-    for m in (p, 2 * p, 4 * p, 8 * p):
-        if rows % m:
-            continue
-        out.append(("1f1b", m, 1))
-        if n_layers % (2 * p) == 0:
-            out.append(("interleaved", m, 2))
-    if rows % p == 0:
-        out.append(("gpipe", p, 1))
+    for m in _divisors(rows):
+        out.append(("gpipe", m, 1))
+        if m >= p:
+            out.append(("1f1b", m, 1))
+        if m % p == 0:
+            out += [("interleaved", m, v) for v in _divisors(n_layers // p) if v >= 2]
     return out
 
 
@@ -105,29 +73,68 @@ def evaluate(cfg: models.ModelConfig, c: Candidate, global_batch: int, topo: top
     return Prediction(candidate=c, memory=mem, fits=not capacity or mem["total"] <= capacity, **t)
 
 
-def search(cfg: models.ModelConfig, global_batch: int, topo: topology_lib.Topology, fixed: Mapping[str, int],
+def _candidates(sizes: dict[str, int], n_layers: int, replica_rows: int, accum: int,
+                fixed: Mapping[str, Any]) -> Iterator[Candidate]:
+    mesh = mesh_of(sizes)
+    shards = (False, True) if sizes["data"] > 1 else (False,)  # it shards over `data`: a no-op without it
+    shards = tuple(s for s in shards if fixed.get("shard_opt_state", s) == s)
+    for name, m, v in pipeline_options(sizes["pipeline"], n_layers, replica_rows // accum):
+        for remat in REMATS:
+            for shard in shards:
+                c = Candidate(mesh, name, m, v, remat, shard, accum)
+                if fixed_lib.allows(fixed, c, replica_rows):
+                    yield c
+
+
+def _layout(cfg: models.ModelConfig, sizes: dict[str, int], global_batch: int, topo: topology_lib.Topology,
+            fixed: Mapping[str, Any], donated: bool, max_accum: int) -> list[Prediction]:
+    """Every candidate on one mesh, at the fewest accumulation steps where one fits."""
+    replica_rows = global_batch // feasible.replicas(sizes)
+    accums = [fixed["grad_accum_steps"]] if "grad_accum_steps" in fixed else \
+        [a for a in _divisors(replica_rows) if a <= max_accum]
+    out: list[Prediction] = []
+    for accum in [a for a in accums if replica_rows % a == 0]:
+        found = [evaluate(cfg, c, global_batch, topo, donated)
+                 for c in _candidates(sizes, cfg.n_layers, replica_rows, accum, fixed)]
+        out += found
+        if any(p.fits for p in found):
+            break  # more accumulation only adds steps once the layout fits
+    return out
+
+
+def explore(cfg: models.ModelConfig, global_batch: int, topo: topology_lib.Topology, fixed: Mapping[str, Any],
+            donated: bool = True, max_accum: int = 64) -> tuple[list[Prediction], Counter]:
+    """(every candidate's best version, fitting ones first by step time; {reason: meshes skipped})."""
+    out: list[Prediction] = []
+    skipped: Counter = Counter()
+    for sizes in meshes(topo.num_devices, fixed, cfg):
+        reason = feasible.skip_reason(cfg, sizes, global_batch)
+        found = [] if reason else _layout(cfg, sizes, global_batch, topo, fixed, donated, max_accum)
+        if reason or not found:
+            skipped[reason or "no candidate keeps plan.fixed"] += 1
+        out += found
+    if not out:
+        why = "; ".join(f"{n} skipped: {r}" for r, n in skipped.most_common()) or "no mesh"
+        raise PlanError(f"no layout of {topo.num_devices} devices runs the model with "
+                        f"train.global_batch_size={global_batch} and plan.fixed={_text(fixed)!r} ({why}); "
+                        f"change the batch, the pins or the device count")
+    ranked = sorted(out, key=lambda p: (not p.fits, p.step_time_s if p.fits else p.memory["total"],
+                                        p.memory["total"]))
+    return ranked, skipped
+
+
+def search(cfg: models.ModelConfig, global_batch: int, topo: topology_lib.Topology, fixed: Mapping[str, Any],
            donated: bool = True, max_accum: int = 64) -> list[Prediction]:
     """Every candidate's best version (fewest accumulation steps that fit), fitting ones first, by step time."""
-    n = topo.num_devices
-    out: list[Prediction] = []
-    for sizes in meshes(n, fixed, cfg, global_batch):
-        replica_rows = global_batch // (sizes["data"] * sizes["fsdp"])
-        mesh = mesh_of(sizes)
-        for accum in [a for a in _divisors(replica_rows) if a <= max_accum]:
-            found = False
-            for name, m, v in pipeline_options(sizes["pipeline"], cfg.n_layers, replica_rows // accum):
-                for remat in REMATS:
-                    for shard in ((False, True) if sizes["data"] > 1 else (False,)):
-                        c = Candidate(mesh, name, m, v, remat, shard, accum)
-                        pred = evaluate(cfg, c, global_batch, topo, donated)
-                        out.append(pred)
-                        found |= pred.fits
-            if found:
-                break  # more accumulation only adds steps once the layout fits
-    if not out:
-        raise PlanError(f"no layout of {n} devices divides the model (heads {cfg.n_heads}, d_model {cfg.d_model}, "
-                        f"layers {cfg.n_layers}) and train.global_batch_size={global_batch}; change one of them")
-    return sorted(out, key=lambda p: (not p.fits, p.step_time_s if p.fits else p.memory["total"], p.memory["total"]))
+    return explore(cfg, global_batch, topo, fixed, donated, max_accum)[0]
+
+
+def skipped_text(skipped: Counter) -> str:
+    return ", ".join(f"{n} skipped: {r}" for r, n in skipped.most_common())
+
+
+def _text(fixed: Mapping[str, Any]) -> str:
+    return ",".join(f"{k}:{str(v).lower() if isinstance(v, bool) else v}" for k, v in fixed.items())
 
 
 def check_fits(ranked: list[Prediction], topo: topology_lib.Topology) -> None:

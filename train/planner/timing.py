@@ -1,5 +1,7 @@
-"""Step time of a candidate: compute at the topology's peak times a matmul efficiency, the communication the
-layout needs (sharding.expected) priced by mesh.cost on the topology, and the schedule table's bubble.
+"""Step time of a candidate, a roofline: matmuls at the topology's peak times a matmul efficiency, the
+memory-bound work (train/planner/memory_bound.py) at the device's memory bandwidth, the communication the layout
+needs (sharding.expected) priced by mesh.cost on the topology, and the schedule table's bubble over both kinds
+of work. Matmuls and memory-bound work add up: each kernel is bound by one of them and XLA runs them in turn.
 
 Overlap is credited only where the step overlaps: FSDP's per-layer weight gathers and gradient
 reduce-scatters run inside the layer scan next to other layers' matmuls (XLA's latency-hiding
@@ -18,7 +20,7 @@ from mesh import cost, layout, placement
 from mesh import topology as topology_lib
 from sharding import schedules
 from sharding.expected import expected_traffic
-from train.planner import memory
+from train.planner import memory, memory_bound
 from train.planner.candidate import Candidate
 
 # Fraction of peak a matmul reaches, by its smallest dimension, for devices this project has not measured.
@@ -127,18 +129,21 @@ def predict(cfg: models.ModelConfig, c: Candidate, global_batch: int, topo: topo
     dim = min(tokens, cfg.d_model / sizes["tensor"])  # rows of a microbatch, or a row-parallel matmul's depth
     peak = peak_flops(topo, cfg.compute_dtype)
     compute = hardware_flops_per_device(cfg, c, global_batch) / (peak * efficiency(topo, cfg.compute_dtype, dim))
+    bound = memory_bound.seconds(cfg, c, global_batch, topo)
+    work = compute + sum(bound.values())
     rows = communication(cfg, c, global_batch, topo)
     total = sum(r[3] for r in rows)
-    hidden = min(sum(r[3] for r in rows if (r[1], r[2]) in OVERLAPPED), compute)
+    hidden = min(sum(r[3] for r in rows if (r[1], r[2]) in OVERLAPPED), work)
     f = bubble_fraction(c)
-    bubble = compute * f / (1 - f)
-    step = compute + bubble + total - hidden
+    bubble = work * f / (1 - f)
+    step = work + bubble + total - hidden
     model_flops = models.flops_per_token(cfg) * global_batch * cfg.seq_len / math.prod(sizes.values())
     by_purpose: dict[str, float] = {}
     for purpose, _, axes, s in rows:
         name = f"{purpose} [{'+'.join(axes)}]"
         by_purpose[name] = by_purpose.get(name, 0.0) + s
-    return {"compute_s": compute, "communication_s": total - hidden, "communication_total_s": total,
+    return {"compute_s": compute, "memory_bound_s": work - compute, "memory_bound_by_part": bound,
+            "communication_s": total - hidden, "communication_total_s": total,
             "bubble_s": bubble, "step_time_s": step, "tflops_per_device": model_flops / step / 1e12,
             "mfu": model_flops / step / peak, "tokens_per_s": global_batch * cfg.seq_len / step,
             "comm_by_purpose": by_purpose}

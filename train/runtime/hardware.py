@@ -1,41 +1,21 @@
-"""What a device can do: peak FLOP/s (for MFU) and memory capacity (for the fits-in-memory check).
+"""What a device can do: peak FLOP/s (for MFU), memory bandwidth (for the planner's calibration) and memory capacity
+(for the fits-in-memory check).
 
-GPUs and TPUs: the datasheet table of mesh/chips.py, by device_kind. CPUs: a large matmul measured once
-and cached, since no datasheet describes a virtual device; virtual CPU devices share the machine, so each
-gets its share.
+GPUs and TPUs: the datasheet table of mesh/chips.py, by device_kind. CPUs: the one measured peak of
+train/runtime/cpu_peak.py, since no datasheet describes a virtual device; virtual CPU devices share the machine, so
+each gets its share.
 """
 from __future__ import annotations
 
-import json
 import os
-import pathlib
-import time
 
 import jax
-import jax.numpy as jnp
 
 import models
 from mesh import chips
+from train.runtime import cpu_peak
 
 GiB = 1 << 30  # the unit of every memory figure the project prints
-
-
-def _cache_file() -> pathlib.Path:
-    root = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "spmdtrain"
-    return root / "cpu_peak.json"
-
-
-def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype: str = "float32") -> float:
-    """FLOP/s of an n x n matmul in `dtype` on the first device, best of `repeats`."""
-    x = jnp.ones((n, n), jnp.dtype(dtype), device=jax.devices()[0])
-    f = jax.jit(lambda a: a @ a)
-    f(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * n ** 3 / best
 
 
 def peak_flops_per_device(compute_dtype: str, override_tflops: float = 0.0) -> float:
@@ -45,19 +25,37 @@ def peak_flops_per_device(compute_dtype: str, override_tflops: float = 0.0) -> f
     device = jax.devices()[0]
     if device.platform != "cpu":
         return chips.peak_flops(device.device_kind, compute_dtype) or 0.0  # unknown: MFU 0 unless --peak_tflops
-    cache = _cache_file()
-    key = f"{jax.__version__}:{os.cpu_count()}"
-    try:
-        cached = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    machine = cached.get(key)
-    if machine is None:
-        machine = measure_matmul_flops()
-        cached[key] = machine
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(cached))
-    return machine / max(jax.local_device_count(), 1)
+    return cpu_peak.per_device()
+
+
+def peak_is_measured(override_tflops: float = 0.0) -> bool:
+    """Whether the MFU peak is the measured CPU one (not a datasheet's or --peak_tflops)."""
+    return override_tflops <= 0 and jax.devices()[0].platform == "cpu"
+
+
+def peak_record(compute_dtype: str, override_tflops: float = 0.0) -> dict:
+    """Where the MFU peak comes from, for config.json: FLOP/s per device and its source, so every MFU figure can
+    be reproduced."""
+    flops = peak_flops_per_device(compute_dtype, override_tflops)
+    device = jax.devices()[0]
+    if override_tflops > 0:
+        return {"flops_per_device": flops, "source": "--peak_tflops"}
+    if device.platform != "cpu":
+        return {"flops_per_device": flops, "source": f"datasheet ({device.device_kind}, {compute_dtype})"}
+    return {"flops_per_device": flops, "source": "measured (train/runtime/cpu_peak.py), shared over "
+            f"{jax.local_device_count()} local devices", **cpu_peak.record()}
+
+
+def mfu(flops_per_step: float, seconds: float, peak: float, measured: bool) -> float:
+    """Model FLOPs utilization against `peak` (FLOP/s of all devices; 0: unknown). When the peak is the measured
+    CPU one (`measured`), a step faster than it proves the machine faster than it was measured: the peak is
+    re-measured and raised (to at least the step's rate), so MFU stays at or below 100%."""
+    if not peak or not seconds:
+        return 0.0
+    rate = flops_per_step / seconds
+    if rate > peak and measured:
+        peak = max(peak, cpu_peak.per_device(rate / jax.device_count()) * jax.device_count())
+    return rate / peak
 
 
 def compute_dtype(config) -> str:

@@ -1,0 +1,135 @@
+"""The planner's predictions against measured steps: per layout, the predicted and measured step time and the
+predicted and compiled memory per device, their errors, the median absolute error and the rank correlation
+(Spearman) of predicted against measured time.
+
+    python -m experiments.plan_vs_measured [--configs=tiny,default,llama3-tiny,moe-tiny] [--steps=10]
+        [--topology=local] [--json=FILE]
+
+The links are the `--topology` file (default `local`, fitted by `python -m mesh.bench --fit`); the matmul
+efficiency curve, the memory bandwidth and the peak come from `python -m train.plan --calibrate`'s sweep, run first
+on this machine. Memory on CPU: the step does not donate its state, so the prediction is made undonated and set
+against the compiled arguments + outputs + temporaries (XLA's CPU temporaries reuse little; see docs).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import statistics
+import tempfile
+import time
+
+import jax
+from absl import app, flags
+from scipy import stats
+
+import models
+from mesh import use_cpu_devices
+from train.planner import auto, calibrate, compile_report, search
+from train.planner.candidate import Candidate, mesh_of
+from train.trainer import Trainer
+
+# (config, mesh, extras): extras are `sp` (sequence parallelism) or a pipeline (schedule, microbatches, virtual).
+LAYOUTS = [
+    ("tiny", {"data": 8}, None), ("tiny", {"fsdp": 8}, None), ("tiny", {"tensor": 8}, None),
+    ("tiny", {"data": 2, "tensor": 4}, "sp"), ("tiny", {"data": 2, "pipeline": 4}, ("1f1b", 4, 1)),
+    ("tiny", {"data": 2, "pipeline": 2, "tensor": 2}, ("interleaved", 4, 2)), ("tiny", {"data": 2, "context": 4}, None),
+    ("default", {"data": 8}, None), ("default", {"data": 2, "fsdp": 2, "tensor": 2}, None),
+    ("llama3-tiny", {"fsdp": 8}, None), ("llama3-tiny", {"data": 2, "tensor": 4}, None),
+    ("llama3-tiny", {"data": 4, "pipeline": 2}, ("1f1b", 4, 1)),
+    ("moe-tiny", {"expert": 8}, None), ("moe-tiny", {"data": 2, "expert": 4}, None),
+]
+_CONFIGS = flags.DEFINE_list("configs", ["tiny", "default", "llama3-tiny", "moe-tiny"], "Configs whose layouts run.")
+_STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per layout (after 2 warm-up steps).")
+_TOPOLOGY = flags.DEFINE_string("topology", "local", "Links: a topology name or file (calibrated on top).")
+_JSON = flags.DEFINE_string("json", "", "Also write the rows to this JSON file.")
+WARMUP = 2
+
+
+def _config(name: str, mesh: dict[str, int], extras, topology: str):
+    if name in models.PRESETS:
+        config = importlib.import_module("experiments.tiny").get_config()
+        config.model.preset = name
+    else:
+        config = importlib.import_module(f"experiments.{name}").get_config()
+    config.data.source = "synthetic"
+    config.mesh.update({"data": 1, "pipeline": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1, **mesh})
+    config.sharding.strategy = "fsdp_tensor"
+    config.sharding.sequence_parallel = extras == "sp"
+    if isinstance(extras, tuple):
+        config.pipeline.update(schedule=extras[0], microbatches=extras[1], virtual_stages=extras[2])
+    config.plan.topology = topology
+    return config
+
+
+def _candidate(trainer: Trainer) -> Candidate:
+    plan, pipe = trainer.plan, trainer.plan.pipeline
+    return Candidate(mesh_of(plan.mesh_sizes), pipe.schedule if pipe else "none", pipe.microbatches if pipe else 1,
+                     pipe.virtual_stages if pipe else 1, plan.model.remat, plan.shard_opt_state, plan.grad_accum)
+
+
+def _measure(trainer: Trainer) -> tuple[float, int]:
+    """(mean seconds per step over the timed steps, compiled arguments + outputs + temporaries per device)."""
+    compiled = trainer.compile()
+    memory = compile_report.memory_per_device(compiled)
+    state = trainer.init_state()
+    for i in range(WARMUP):
+        state, _ = compiled(state, trainer.batch(i))
+    jax.block_until_ready(state)
+    t = time.perf_counter()
+    for i in range(WARMUP, WARMUP + _STEPS.value):
+        state, metrics = compiled(state, trainer.batch(i))
+    jax.block_until_ready((state, metrics))
+    return (time.perf_counter() - t) / _STEPS.value, memory["argument_bytes"] + memory["output_bytes"] + \
+        memory["temp_bytes"]
+
+
+def row(name: str, mesh: dict[str, int], extras, topology: str) -> dict:
+    config = _config(name, mesh, extras, topology)
+    trainer = Trainer.build(config)
+    plan = trainer.plan
+    topo = auto.devices_topology(config, jax.device_count(), plan.model.compute_dtype)
+    predicted = search.evaluate(plan.model, _candidate(trainer), plan.global_batch, topo, donated=False)
+    seconds, compiled_bytes = _measure(trainer)
+    layout = ", ".join(f"{a}={s}" for a, s in mesh.items()) + (" sp" if extras == "sp" else "") + \
+        (f" {extras[0]} m={extras[1]}" if isinstance(extras, tuple) else "")
+    return {"config": name, "layout": layout, "predicted_s": predicted.step_time_s, "measured_s": seconds,
+            "time_error": predicted.step_time_s / seconds - 1, "predicted_bytes": predicted.memory["total"],
+            "compiled_bytes": compiled_bytes, "memory_error": predicted.memory["total"] / compiled_bytes - 1}
+
+
+def summary(rows: list[dict]) -> dict:
+    time_errors = [abs(r["time_error"]) for r in rows]
+    memory_errors = [abs(r["memory_error"]) for r in rows]
+    rho = stats.spearmanr([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]).statistic
+    return {"layouts": len(rows), "median_abs_time_error": statistics.median(time_errors),
+            "median_abs_memory_error": statistics.median(memory_errors), "spearman": float(rho)}
+
+
+def main(argv) -> None:
+    del argv
+    use_cpu_devices(8)
+    with tempfile.TemporaryDirectory() as tmp:
+        topology = str(calibrate.write(_TOPOLOGY.value, f"{tmp}/calibrated.json", "float32"))
+        device = jax.devices()[0]
+        print(f"# {device.platform} x {jax.device_count()}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}, "
+              f"links {_TOPOLOGY.value}, calibrated {json.loads(open(topology).read())['hbm_gbps']} GB/s per device")
+        print("| config | layout | predicted ms | measured ms | time error | predicted MiB | compiled MiB | "
+              "memory error |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        rows = []
+        for name, mesh, extras in [x for x in LAYOUTS if x[0] in _CONFIGS.value]:
+            r = row(name, mesh, extras, topology)
+            rows.append(r)
+            print(f"| {name} | {r['layout']} | {1e3 * r['predicted_s']:.1f} | {1e3 * r['measured_s']:.1f} | "
+                  f"{100 * r['time_error']:+.0f}% | {r['predicted_bytes'] / 2**20:.1f} | "
+                  f"{r['compiled_bytes'] / 2**20:.1f} | {100 * r['memory_error']:+.0f}% |", flush=True)
+    s = summary(rows)
+    print(f"{s['layouts']} layouts: median absolute time error {100 * s['median_abs_time_error']:.0f}%, Spearman "
+          f"{s['spearman']:.2f}, median absolute memory error {100 * s['median_abs_memory_error']:.0f}%")
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            json.dump({"rows": rows, "summary": s}, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main)

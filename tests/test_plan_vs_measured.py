@@ -1,0 +1,40 @@
+"""The planner's benchmarks without running them (they are benchmarks, not timed tests): plan_vs_measured's layouts
+are at least 12 and cover the kinds the planner prices, each resolves on 8 devices as a run would, its summary
+statistics are the median absolute error and Spearman's rank correlation; published_runs' FLOP convention is the
+paper's."""
+import pytest
+
+import models
+from experiments import plan_vs_measured as pvm
+from experiments import published_runs
+from train import config as run_config
+
+
+def test_layouts_cover_every_kind_and_resolve():
+    assert len(pvm.LAYOUTS) >= 12
+    axes = {a for _, mesh, _ in pvm.LAYOUTS for a, s in mesh.items() if s > 1}
+    assert axes == {"data", "fsdp", "tensor", "pipeline", "context", "expert"}
+    assert {"sp", ("1f1b", 4, 1), ("interleaved", 4, 2)} <= {x for _, _, x in pvm.LAYOUTS if x}
+    assert {name for name, _, _ in pvm.LAYOUTS} == {"tiny", "default", "llama3-tiny", "moe-tiny"}
+    for name, mesh, extras in pvm.LAYOUTS:
+        run_config.resolve(pvm._config(name, mesh, extras, "local"), 8, "cpu")
+
+
+def test_summary_is_median_error_and_spearman():
+    rows = [{"predicted_s": p, "measured_s": m, "time_error": p / m - 1, "memory_error": e}
+            for p, m, e in ((1.0, 2.0, 0.1), (2.0, 2.5, -0.3), (3.0, 2.4, 0.2))]
+    s = pvm.summary(rows)
+    assert s["median_abs_time_error"] == pytest.approx(0.25)  # |-0.5|, |-0.2|, |+0.25|
+    assert s["median_abs_memory_error"] == pytest.approx(0.2)
+    assert s["spearman"] == pytest.approx(0.5)  # ranks (1, 2, 3) against (1, 3, 2)
+
+
+def test_published_runs_flop_convention_recomputes_the_blocks():
+    """Megatron's Eq. 3 counts the blocks' forward once more (activation recomputation), not the head's: 4/3 of the
+    blocks' 6N + attention per token, plus the head's 6 V d."""
+    for _, heads, d, layers, _, _, _, batch, _ in published_runs.RUNS:
+        cfg = models.from_dict(dict(vocab_size=published_runs.VOCAB, seq_len=published_runs.SEQ, d_model=d,
+                                    n_layers=layers, n_heads=heads))
+        head = 6.0 * published_runs.VOCAB * d
+        per_token = 4 / 3 * (models.flops_per_token(cfg) - head) + head
+        assert published_runs.paper_flops(batch, layers, d) == pytest.approx(per_token * batch * published_runs.SEQ)
