@@ -19,8 +19,8 @@ import tempfile
 import time
 
 import jax
+import numpy as np
 from absl import app, flags
-from scipy import stats
 
 import models
 from mesh import use_cpu_devices
@@ -38,10 +38,16 @@ LAYOUTS = [
     ("llama3-tiny", {"data": 4, "pipeline": 2}, ("1f1b", 4, 1)),
     ("moe-tiny", {"expert": 8}, None), ("moe-tiny", {"data": 2, "expert": 4}, None),
 ]
-_CONFIGS = flags.DEFINE_list("configs", ["tiny", "default", "llama3-tiny", "moe-tiny"], "Configs whose layouts run.")
-_STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per layout (after 2 warm-up steps).")
-_TOPOLOGY = flags.DEFINE_string("topology", "local", "Links: a topology name or file (calibrated on top).")
-_JSON = flags.DEFINE_string("json", "", "Also write the rows to this JSON file.")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command's flags, defined only when it runs, so tests can import it beside other commands that
+    define a --topology of their own."""
+    flags.DEFINE_list("configs", ["tiny", "default", "llama3-tiny", "moe-tiny"], "Configs whose layouts run.")
+    flags.DEFINE_integer("steps", 10, "Timed steps per layout (after 2 warm-up steps).")
+    flags.DEFINE_string("topology", "local", "Links: a topology name or file (calibrated on top).")
+    flags.DEFINE_string("json", "", "Also write the rows to this JSON file.")
 WARMUP = 2
 
 
@@ -76,10 +82,10 @@ def _measure(trainer: Trainer) -> tuple[float, int]:
         state, _ = compiled(state, trainer.batch(i))
     jax.block_until_ready(state)
     t = time.perf_counter()
-    for i in range(WARMUP, WARMUP + _STEPS.value):
+    for i in range(WARMUP, WARMUP + FLAGS.steps):
         state, metrics = compiled(state, trainer.batch(i))
     jax.block_until_ready((state, metrics))
-    return (time.perf_counter() - t) / _STEPS.value, memory["argument_bytes"] + memory["output_bytes"] + \
+    return (time.perf_counter() - t) / FLAGS.steps, memory["argument_bytes"] + memory["output_bytes"] + \
         memory["temp_bytes"]
 
 
@@ -97,10 +103,26 @@ def row(name: str, mesh: dict[str, int], extras, topology: str) -> dict:
             "compiled_bytes": compiled_bytes, "memory_error": predicted.memory["total"] / compiled_bytes - 1}
 
 
+def _ranks(values: list[float]) -> np.ndarray:
+    """1-based ranks, ties sharing their mean rank."""
+    x = np.asarray(values, dtype=float)
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(1, len(x) + 1)
+    for value in np.unique(x):
+        ranks[x == value] = ranks[x == value].mean()
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the two rank vectors."""
+    return float(np.corrcoef(_ranks(a), _ranks(b))[0, 1])
+
+
 def summary(rows: list[dict]) -> dict:
     time_errors = [abs(r["time_error"]) for r in rows]
     memory_errors = [abs(r["memory_error"]) for r in rows]
-    rho = stats.spearmanr([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]).statistic
+    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
     return {"layouts": len(rows), "median_abs_time_error": statistics.median(time_errors),
             "median_abs_memory_error": statistics.median(memory_errors), "spearman": float(rho)}
 
@@ -109,15 +131,15 @@ def main(argv) -> None:
     del argv
     use_cpu_devices(8)
     with tempfile.TemporaryDirectory() as tmp:
-        topology = str(calibrate.write(_TOPOLOGY.value, f"{tmp}/calibrated.json", "float32"))
+        topology = str(calibrate.write(FLAGS.topology, f"{tmp}/calibrated.json", "float32"))
         device = jax.devices()[0]
         print(f"# {device.platform} x {jax.device_count()}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}, "
-              f"links {_TOPOLOGY.value}, calibrated {json.loads(open(topology).read())['hbm_gbps']} GB/s per device")
+              f"links {FLAGS.topology}, calibrated {json.loads(open(topology).read())['hbm_gbps']} GB/s per device")
         print("| config | layout | predicted ms | measured ms | time error | predicted MiB | compiled MiB | "
               "memory error |")
         print("|---|---|---:|---:|---:|---:|---:|---:|")
         rows = []
-        for name, mesh, extras in [x for x in LAYOUTS if x[0] in _CONFIGS.value]:
+        for name, mesh, extras in [x for x in LAYOUTS if x[0] in FLAGS.configs]:
             r = row(name, mesh, extras, topology)
             rows.append(r)
             print(f"| {name} | {r['layout']} | {1e3 * r['predicted_s']:.1f} | {1e3 * r['measured_s']:.1f} | "
@@ -126,10 +148,11 @@ def main(argv) -> None:
     s = summary(rows)
     print(f"{s['layouts']} layouts: median absolute time error {100 * s['median_abs_time_error']:.0f}%, Spearman "
           f"{s['spearman']:.2f}, median absolute memory error {100 * s['median_abs_memory_error']:.0f}%")
-    if _JSON.value:
-        with open(_JSON.value, "w") as f:
+    if FLAGS.json:
+        with open(FLAGS.json, "w") as f:
             json.dump({"rows": rows, "summary": s}, f, indent=2)
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
