@@ -4,9 +4,8 @@
 
 Output is forwarded line by line with a `[pN]` prefix; SIGTERM/SIGINT are forwarded to every process.
 The first process to fail stops the others (a stopped one, SIGSTOP, is woken to receive the SIGTERM) and its
-status becomes the launcher's; a process that exits
-with the requeue status (75, after a coordinated preemption save) is not a failure: the launcher waits
-for the others to finish their save and passes 75 on.
+status becomes the launcher's; a process that exits with the requeue status (75, after a coordinated
+preemption save) is not a failure: the launcher waits for the others to finish their save and passes 75 on.
 """
 from __future__ import annotations
 
