@@ -1,4 +1,6 @@
 """What can go wrong with checkpoints, as exception types the training entry point maps to exit statuses."""
+from __future__ import annotations
+
 from mesh.errors import UserError
 
 
@@ -19,4 +21,9 @@ class NoRestorableCheckpoint(CheckpointError):
 
 
 class SaveFailed(CheckpointError):
-    """A save failed, usually in the background; the newest complete checkpoint is still intact."""
+    """A save failed, usually in the background; its partial files are gone and the newest complete
+    checkpoint is still intact. `step` is the step whose save failed."""
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step

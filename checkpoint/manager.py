@@ -1,11 +1,14 @@
 """Async checkpoints with Orbax: DIR/checkpoints/<step>/ holds the PyTree item `state` and the JSON item
 `meta`. The caller blocks only while arrays are copied to host; Orbax writes and commits in the
 background (a save killed midway stays a `*.orbax-checkpoint-tmp` folder that is never listed), and a
-background failure is raised on the caller's thread by the next poll() or wait()."""
+background failure is raised on the caller's thread by the next poll() or wait(), its partial files removed
+and the older checkpoints left as they were, so the caller may go on and save again."""
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
+import shutil
 import time
 from typing import Any
 
@@ -81,8 +84,12 @@ class SaveRecord:
 
 
 def _brief(error: BaseException, limit: int = 160) -> str:
-    """An error in one short line: Orbax's messages run to pages, and their cause comes last."""
+    """An error in one short line: Orbax's messages run to pages, and their cause comes last, except for
+    TensorStore's, whose operating-system cause comes before a page of its spec."""
     text = " ".join(f"{type(error).__name__}: {error}".split())
+    os_error = re.search(r"(Failed to \w+ [^\[\]]{0,200}?) \[os_error_code=", text)
+    if os_error:
+        return f"{type(error).__name__}: {os_error.group(1)}"
     return text if len(text) <= limit else f"{type(error).__name__}: ...{text[-limit:]}"
 
 
@@ -119,6 +126,7 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         self._inflight: tuple[int, float] | None = None  # (step, blocked seconds) of the save in flight
         self._done: list[SaveRecord] = []
+        self._failed: set[int] = set()  # steps whose save failed: their partial files are removed
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
@@ -131,14 +139,14 @@ class Checkpoints:
         return self.directory / str(step)
 
     def save(self, step: int, tree: Any, info: dict[str, Any],
-             checksums: tuple[list[str], Any] | None = None) -> float:
+             checksums: tuple[list[str], Any] | None = None, waited_s: float = 0.0) -> float:
         """Start saving `tree` (a plain nested dict of arrays) as `step`, with a meta of `info` plus every
         array's shape, dtype and checksum. `checksums`: integrity.device_checksums(tree) dispatched earlier,
         while the arrays were still being computed, so that on CPU (where a dispatch with ready inputs runs
         inline) they do not block here either. Returns the seconds the caller was blocked, including any
-        wait for the previous save (whose failure is raised here)."""
+        wait for the previous save (whose failure is raised here) and the caller's `waited_s` for it."""
         assert not self.read_only, "a read-only Checkpoints never saves"
-        start = time.perf_counter()
+        start = time.perf_counter() - waited_s
         if self._inflight is not None:
             self._finish()
         names, sums = checksums or integrity.device_checksums(tree)  # the commit fetches them
@@ -150,8 +158,9 @@ class Checkpoints:
             self.manager.save(step, force=True, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
                                                                          meta=MetaSave(meta)))
         except Exception as e:  # noqa: BLE001  (the synchronous part: directories, host copies)
+            self._discard(step)
             raise SaveFailed(f"saving checkpoint {self.step_dir(step)} failed ({_brief(e)}); check the space and "
-                             f"permissions of {self.directory}") from e
+                             f"permissions of {self.directory}", step) from e
         blocked = time.perf_counter() - start
         self._inflight = (step, blocked)
         return blocked
@@ -162,15 +171,33 @@ class Checkpoints:
         try:
             self.manager.wait_until_finished()  # joins at once if done; raises the background error
         except Exception as e:  # noqa: BLE001
+            self._discard(step)
             raise SaveFailed(f"background save of checkpoint {self.step_dir(step)} failed ({_brief(e)}); the newest "
                              f"complete checkpoint is intact: check the space and permissions of "
-                             f"{self.directory}") from e
+                             f"{self.directory}", step) from e
         if step not in self.manager.all_steps():
+            self._discard(step)
             raise SaveFailed(f"background save of checkpoint {self.step_dir(step)} did not commit; "
-                             f"the newest complete checkpoint is intact")
+                             f"the newest complete checkpoint is intact", step)
+        self._remove_leftovers()  # of an earlier failed save, written on after its failure was raised
         timing = self.manager.metadata(step)
         saved = ((timing.commit_timestamp_nsecs or 0) - (timing.init_timestamp_nsecs or 0)) / 1e9
         self._done.append(SaveRecord(step, blocked, max(saved, blocked)))
+
+    def _discard(self, step: int) -> None:
+        """After a failed save of `step`: remove its partial files (on the primary process, which owns the
+        directory) and re-read the committed steps, since Orbax already dropped from its list the old steps
+        the failed save would have retired (they are still on disk and must stay counted). Orbax reports
+        the first item that failed while another may still be writing: the next commit removes again."""
+        self._failed.add(step)
+        self._remove_leftovers()
+        self.manager.reload()
+
+    def _remove_leftovers(self) -> None:
+        if jax.process_index() == 0:
+            for step in self._failed:
+                for leftover in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                    shutil.rmtree(leftover, ignore_errors=True)
 
     def poll(self) -> list[SaveRecord]:
         """Non-blocking: records of saves committed since the last call; raises SaveFailed if one failed."""
@@ -203,3 +230,4 @@ class Checkpoints:
 
     def close(self) -> None:
         self.manager.close()
+        self._remove_leftovers()

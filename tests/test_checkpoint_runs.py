@@ -1,7 +1,8 @@
 """Fault tolerance end to end, through `python -m train` subprocesses on a half-size tiny model: SIGKILL
-chaos with exact replay, SIGTERM requeue, damaged checkpoints, a model-shape change, resharding, a failing
-background save, the non-finite stop, the watchdog, bad inputs and restore_from (test_multiprocess.py
-preempts one of two processes). Every run but the reference shares the tests' compilation cache."""
+chaos with exact replay, SIGTERM requeue, SIGUSR1 save-and-go-on, damaged checkpoints, a model-shape change,
+resharding, failing saves (retried, then stopping the run), the non-finite stop, the watchdog, bad inputs and
+restore_from (test_multiprocess.py preempts one of two processes). Every run but the reference shares the tests'
+compilation cache."""
 import json
 import random
 import re
@@ -214,21 +215,58 @@ def test_resume_on_other_meshes_continues_the_same_losses(tmp_path, reference, p
     np.testing.assert_allclose([ours[s] for s in range(9, 13)], [ref[s] for s in range(9, 13)], rtol=1e-4)
 
 
-def test_failing_background_save_is_reported_on_the_main_thread(tmp_path):
-    # Tests run as root, and permissions do not stop root, so the directory cannot simply be made
-    # read-only. Instead the run's file-size limit is lowered mid-run (prlimit, the kernel's
-    # per-process quota, which binds root too): the small logs still fit, a checkpoint's data files do
-    # not, so the background write fails with EFBIG as it would on a full disk.
+def limit_file_size(process, size):
+    """Tests run as root, and permissions do not stop root, so a directory cannot simply be made read-only.
+    Instead the run's file-size limit is changed mid-run (prlimit, the kernel's per-process quota, which binds
+    root too): under 256 KiB the small logs still fit, a checkpoint's data files do not, so its background
+    write fails with EFBIG as it would on a full disk."""
+    resource.prlimit(process.pid, resource.RLIMIT_FSIZE, (size, resource.RLIM_INFINITY))  # soft: it can return
+
+
+def partial_files(workdir):
+    return [p.name for p in (workdir / "checkpoints").iterdir() if "tmp" in p.name]
+
+
+def test_failed_saves_are_retried_then_stop_the_run_at_the_limit(tmp_path):
     workdir = tmp_path / "run"
     process = start(workdir, "--config.checkpoint.every_steps=1", "--config.fault_injection.step_delay_s=0.2")
     wait_for(lambda: (workdir / "checkpoints" / "2").is_dir(), process)
-    resource.prlimit(process.pid, resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
+    limit_file_size(process, 256 << 10)
     assert process.wait(timeout=60) == exit_codes.SAVE_FAILED
-    message = workdir.with_suffix(".out").read_text().strip().splitlines()[-1]
+    out = workdir.with_suffix(".out").read_text().strip().splitlines()
+    warnings = [line for line in out if line.startswith("warning: background save of checkpoint")]
+    assert len(warnings) == 2 and "training goes on and saves again when the next save is due (1 failed" in warnings[0]
     assert re.match(r"error: background save of checkpoint .*/checkpoints/\d+ failed \(.*File too large.*\); "
-                    r"the newest complete checkpoint is intact", message), message
+                    r"the newest complete checkpoint is intact.*\(3 failed save\(s\) in a row, "
+                    r"checkpoint.max_failed_saves=3\)$", out[-1]), out[-1]
+    failed = json.loads((workdir / "goodput.json").read_text())["attempts"][-1]["failed_saves"]
+    assert len(failed) == 3 and [f["step"] for f in failed] == list(range(failed[0]["step"], failed[0]["step"] + 3))
+    # Each failure removes the partial files of every failed save so far; only the last one's could have been
+    # written on by a writer Orbax had not stopped yet (the next start's cleanup takes those).
+    assert all(name.startswith(f"{failed[-1]['step']}.") for name in partial_files(workdir)), partial_files(workdir)
     committed = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-    assert committed and committed[-1] < STEPS
+    assert committed and committed[-1] < failed[0]["step"]
+    assert state_arrays(workdir, committed[-1])  # the newest complete checkpoint still restores
+
+
+def test_sigusr1_saves_and_goes_on_and_storage_that_heals_loses_nothing(tmp_path, reference):
+    """SIGUSR1 saves the step reached and training goes on; then saves fail for a while (fewer than
+    checkpoint.max_failed_saves in a row) and succeed again: the run ends as an uninterrupted one, bit for bit."""
+    workdir = tmp_path / "run"
+    process = start(workdir, "--config.checkpoint.every_steps=6", "--config.checkpoint.max_failed_saves=20",
+                    "--config.fault_injection.step_delay_s=0.3")
+    wait_for(lambda: last_step(workdir) >= 1, process)
+    process.send_signal(signal.SIGUSR1)
+    wait_for(lambda: any(int(p.name) < 6 for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()), process)
+    limit_file_size(process, 256 << 10)
+    wait_for(lambda: "warning: background save" in workdir.with_suffix(".out").read_text(), process)
+    limit_file_size(process, resource.RLIM_INFINITY)
+    assert process.wait(timeout=120) == 0, workdir.with_suffix(".out").read_text()[-3000:]
+    out = workdir.with_suffix(".out").read_text()
+    assert "SIGUSR1: saving a checkpoint after the step in flight; training goes on" in out
+    failed = json.loads((workdir / "goodput.json").read_text())["totals"]["failed_saves"]
+    assert failed >= 1 and not partial_files(workdir)
+    assert_bitwise_equal(workdir, reference)
 
 
 def test_non_finite_loss_stops_naming_the_step_and_saves_nothing_after(tmp_path):

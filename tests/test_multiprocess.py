@@ -1,6 +1,7 @@
 """Several processes form one run: two compute what one does, a preemption of one process stops both at the
-same step, a one-process checkpoint continues in two, a dead process ends the launch, and one process resumes
-what two saved. Four runs in all: one process, two launches of two, and one process again."""
+same step, a one-process checkpoint continues in two, a dead process ends the launch, one process resumes
+what two saved, and a stopped (silent) process ends the launch within the heartbeat timeout. Five runs in all:
+one process, three launches of two, and one process again."""
 import json
 import os
 import re
@@ -96,3 +97,24 @@ def test_one_process_checkpoint_continues_in_two_then_killing_one_ends_the_launc
     assert result.returncode == exit_codes.OK, result.stderr[-3000:]
     assert f"from step {saved}" in result.stdout
     assert len(losses(workdir)) == saved + 1  # every step logged once, from the one-process run's on
+
+
+def test_a_stopped_process_ends_the_launch_within_the_heartbeat_bound(tmp_path, single):
+    """Process 1 is stopped (SIGSTOP: alive but silent, as behind a cut network path): the coordination service
+    misses its heartbeats, process 0 aborts within --heartbeat_timeout_s, and the launcher wakes the stopped
+    process to end it at once, long before the step watchdog (train.step_timeout_s) or the launcher's grace."""
+    workdir = tmp_path / "run"
+    shutil.copytree(single, workdir)
+    heartbeat, grace = 5, 60  # a stopped process left to the grace period would take over 60 s
+    proc = start_cli("train.launch", "--num_processes=2", "--num_cpu_devices=4", f"--grace_s={grace}", "--",
+                     *TRAIN, f"--workdir={workdir}", "--config.train.steps=100000",
+                     "--config.checkpoint.every_steps=0", f"--heartbeat_timeout_s={heartbeat}",
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    wait_for(lambda: helpers.last_step(workdir) >= 6, proc, timeout=180)
+    kill_process_1(workdir, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    out, _ = proc.communicate(timeout=120)
+    took = time.monotonic() - stopped_at
+    assert proc.returncode not in (0, exit_codes.REQUEUE), out[-3000:]
+    assert "stopped sending heartbeats" in out, out[-3000:]
+    assert took < grace - 15, (took, out[-3000:])

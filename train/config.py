@@ -66,7 +66,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data = dict(source="text", path="", token_dtype="uint16", eval_percent=5, cache_dir="", order="epochs",
                   document_mask=False)  # True: attention, positions and loss stop at each EOS (models/documents.py)
     c.checkpoint = dict(every_steps=0, every_minutes=10.0, keep=3, keep_period=0, restore_from="",
-                        restore_params_only=False, mtbf_hours=0.0,
+                        restore_params_only=False, mtbf_hours=0.0, max_failed_saves=3,
                         enabled=True)  # False: never write one (benchmarks, smoke runs); still resumes from one
     # The planner (train/planner): plan.auto takes its best layout for the devices at hand, keeping the
     # mesh sizes in plan.fixed ("tensor:8,pipeline:4").
@@ -167,6 +167,10 @@ def _fault_tolerance(config: ml_collections.ConfigDict) -> None:
                 raise ConfigError(f"{prefix}.{key}={section[key]!r}: must be a number >= 0 (0 turns it off)")
     if not isinstance(ck.enabled, bool):
         raise ConfigError(f"checkpoint.enabled={ck.enabled!r}: use True or False")
+    failures = ck.get("max_failed_saves", 3)
+    if not isinstance(failures, int) or isinstance(failures, bool) or failures < 1:
+        raise ConfigError(f"checkpoint.max_failed_saves={failures!r}: use a whole number >= 1 "
+                          "(that many failed saves in a row stop the run)")
     if not isinstance(ck.keep, int) or ck.keep < 1:
         raise ConfigError(f"checkpoint.keep={ck.keep!r}: keep at least 1 checkpoint")
     if t.on_nonfinite not in NONFINITE_POLICIES:

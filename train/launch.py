@@ -3,12 +3,13 @@
     python -m train.launch --num_processes=2 --num_cpu_devices=4 -- --config=experiments/tiny.py --workdir=DIR
 
 Output is forwarded line by line with a `[pN]` prefix; SIGTERM/SIGINT are forwarded to every process.
-The first process to fail stops the others and its status becomes the launcher's; a process that exits
-with the requeue status (75, after a coordinated preemption save) is not a failure: the launcher waits
-for the others to finish their save and passes 75 on.
+The first process to fail stops the others (a stopped one, SIGSTOP, is woken to receive the SIGTERM) and its
+status becomes the launcher's; a process that exits with the requeue status (75, after a coordinated
+preemption save) is not a failure: the launcher waits for the others to finish their save and passes 75 on.
 """
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -60,6 +61,7 @@ def stop(procs: list[subprocess.Popen], grace_s: float) -> None:
     for p in procs:
         if p.poll() is None:
             p.terminate()
+            os.kill(p.pid, signal.SIGCONT)  # a stopped process (SIGSTOP) would hold the SIGTERM until SIGKILL
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:

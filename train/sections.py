@@ -41,6 +41,7 @@ class CheckpointSection:
     restore_from: str
     restore_params_only: bool
     enabled: bool = True  # False: never write a checkpoint (still resume from one)
+    max_failed_saves: int = 3  # this many failed saves in a row stop the run (exit 74); fewer are retried
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +103,7 @@ def from_config(config: Any) -> tuple[TrainSection, CheckpointSection, FaultSect
                          _names(t.actions))
     checkpoint = CheckpointSection(int(ck.every_steps), float(ck.every_minutes), float(ck.get("mtbf_hours", 0.0)),
                                    int(ck.keep), int(ck.keep_period), str(ck.restore_from),
-                                   bool(ck.restore_params_only), bool(ck.get("enabled", True)))
+                                   bool(ck.restore_params_only), bool(ck.get("enabled", True)),
+                                   int(ck.get("max_failed_saves", 3)))
     faults = FaultSection(int(fi.nan_at_step), int(fi.hang_at_step), float(fi.hang_s), float(fi.step_delay_s))
     return train, checkpoint, faults

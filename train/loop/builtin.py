@@ -59,7 +59,8 @@ class WatchdogKick(Action):
 
 
 class StopSaveAgreement(Action):
-    """Every process's stop request and time-based save wish, OR-ed across processes when step s is read."""
+    """Every process's stop request and save wish (time-based or SIGUSR1), OR-ed across processes when step s
+    is read."""
 
     def run(self, info: StepInfo) -> Update:
         stop, time_save = self.s.agreement.read(info.flags)
@@ -160,7 +161,7 @@ class ProfileStop(Action):
 
 
 class CheckpointSave(Action):
-    """Step-based, time-based (agreed), preemption and final saves of a state whose metrics were read."""
+    """Step-based, time-based or SIGUSR1 (agreed), preemption and final saves of a state whose metrics were read."""
 
     def due(self, info: StepInfo) -> bool:
         d = info.decision
@@ -169,7 +170,7 @@ class CheckpointSave(Action):
     def run(self, info: StepInfo) -> Update:
         self.s.saver.save(info.step, info.state, self.s.rng)
         self.s.dog.kick(f"checkpoint at step {info.step}")
-        # The time-based wish is served; blocked save time is accounted separately, not as step time.
+        # The save wish is served; blocked save time is accounted separately, not as step time.
         return Update(decision=dataclasses.replace(info.decision, time_save=False), restart_clock=True)
 
 

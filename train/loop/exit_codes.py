@@ -8,7 +8,8 @@ USER_ERROR = 2     # a bad config, flag, file or directory (one line names it): 
                    # checkpoint was moved or written
 NON_FINITE = 65    # loss or gradients not finite at the named step (train.on_nonfinite=stop); not saved
 NO_CHECKPOINT = 66  # checkpoints exist or were set aside, but none restores; nothing restarts from step 0
-SAVE_FAILED = 74   # a checkpoint save failed (disk full, directory gone); the previous checkpoint is intact
+SAVE_FAILED = 74   # checkpoint.max_failed_saves saves failed in a row (disk full, directory unwritable), or the
+                   # final or preemption save failed; the older checkpoints are intact
 REQUEUE = 75       # EX_TEMPFAIL: preempted (SIGTERM or a first Ctrl-C) after saving the step reached; requeue
 WATCHDOG = 124     # no step completed within train.step_timeout_s: every thread's stack is on stderr
 # A second Ctrl-C kills the process with the default action (a shell reports status 130).

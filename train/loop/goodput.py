@@ -1,6 +1,7 @@
 """Goodput across restarts: each attempt's wall time split into start-up (imports, device init, validation),
 compilation, the memory check with the compile report, restore or init, checkpoint blocking (the final
-save's wait apart), evaluation and steps recomputed after a failure, kept in DIR/goodput.json.
+save's wait apart), evaluation and steps recomputed after a failure, with the saves that failed (step and
+cause), kept in DIR/goodput.json.
 The file is rewritten atomically as the run goes, so a killed attempt keeps what it last recorded."""
 from __future__ import annotations
 
@@ -37,11 +38,14 @@ class Goodput:
         self.now: dict[str, Any] = {
             "started": datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(),
             "wall_s": 0.0, **{p: 0.0 for p in PARTS}, "recomputed_steps": 0, "first_step": None,
-            "last_step": None, "exit_status": None}
+            "last_step": None, "exit_status": None, "failed_saves": []}
         self.now["startup_s"] = max(0.0, time.time() - self.started)  # the process's life before this run's parts
 
     def add(self, part: str, seconds: float) -> None:
         self.now[part] += seconds
+
+    def failed_save(self, step: int | None, error: str) -> None:
+        self.now["failed_saves"].append({"step": step, "error": error})
 
     def step(self, step: int, seconds: float) -> None:
         recomputed = step <= self.done_before
@@ -54,6 +58,7 @@ class Goodput:
         runs = self.attempts + [self.now]
         out = {p: round(sum(a.get(p, 0.0) for a in runs), 3) for p in ("wall_s",) + PARTS}  # older files lack some
         out["attempts"] = len(runs)
+        out["failed_saves"] = sum(len(a.get("failed_saves", [])) for a in runs)
         out["goodput"] = round(out["productive_s"] / out["wall_s"], 4) if out["wall_s"] else 0.0
         return out
 
@@ -75,4 +80,5 @@ class Goodput:
                 f"start-up {t['startup_s']:.1f}s, compile {t['compile_s']:.1f}s, "
                 f"memory check {t['memory_check_s']:.1f}s, restore {t['restore_s']:.1f}s, init {t['init_s']:.1f}s, "
                 f"checkpoint blocking {t['checkpoint_blocked_s']:.2f}s (+{t['final_save_wait_s']:.2f}s final wait), "
-                f"eval {t['eval_s']:.1f}s, recomputed {t['recomputed_s']:.1f}s, other {other:.1f}s")
+                f"eval {t['eval_s']:.1f}s, recomputed {t['recomputed_s']:.1f}s, other {other:.1f}s"
+                + (f"; {t['failed_saves']} failed save(s)" if t["failed_saves"] else ""))

@@ -22,7 +22,7 @@ from train.trainer import Trainer
 class Decision:
     """The stop/save decision, agreed across processes (train/loop/preemption.Agreement)."""
     stop: bool = False       # save this step, then exit 75
-    time_save: bool = False  # a time-based save is due
+    time_save: bool = False  # a time-based save is due, or one SIGUSR1 asked for
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Preemption. SIGTERM or a first SIGINT asks the run to stop after the step in flight and save it; a
-second SIGINT kills the process at once. Host-side decisions (stop, a time-based save is due) are
-made identical on every process by a max over processes of each one's flags, dispatched after a step
-and read one step later like the metrics: all processes act at the same step, with no extra barrier.
-This needs no `jax.distributed` preemption service: one process skips the collective altogether."""
+second SIGINT kills the process at once; SIGUSR1 asks for a save after the step in flight, and training goes
+on. Host-side decisions (stop, a save is wished: time-based or SIGUSR1) are made identical on every process
+by a max over processes of each one's flags, dispatched after a step and read one step later like the
+metrics: all processes act at the same step, with no extra barrier. This needs no `jax.distributed`
+preemption service: one process skips the collective altogether."""
 from __future__ import annotations
 
 import os
@@ -18,10 +19,11 @@ from jax.sharding import PartitionSpec as P
 
 
 class StopSignals:
-    """Context manager: installs the SIGTERM/SIGINT handlers (main thread only) and restores the old ones."""
+    """Context manager: installs the SIGTERM/SIGINT/SIGUSR1 handlers (main thread only) and restores the old ones."""
 
     def __init__(self, enabled: bool = True):
         self.requested = threading.Event()
+        self.save_now = threading.Event()  # SIGUSR1: save after the step in flight, then go on
         self.enabled = enabled
         self._previous: dict[int, Any] = {}
 
@@ -29,7 +31,19 @@ class StopSignals:
         if self.enabled and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
+            self._previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._save)
         return self
+
+    def take_save_request(self) -> bool:
+        """Whether SIGUSR1 came since the last call (each request is posted once)."""
+        asked = self.save_now.is_set()
+        self.save_now.clear()
+        return asked
+
+    def _save(self, signum: int, frame) -> None:
+        if not self.save_now.is_set():
+            os.write(2, b"\nSIGUSR1: saving a checkpoint after the step in flight; training goes on\n")
+        self.save_now.set()
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():

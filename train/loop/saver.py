@@ -1,7 +1,9 @@
 """Saving during training: when (every_steps; every_minutes, agreed across processes; the final step;
 preemption), what (the plain state tree with the RNG, and meta with every array's checksum), and what
-it cost (blocked and save seconds into metrics.jsonl and goodput). A failed background save is raised
-on the main thread at the next step."""
+it cost (blocked and save seconds into metrics.jsonl and goodput). At most one save is in flight: a save
+waits for the one before. A failed save (full disk, unwritable or vanished directory) is reported (a
+warning line and goodput.json) and training goes on, saving again when the next save is due;
+checkpoint.max_failed_saves failures in a row, or a failed final or preemption save, stop the run (exit 74)."""
 from __future__ import annotations
 
 import json
@@ -11,8 +13,8 @@ from typing import Any
 import jax
 
 import checkpoint
+from checkpoint import SaveFailed, plain
 from checkpoint import format as ckpt_format
-from checkpoint import plain
 from mesh.layout import axis_sizes
 from train.loop.goodput import Goodput
 from train.loop.metrics import MetricsLog
@@ -56,7 +58,9 @@ class Saver:
         self._blocked: list[float] = []  # measured save costs, for the mtbf_hours interval
         self.run_info = describe_run(trainer)
         self.log, self.goodput = log, goodput
-        self.last_saved = last_saved
+        self.last_saved = last_saved  # the newest step saved or being saved
+        self._committed = self._asked = last_saved  # the newest step whose save committed (-1: none); asked for
+        self.max_failed, self.failures = every.max_failed_saves, 0  # failures: consecutive failed saves
         self._since = time.monotonic()
         self._prepared: tuple[int, Any, Any] | None = None  # (step, tree, checksums dispatched)
 
@@ -90,19 +94,57 @@ class Saver:
             tree, checksums = ckpt_format.to_tree(self.trainer, state, rng), None
         self._prepared = None
         jax.block_until_ready(tree)  # waiting for the step itself is step time, not checkpoint time
-        blocked = self.ckpts.save(step, tree, self.run_info, checksums=checksums)
+        t0 = time.perf_counter()
+        self._collect(self.ckpts.wait)  # the save in flight commits (or fails) first: one in flight at most
+        self.last_saved = self._asked = step
+        self._since = time.monotonic()  # a failed save, too, waits for the next due point
+        try:
+            blocked = self.ckpts.save(step, tree, self.run_info, checksums=checksums,
+                                      waited_s=time.perf_counter() - t0)
+        except SaveFailed as e:
+            self._failed(e)
+            return
         self.goodput.add("checkpoint_blocked_s", blocked)
         self._blocked.append(blocked)
-        self.last_saved, self._since = step, time.monotonic()
 
     def _report(self, records: list[checkpoint.SaveRecord]) -> None:
         for r in records:
             self.log.write({"step": r.step, "checkpoint_blocked_s": round(r.blocked_s, 4),
                             "checkpoint_save_s": round(r.save_s, 4)})
+            self._committed, self.failures = r.step, 0
+
+    def _failed(self, error: SaveFailed, last_chance: bool = False) -> None:
+        """Report a failed save; raise SaveFailed (exit 74) at checkpoint.max_failed_saves failures in a
+        row, or when no later save would come (`last_chance`: the final or the preemption save)."""
+        self.failures += 1
+        self.last_saved = self._committed
+        self.goodput.failed_save(error.step, str(error))
+        self.goodput.flush()
+        row = f"{self.failures} failed save(s) in a row, checkpoint.max_failed_saves={self.max_failed}"
+        if last_chance or self.failures >= self.max_failed:
+            raise SaveFailed(f"{error} ({row})", error.step) from error
+        if jax.process_index() == 0:
+            print(f"warning: {error}; training goes on and saves again when the next save is due ({row})",
+                  flush=True)
+
+    def _collect(self, finish) -> None:
+        """`finish` (the checkpoints' poll or wait): log the saves committed, report one that failed."""
+        try:
+            self._report(finish())
+        except SaveFailed as e:
+            self._failed(e)
 
     def poll(self) -> None:
-        """Log saves that have committed; raise SaveFailed if a background save failed."""
-        self._report(self.ckpts.poll())
+        """Log saves that have committed; report one that failed (raising SaveFailed at the limit)."""
+        self._collect(self.ckpts.poll)
 
     def wait(self) -> None:
-        self._report(self.ckpts.wait())
+        """Wait for the save in flight, the last one before the run ends: its failure raises SaveFailed."""
+        try:
+            self._report(self.ckpts.wait())
+        except SaveFailed as e:
+            self._failed(e, last_chance=True)
+        if self._asked > self._committed:  # the newest save failed before it started, as reported then
+            raise SaveFailed(f"the save of checkpoint {self.ckpts.step_dir(self._asked)} failed (see the warning "
+                             f"above), and no later save comes; the newest complete checkpoint is step "
+                             f"{self._committed}", self._asked)

@@ -68,7 +68,9 @@ class Scheduler:
         self.run_due(self.before_dispatch, lambda: self.step_info(step, dispatched=False))
         # `step` is the number of completed updates once it is done; its batch is the one at index step-1.
         self.state, metrics = self.s.compiled(self.state, self.s.trainer.batch(step - 1))
-        flags = self.s.agreement.post((self.s.signals.requested.is_set(), self.s.saver.time_due()))
+        signals = self.s.signals  # a save is wished when one is due by time or SIGUSR1 asked for one
+        save = self.s.saver.time_due() or signals.take_save_request()
+        flags = self.s.agreement.post((signals.requested.is_set(), save))
         self.latest = Dispatched(step, metrics, flags)
         self.unread.append(self.latest)
         self.save_prepared = False
