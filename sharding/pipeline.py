@@ -109,6 +109,10 @@ def slot_program(schedule: schedules.Schedule, train: bool) -> dict[str, np.ndar
     branch = np.where(kind == schedules.FORWARD, stages.FWD_FIRST + place, branch)
     if train:
         branch = np.where(kind == schedules.BACKWARD, stages.BWD_FIRST + place, branch)
+        split = {schedules.INPUT_GRAD: (stages.IDLE, stages.INPUT_MID, stages.INPUT_LAST),
+                 schedules.WEIGHT_GRAD: (stages.BWD_FIRST, stages.WEIGHT_MID, stages.WEIGHT_LAST)}
+        for action, by_place in split.items():
+            branch = np.where(kind == action, np.asarray(by_place)[place], branch)
     acts, grads = schedule_buffers.activation_buffers(schedule), schedule_buffers.gradient_buffers(schedule)
     scratch = lambda a, plan: np.where(a < 0, plan.size, a)  # noqa: E731
     program = dict(branch=branch, mb=np.maximum(mb, 0), chunk=np.maximum(chunk, 0),
@@ -130,7 +134,13 @@ def branch_slot_counts(schedule: schedules.Schedule, train: bool = True) -> np.n
     how often a device really runs it, where the compiled loop only says the switch runs every slot.
     """
     branch = slot_program(schedule, train)["branch"]
-    return np.stack([np.bincount(column, minlength=stages.NUM_BRANCHES) for column in branch.T])
+    n = stages.num_branches(train and has_split_backward(schedule))
+    return np.stack([np.bincount(column, minlength=n) for column in branch.T])
+
+
+def has_split_backward(schedule: schedules.Schedule) -> bool:
+    """Whether the table runs backwards as B and W cells (zero-bubble schedules), so the executor needs them."""
+    return bool(np.isin(schedule.table[:, :, schedules.KIND], (schedules.INPUT_GRAD, schedules.WEIGHT_GRAD)).any())
 
 
 def build(cfg: Any, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule,
@@ -192,6 +202,7 @@ class StageProgram:
         self.constrain = AutoAxesHints(auto_rules, sizes)
 
         self.program = slot_program(schedule, train)
+        self.split = train and has_split_backward(schedule)
         self.act_entries, self.grad_entries = (int(n) for n in self.program.pop("sizes"))
         self.count_targets = models.target_counter(cfg)
         ring = v > 1  # only interleaving sends from the last stage back to the first
@@ -223,8 +234,9 @@ class StageProgram:
         micro = tokens.reshape(m, tokens.shape[0] // m, tokens.shape[1])
         weight = (None if self.count_targets is None
                   else _microbatch_weight(self.count_targets, tokens, self.batch_axes, self.replicas))
-        cells = stages.branches(self.cfg, self.constrain, self.manual, 1.0 / m if weight is None else weight)
-        assert len(cells) == stages.NUM_BRANCHES, len(cells)  # branch_slot_counts and the audit index by these
+        cells = stages.branches(self.cfg, self.constrain, self.manual, 1.0 / m if weight is None else weight,
+                                self.split)
+        assert len(cells) == stages.num_branches(self.split), len(cells)  # branch_slot_counts, the audit index these
         return DeviceOperands(d, stack, top, micro, weight, cells)
 
     def initial_carry(self, device: DeviceOperands, tokens: jax.Array) -> dict[str, Any]:

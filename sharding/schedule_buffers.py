@@ -9,7 +9,17 @@ import dataclasses
 
 import numpy as np
 
-from sharding.schedules import BACKWARD, CHUNK, FORWARD, KIND, MICROBATCH, Schedule, action_slots
+from sharding.schedules import (
+    BACKWARD,
+    CHUNK,
+    FORWARD,
+    INPUT_GRAD,
+    KIND,
+    MICROBATCH,
+    WEIGHT_GRAD,
+    Schedule,
+    action_slots,
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -18,7 +28,8 @@ class BufferPlan:
 
     arrive:  slot from which the message for (d, c, i) is usable; it was sent in slot arrive-1 and is
              stored at the end of that slot. -1 where no message exists.
-    release: last slot that reads it (the backward of (c, i) on d); its entry is free from release+1.
+    release: last slot that reads it (the backward of (c, i) on d, or its W when the backward is split);
+             its entry is free from release+1.
     entry:   index in stage d's buffer, in [0, size); -1 where no message exists.
     size:    entries per stage: the most messages any stage holds at once (one shape for all stages,
              as SPMD needs); 0 when nothing is ever sent (p=1, v=1).
@@ -38,30 +49,30 @@ class BufferPlan:
 def activation_buffers(schedule: Schedule) -> BufferPlan:
     """Inputs of model chunks 1..K-1, received from the previous chunk's device (d-1 mod p).
 
-    Kept from arrival until the chunk's backward, which recomputes its forward from them (jax.vjp).
-    Model chunk 0's input is the step's own microbatch, read from the batch, so it takes no entry.
-    Its forward and its backward both read the entry.
+    Kept from arrival until the chunk's backward (its W when split), which recomputes its forward from them
+    (jax.vjp). Model chunk 0's input is the step's own microbatch, read from the batch, so it takes no entry.
+    Its forward and its backward cells (B and W) all read the entry.
     """
-    forward, backward = action_slots(schedule)
+    forward, _, weight_grad = action_slots(schedule)
     K = schedule.num_chunks
     arrive = np.full((K, schedule.microbatches), -1)
     arrive[1:] = forward[:-1] + 1
-    release = np.where(arrive >= 0, backward, -1)
-    return _plan(schedule, arrive, release, readers=(FORWARD, BACKWARD))
+    release = np.where(arrive >= 0, weight_grad, -1)
+    return _plan(schedule, arrive, release, readers=(FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD))
 
 
 def gradient_buffers(schedule: Schedule) -> BufferPlan:
     """Output gradients of model chunks 0..K-2, received from the next chunk's device (d+1 mod p).
 
-    Kept from arrival until the chunk's backward consumes them. The last chunk's output gradient comes
-    from its own loss inside its backward, so it takes no entry.
+    Kept from arrival until the chunk's backward consumes them (B and W both do, so until W). The last
+    chunk's output gradient comes from its own loss inside its backward, so it takes no entry.
     """
-    forward, backward = action_slots(schedule)
+    _, input_grad, weight_grad = action_slots(schedule)
     K = schedule.num_chunks
     arrive = np.full((K, schedule.microbatches), -1)
-    arrive[:-1] = backward[1:] + 1
-    release = np.where(arrive >= 0, backward, -1)
-    return _plan(schedule, arrive, release, readers=(BACKWARD,))
+    arrive[:-1] = input_grad[1:] + 1
+    release = np.where(arrive >= 0, weight_grad, -1)
+    return _plan(schedule, arrive, release, readers=(BACKWARD, INPUT_GRAD, WEIGHT_GRAD))
 
 
 def _plan(schedule: Schedule, arrive_k: np.ndarray, release_k: np.ndarray, readers: tuple[int, ...]) -> BufferPlan:

@@ -1,5 +1,6 @@
 """Pipeline schedule tables: validity, bubble against the closed forms, memory in flight, buffer plans,
-the one-line configuration errors, and the plotting CLI. Pure numpy (the plot aside): the file runs in ~1 s."""
+split backwards (zero-bubble), the one-line configuration errors, and the plotting CLI. Pure numpy (the plot
+aside): the file runs in ~1 s."""
 import numpy as np
 import pytest
 
@@ -8,13 +9,15 @@ from sharding.schedule_buffers import activation_buffers, gradient_buffers
 
 GRID = ([("gpipe", p, m, 1) for p in (1, 2, 3, 4, 5) for m in (1, 2, 3, 5, 8)]
         + [("1f1b", p, m, 1) for p in (1, 2, 3, 4, 5) for m in sorted({p, p + 1, 2 * p + 1, 3 * p})]
-        + [("interleaved", p, m, v) for p in (1, 2, 3, 4) for m in (p, 2 * p, 3 * p) for v in (2, 3, 4)])
+        + [("interleaved", p, m, v) for p in (1, 2, 3, 4) for m in (p, 2 * p, 3 * p) for v in (2, 3, 4)]
+        + [("zb_h1", p, m, 1) for p in (1, 2, 3, 4, 5, 8) for m in sorted({p, p + 1, 2 * p + 1, 3 * p})])
+WHOLE = [g for g in GRID if g[0] != "zb_h1"]  # one cell per backward
 
 
 def parse(rows: list[str]) -> np.ndarray:
-    """Hand-written stage rows ('F0 F1 -- B0', v=1) -> table [slots, p, 3]."""
-    cells = [[(S.IDLE, -1, -1) if a == "--" else ({"F": S.FORWARD, "B": S.BACKWARD}[a[0]], int(a[1:]), 0)
-              for a in row.split()] for row in rows]
+    """Hand-written stage rows ('F0 F1 -- B0', v=1; 'b0 w0' a split backward's B and W) -> table [slots, p, 3]."""
+    kinds = {"F": S.FORWARD, "B": S.BACKWARD, "b": S.INPUT_GRAD, "w": S.WEIGHT_GRAD}
+    cells = [[(S.IDLE, -1, -1) if a == "--" else (kinds[a[0]], int(a[1:]), 0) for a in row.split()] for row in rows]
     return np.array(cells).transpose(1, 0, 2)
 
 
@@ -22,9 +25,14 @@ def parse(rows: list[str]) -> np.ndarray:
 def test_every_table_is_valid_and_its_bubble_is_the_closed_form(name, p, m, v):
     schedule = S.build(name, p, m, v)
     S.validate(schedule)
-    assert schedule.table.shape == (2 * (v * m + p - 1), p, 3)  # tight: 2vm busy + 2(p-1) idle slots per stage
+    if name == "zb_h1":  # tight: 3m busy (F, B, W) + p-1 idle slots per stage
+        assert schedule.table.shape == (3 * m + p - 1, p, 3)
+        assert S.bubble_fraction(schedule) == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+    else:  # tight: 2vm busy + 2(p-1) idle slots per stage
+        assert schedule.table.shape == (2 * (v * m + p - 1), p, 3)
+        assert S.bubble_fraction(schedule) == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
     assert S.bubble_fraction(schedule) == pytest.approx(S.closed_form_bubble(name, p, m, v), abs=1e-12)
-    assert S.bubble_fraction(schedule) == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    assert S.max_in_flight(schedule).tolist() == S.closed_form_in_flight(name, p, m, v)
 
 
 def test_tables_match_hand_worked_timings():
@@ -37,9 +45,28 @@ def test_tables_match_hand_worked_timings():
     assert np.array_equal(S.one_f_one_b(2, 3).table, one_f_one_b)
 
 
+def test_zb_h1_matches_hand_worked_timing():
+    # Stage 1 runs W of microbatch j one microbatch after its B (d=1 held back); stage 0's W follows its B.
+    # Each stage is idle one slot (p-1), against two in 1F1B's table above, for 3m busy slots instead of 2m.
+    zb_h1 = parse(["F0 F1 -- b0 w0 F2 b1 w1 b2 w2",
+                   "-- F0 b0 F1 b1 w0 F2 b2 w1 w2"])
+    assert np.array_equal(S.zb_h1(2, 3).table, zb_h1)
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (4, 8), (4, 32), (8, 16)])
+def test_zb_h1_keeps_1f1b_peak_memory_and_buffers_flat_in_microbatches(p, m):
+    zb, one = S.zb_h1(p, m), S.one_f_one_b(p, m)
+    assert S.max_in_flight(zb).max() == S.max_in_flight(one).max() == p
+    assert activation_buffers(zb).size == activation_buffers(one).size == p
+    assert gradient_buffers(zb).size == p - 1  # a gradient waits from B to its deferred W (1F1B: 1 entry)
+    forward, input_grad, weight_grad = S.action_slots(zb)
+    assert (weight_grad > input_grad).all() and (input_grad > forward).all()
+
+
 def test_interleaved_places_chunk_c_of_device_d_as_model_chunk_c_times_p_plus_d():
     schedule = S.interleaved(2, 2, 2)
-    forward, backward = S.action_slots(schedule)
+    forward, backward, weight = S.action_slots(schedule)
+    assert (weight == backward).all()  # one cell per backward
     # microbatch 0 walks model chunks 0,1,2,3 on devices 0,1,0,1, one slot apart; its gradient comes back
     assert forward[:, 0].tolist() == [0, 1, 2, 3]
     assert backward[:, 0].tolist() == [8, 7, 5, 4]  # device 1 runs microbatch 1 in slots 5-6 (worked by hand)
@@ -81,6 +108,8 @@ def test_interleaving_lowers_the_bubble_as_the_closed_form_says(p, m, v):
     (("1f1b", 4, 8, 2), "pipeline.virtual_stages=2"),
     (("gpipe", 4, 0, 1), "pipeline.microbatches=0"),
     (("gpipe", 0, 4, 1), "mesh.pipeline=0"),
+    (("zb_h1", 4, 3, 1), "pipeline.microbatches=3: the zb_h1 schedule needs at least"),
+    (("zb_h1", 4, 8, 2), "pipeline.virtual_stages=2: only pipeline.schedule='interleaved'"),
 ])
 def test_misconfigurations_raise_one_line_naming_the_key(args, fragment):
     for call in (S.build, S.closed_form_bubble):
@@ -119,6 +148,12 @@ def put(t, d, cell):
     (lambda: S.gpipe(2, 3), put(3, 0, (S.FORWARD, 2, 0)), "forward of microbatch 2 chunk 0 runs twice"),
     (lambda: S.gpipe(2, 3), put(3, 0, (S.FORWARD, 3, 0)), "microbatch < 3"),
     (lambda: S.interleaved(2, 2, 2), put(0, 0, (S.FORWARD, 0, 2)), "chunk < 2"),
+    # stage 0 runs microbatch 0's W (slot 4) before its B (slot 3)
+    (lambda: S.zb_h1(2, 3), swap(3, 0, 4, 0), "weight gradient of microbatch 0 chunk 0 .* runs before"),
+    (lambda: S.zb_h1(2, 3), put(9, 0, (S.IDLE, -1, -1)), r"weight gradient \(W\) of microbatch 2 chunk 0 is missing"),
+    (lambda: S.zb_h1(2, 3), put(2, 0, (S.BACKWARD, 0, 0)), "has a whole backward and a split one"),
+    # stage 0's B of microbatch 0 moved into slot 2, where stage 1's B that it waits for runs
+    (lambda: S.zb_h1(2, 3), swap(2, 0, 3, 0), "gradient from chunk 1 has arrived"),
 ])
 def test_validate_catches_broken_tables(make, edit, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -135,7 +170,8 @@ def replay(schedule):
     """Run the table with tags instead of tensors, using only the buffer plans, as an executor would.
 
     Each stage owns two buffers; a tag (model chunk, microbatch) says which value an entry holds.
-    Every read must find the value its action needs: the input of (k, i), or the gradient for it.
+    Every read must find the value its action needs: the input of (k, i), or the gradient for it (a split
+    backward's B and W both read both).
     """
     p, v = schedule.stages, schedule.virtual_stages
     K = p * v
@@ -163,7 +199,7 @@ def replay(schedule):
                     assert grad[d][grads.read[t, d]] == ("grad", k, i)
                 else:
                     assert grads.read[t, d] == -1  # the last chunk starts from its loss
-                if k > 0:
+                if k > 0 and kind in S.GIVES_INPUT_GRAD:  # W reads the gradient again, sends nothing
                     sent_grad[(d - 1) % p] = ("grad", k - 1, i)
         for d in range(p):  # messages land at the end of the slot, after this slot's reads
             for plan, buffer, message in ((acts, act, sent_act[d]), (grads, grad, sent_grad[d])):
