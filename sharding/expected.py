@@ -8,10 +8,11 @@ Megatron tensor parallelism: per block, the family's activation all-reduces (mod
 Llama one after attention and one after the MLP), each mirrored in the backward pass, plus the embedding
 (forward) and the head's input gradient (backward); full rematerialization repeats the attention one.
 Pipeline (sharding/pipeline.py): the lockstep executor sends one activation and one gradient per time slot of the
-schedule's table (2(vm+p-1) slots, 3m+p-1 for ZB-H1); each backward cell (B and W too) recomputes its forward; FSDP weights are gathered once per step
-(pipeline.FSDP_GATHER), not in the forward and again in the backward; the embedding and head, replicated on
-every stage, have their gradients summed over `pipeline` too. Stages differ (only the first embeds, only
-the last runs the head), so per device means the mean over the stages, as the audit counts.
+schedule's table (2(vm+p-1) slots, 3m+p-1 for ZB-H1), each way a V-shaped one sends; each backward cell (B and W
+too) recomputes its forward; FSDP weights are gathered once per step (pipeline.FSDP_GATHER), not in the forward
+and again in the backward; the embedding and head, replicated on every stage, have their gradients summed over
+`pipeline` too. Stages differ (only the first embeds, only the last runs the head), so per device means the mean
+over the stages, as the audit counts.
 Sequence parallelism (Megatron, `seq -> tensor`): each forward all-reduce becomes a reduce-scatter and an
 all-gather of the next block's input; the backward mirrors both and gathers each matmul input again for its
 weight gradient (the gathered copy is not kept). Context parallelism: the ring passes every layer's K and V
@@ -32,7 +33,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 import models
-from sharding import schedules
+from sharding import schedule_buffers, schedules
 from sharding.specs import spec_axes
 
 
@@ -247,14 +248,18 @@ def expert_all_to_alls(x: Layout) -> list[Expected]:
 
 
 def stage_sends(x: Layout) -> list[Expected]:
-    """The lockstep pipeline sends one activation and one gradient per time slot of its table; idle cells send
-    zeros, since SPMD collectives run on every device every slot."""
+    """The lockstep pipeline sends one activation and one gradient per time slot of its table, on each channel
+    that kind uses (a V-shaped table sends both ways; what stays on a device at the V's turn is not sent); idle
+    cells send zeros, since SPMD collectives run on every device every slot."""
     if not x.pipelined:
         return []
     micro = x.rows // x.pipeline["microbatches"]
     act = micro * x.cfg.seq_len * x.cfg.d_model * x.itemsize
-    slots = x.schedule().num_slots
-    return [Expected("stage activations and gradients", "collective_permute", "pipeline", 2 * slots * act)]
+    schedule = x.schedule()
+    plans = (schedule_buffers.activation_buffers(schedule), schedule_buffers.gradient_buffers(schedule))
+    channels = sum(channel != schedule_buffers.SELF for plan in plans for channel in plan.writes)
+    return [Expected("stage activations and gradients", "collective_permute", "pipeline",
+                     channels * schedule.num_slots * act)]
 
 
 # One rule per kind of parallelism, in the order the table lists them.

@@ -58,19 +58,26 @@ def test_schedule_matches_single_device(layout, schedule, virtual_stages):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     # Checkpoints are layout-free: the logical-order state is the single-device state.
     assert rel_norm(trainer.to_logical(state)["params"], ref_params) < 1e-5
-    if layout == LAYOUTS[0] and schedule == "interleaved":  # the pipelined eval step, on permuted layers
+    if layout == LAYOUTS[0] and schedule in ("interleaved", "zb_v"):  # the pipelined eval step, on permuted layers
         np.testing.assert_allclose(float(trainer.eval_step(state["params"], trainer.batch(0, "eval"))), ref_eval,
                                    rtol=1e-5)
 
 
+@pytest.mark.parametrize("schedule,virtual_stages", [("zb_h1", 1), ("zb_v", 2)], ids=["zb_h1", "zb_v"])
 @pytest.mark.parametrize("layout", LAYOUTS[:2], ids=_name)
-def test_zero_bubble_matches_single_device(layout):
-    """B and W cells (the split backward) on pipeline=4 beside data and pipeline=2 beside data and tensor."""
-    test_schedule_matches_single_device(layout, "zb_h1", 1)
+def test_zero_bubble_matches_single_device(layout, schedule, virtual_stages):
+    """B and W cells (the split backward) on pipeline=4 beside data and pipeline=2 beside data and tensor; zb_v
+    also sends activations back up the stages and keeps them at the V's turn."""
+    test_schedule_matches_single_device(layout, schedule, virtual_stages)
 
 
 def test_fsdp_tensor_layout_matches_single_device():
     test_schedule_matches_single_device(FSDP_TENSOR, "1f1b", 1)
+
+
+def test_v_shaped_layer_order():
+    # zb_v on 2 stages: device 0 holds model chunks 0 and 3 (layers 0,1 and 6,7), device 1 chunks 1 and 2.
+    np.testing.assert_array_equal(pipeline_lib.layer_order(8, 2, 2, v_shape=True), [0, 1, 6, 7, 2, 3, 4, 5])
 
 
 def test_layer_order_round_trip():
