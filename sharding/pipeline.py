@@ -1,7 +1,8 @@
 """Pipeline-parallel loss and gradients in one SPMD program: a `shard_map` over the pipeline and batch axes
 runs any schedule table (sharding/schedules.py) as a `lax.scan` over time slots, one `lax.switch` per slot.
 
-Same contract as train.step.model_loss_and_grad, so GPipe, 1F1B and interleaved 1F1B are tables, not code.
+Same contract as train.step.model_loss_and_grad, so GPipe, 1F1B, interleaved 1F1B and the zero-bubble ZB-H1 and
+ZB-V (split backwards) are tables, not code.
 """
 from __future__ import annotations
 
@@ -175,8 +176,10 @@ class StageProgram:
     Per device (shard_map, manual over `pipeline` and the batch axes): its rows of the batch split into m
     microbatches; its stage's layers as v chunks. Each slot it runs its table cell, then `ppermute` carries
     the activation to the next stage (d+1) and the input gradient to the previous one (d-1), on a ring when
-    interleaved (chunk c on device p-1 feeds chunk c+1 on device 0). Received messages wait in fixed-size
-    buffers (schedule_buffers) until their backward, so 1F1B keeps at most p inputs per stage whatever m.
+    interleaved (chunk c on device p-1 feeds chunk c+1 on device 0), and both ways when V-shaped (ZB-V: the
+    second chunk runs back up the stages; at the V's turn a message stays on its device). Received messages
+    wait in fixed-size buffers (schedule_buffers) until their backward, so 1F1B keeps at most p inputs per stage
+    whatever m.
     The cells themselves (embedding first, head and loss last, backward by vjp) are in pipeline_stages.
 
     FSDP inside the pipeline: stage parameters are gathered once per step, before the slot loop, and the
