@@ -1,5 +1,6 @@
 """Pipeline schedules at equal global batch: step time, temp memory per device and bubble fraction for each
-schedule and microbatch count, beside the same devices without a pipeline (the pipeline axis folded into data).
+schedule and microbatch count (GPipe, 1F1B, interleaved and the zero-bubble ZB-H1 and ZB-V, measured side by side
+in one process), beside the same devices without a pipeline (the pipeline axis folded into data).
 
     python -m experiments.bench_pipeline --config=default --layout='pipeline=2;data=2;tensor=2' --microbatches=2,4,8
 """
@@ -22,7 +23,7 @@ _CONFIG = flags.DEFINE_string("config", "default", "Experiment file in experimen
 _LAYOUT = flags.DEFINE_string("layout", "pipeline=2;data=2;tensor=2", "The pipelined mesh, axes separated by ';'.")
 _BASELINE = flags.DEFINE_string("baseline", "",
                                  "The unpipelined mesh (default: the layout with pipeline folded into data).")
-_SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved"], "Schedules to run.")
+_SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved", "zb_h1", "zb_v"], "Schedules to run.")
 _MICROBATCHES = flags.DEFINE_list("microbatches", ["2", "4", "8"], "Microbatch counts per data-parallel replica.")
 _VIRTUAL = flags.DEFINE_integer("virtual_stages", 2, "Chunks per stage for the interleaved schedule.")
 _BATCH = flags.DEFINE_integer("global_batch_size", 0, "Global batch (0: the config's).")
@@ -80,7 +81,8 @@ def main(argv):
     runs = [("none", 1, 1, baseline)]
     for schedule in _SCHEDULES.value:
         for m in (int(x) for x in _MICROBATCHES.value):
-            runs.append((schedule, m, _VIRTUAL.value if schedule == "interleaved" else 1, layout))
+            v = {"interleaved": _VIRTUAL.value, "zb_v": 2}.get(schedule, 1)  # zb_v: two chunks per stage, always
+            runs.append((schedule, m, v, layout))
     device = jax.devices()[0]
     print(f"# {_CONFIG.value} config, {device.platform} ({device.device_kind}) x {jax.device_count()}, "
           f"jax {jax.__version__}, {time.strftime('%Y-%m-%d')}")

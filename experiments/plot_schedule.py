@@ -2,6 +2,7 @@
 
   python -m experiments.plot_schedule --schedule=1f1b --stages=4 --microbatches=8 --out=1f1b.png
   python -m experiments.plot_schedule --all --stages=4 --microbatches=8 --virtual_stages=2 --out=all.png
+  python -m experiments.plot_schedule --schedule=zb_v --stages=4 --microbatches=8 --text
 """
 from __future__ import annotations
 
@@ -32,8 +33,15 @@ def microbatch_colors(m: int) -> np.ndarray:
     return colormaps["turbo"](np.linspace(0.05, 0.95, m))[:, :3]
 
 
+# Per action kind: hatch and label prefix (forward cells are light, every backward kind dark).
+STYLE = {S.FORWARD: (None, ""), S.BACKWARD: ("///", ""), S.INPUT_GRAD: ("\\\\", "B"), S.WEIGHT_GRAD: ("..", "W")}
+FORMS = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved": "(p-1)/(vm+p-1)",
+         "zb_h1": "(p-1)/(3m+p-1)", "zb_v": "bound (p-1)/(6m+p-1)"}
+
+
 def draw(ax, schedule: S.Schedule, duration: float | None = None) -> None:
-    """One schedule on one Axes: forward cells light, backward cells dark and hatched, idle white.
+    """One schedule on one Axes: forward cells light, backward cells dark and hatched (a split backward's B
+    and W labelled), idle white.
 
     Time is in units of one stage's whole forward of a microbatch, so an interleaved cell (one chunk,
     1/v of a stage's layers) is 1/v wide, as in Megatron-LM's figure, and schedules compare by length.
@@ -43,11 +51,12 @@ def draw(ax, schedule: S.Schedule, duration: float | None = None) -> None:
     for t, d in zip(*np.nonzero(schedule.table[:, :, S.KIND] != S.IDLE)):
         kind, i, c = schedule.table[t, d]
         forward = kind == S.FORWARD
+        hatch, prefix = STYLE[int(kind)]
         face = 1 - 0.5 * (1 - colors[i]) if forward else 0.8 * colors[i]  # forward: halfway to white
         ax.add_patch(Rectangle((t * width, d), width, 1, facecolor=face, edgecolor="0.35", linewidth=0.4,
-                               hatch=None if forward else "///"))
+                               hatch=hatch))
         text_color = "black" if forward else "white"
-        label = f"{i}" if v == 1 else f"{i}\n" + r"$_{c" + str(c) + "}$"
+        label = f"{prefix}{i}" if v == 1 else f"{prefix}{i}\n" + r"$_{c" + str(c) + "}$"
         ax.text((t + 0.5) * width, d + 0.5, label, ha="center", va="center", fontsize=7, color=text_color,
                 linespacing=0.8, fontweight="bold" if not forward else "normal")
     ax.set_xlim(0, duration or schedule.num_slots * width)
@@ -61,7 +70,7 @@ def draw(ax, schedule: S.Schedule, duration: float | None = None) -> None:
         ax.axhline(d, color="0.8", linewidth=0.4, zorder=0)
     bubble = S.bubble_fraction(schedule)
     closed = S.closed_form_bubble(schedule.name, p, m, v)
-    form = "(p-1)/(vm+p-1)" if v > 1 else "(p-1)/(m+p-1)"
+    form = FORMS[schedule.name]
     ax.set_title(f"{schedule.name}   p={p}  m={m}" + (f"  v={v}" if v > 1 else "")
                  + f"   bubble {bubble:.1%}  (closed form {form} = {closed:.1%})", fontsize=9, loc="left")
 
@@ -77,27 +86,33 @@ def render(schedules: Sequence[S.Schedule], out: str) -> None:
         draw(ax, schedule, duration)
     legend = [Patch(facecolor="0.85", edgecolor="0.35", label="forward (light)"),
               Patch(facecolor="0.4", edgecolor="0.35", hatch="///", label="backward (dark, hatched)"),
+              Patch(facecolor="0.4", edgecolor="0.35", hatch="\\\\", label="B: input gradient"),
+              Patch(facecolor="0.4", edgecolor="0.35", hatch="..", label="W: weight gradient"),
               Patch(facecolor="white", edgecolor="0.35", label="idle")]
     chunked = any(s.virtual_stages > 1 for s in schedules)
-    note = "cells: microbatch" + (", chunk c (model chunk c*p + stage)" if chunked else "")
-    fig.legend(handles=legend, loc="outside lower center", ncols=3, fontsize=8, frameon=False, title=note,
+    note = "cells: microbatch" + (", chunk c (interleaved: model chunk c*p + stage; zb_v: stage, then back up)"
+                                  if chunked else "")
+    fig.legend(handles=legend, loc="outside lower center", ncols=5, fontsize=8, frameon=False, title=note,
                title_fontsize=8)
     fig.savefig(out, dpi=130)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | interleaved")
+    parser.add_argument("--schedule", default="1f1b", help=" | ".join(S.NAMES))
     parser.add_argument("--stages", type=int, default=4, help="pipeline stages p (mesh.pipeline)")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches m (pipeline.microbatches)")
     parser.add_argument("--virtual_stages", type=int, default=None,
-                        help="chunks per stage v for interleaved (default 2; 1 for the others)")
-    parser.add_argument("--all", action="store_true", help="draw gpipe, 1f1b and interleaved stacked")
+                        help="chunks per stage v for interleaved (default 2); zb_v has 2, the others 1")
+    parser.add_argument("--all", action="store_true", help="draw every schedule stacked")
     parser.add_argument("--out", default="schedule.png", help="PNG file to write")
+    parser.add_argument("--text", action="store_true", help="also print each table, one row per stage")
     args = parser.parse_args(argv)
     def virtual_stages(name: str) -> int:  # --all applies --virtual_stages to the interleaved panel only
         if name == "interleaved":
             return args.virtual_stages or 2
+        if name == "zb_v":
+            return 2
         return 1 if args.all else args.virtual_stages or 1
 
     try:
@@ -115,9 +130,14 @@ def main(argv: Sequence[str] | None = None) -> str:
     args = parse_args(argv)
     render(args.schedules, args.out)
     for schedule in args.schedules:
-        print(f"{schedule.name:12s} p={schedule.stages} m={schedule.microbatches} v={schedule.virtual_stages} "
-              f"slots={schedule.num_slots} bubble={S.bubble_fraction(schedule):.4f} "
-              f"max_in_flight={S.max_in_flight(schedule).tolist()}")
+        p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
+        print(f"{schedule.name:12s} p={p} m={m} v={v} slots={schedule.num_slots} "
+              f"bubble={S.bubble_fraction(schedule):.4f} "
+              f"closed_form={S.closed_form_bubble(schedule.name, p, m, v):.4f} "
+              f"max_in_flight={S.max_in_flight(schedule).tolist()} "
+              f"closed_form_in_flight={S.closed_form_in_flight(schedule.name, p, m, v)}")
+        if args.text:
+            print(S.format_table(schedule))
     print(f"wrote {args.out}")
     return args.out
 

@@ -7,11 +7,12 @@ the backward pass; their gradients are reduce-scattered once.
 Megatron tensor parallelism: per block, the family's activation all-reduces (models.TensorTraffic: for GPT and
 Llama one after attention and one after the MLP), each mirrored in the backward pass, plus the embedding
 (forward) and the head's input gradient (backward); full rematerialization repeats the attention one.
-Pipeline (sharding/pipeline.py): the lockstep executor sends one activation and one gradient per time slot,
-2(vm+p-1) slots a step; each backward cell recomputes its forward; FSDP weights are gathered once per step
-(pipeline.FSDP_GATHER), not in the forward and again in the backward; the embedding and head, replicated on
-every stage, have their gradients summed over `pipeline` too. Stages differ (only the first embeds, only
-the last runs the head), so per device means the mean over the stages, as the audit counts.
+Pipeline (sharding/pipeline.py): the lockstep executor sends one activation and one gradient per time slot of the
+schedule's table (2(vm+p-1) slots, 3m+p-1 for ZB-H1), each way a V-shaped one sends; each backward cell (B and W
+too) recomputes its forward; FSDP weights are gathered once per step (pipeline.FSDP_GATHER), not in the forward
+and again in the backward; the embedding and head, replicated on every stage, have their gradients summed over
+`pipeline` too. Stages differ (only the first embeds, only the last runs the head), so per device means the mean
+over the stages, as the audit counts.
 Sequence parallelism (Megatron, `seq -> tensor`): each forward all-reduce becomes a reduce-scatter and an
 all-gather of the next block's input; the backward mirrors both and gathers each matmul input again for its
 weight gradient (the gathered copy is not kept). Context parallelism: the ring passes every layer's K and V
@@ -32,6 +33,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 import models
+from sharding import schedule_buffers, schedules
 from sharding.specs import spec_axes
 
 
@@ -50,7 +52,8 @@ class Expected:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """What every rule reads: the model, its parameters (`leaves`, their `specs`, which are `lookup` tables),
-    the rules and mesh sizes, the global batch and the pipeline's {microbatches, virtual_stages} or None."""
+    the rules and mesh sizes, the global batch and the pipeline's {schedule, microbatches, virtual_stages} or None
+    (without `schedule`, one of the tables with 2(vm+p-1) slots)."""
     cfg: Any
     leaves: tuple
     specs: tuple
@@ -71,6 +74,12 @@ class Layout:
     @property
     def pipelined(self) -> bool:
         return bool(self.pipeline) and self.sizes.get("pipeline", 1) > 1
+
+    def schedule(self) -> schedules.Schedule:
+        """The pipeline's table (when pipelined)."""
+        m, v = self.pipeline["microbatches"], self.pipeline.get("virtual_stages", 1)
+        name = self.pipeline.get("schedule") or ("interleaved" if v > 1 else "gpipe")
+        return schedules.build(name, self.sizes["pipeline"], m, v)
 
     @property
     def rows(self) -> int:
@@ -239,14 +248,18 @@ def expert_all_to_alls(x: Layout) -> list[Expected]:
 
 
 def stage_sends(x: Layout) -> list[Expected]:
-    """The lockstep pipeline sends one activation and one gradient per time slot, 2(vm+p-1) slots a step;
-    idle cells send zeros, since SPMD collectives run on every device every slot."""
+    """The lockstep pipeline sends one activation and one gradient per time slot of its table, on each channel
+    that kind uses (a V-shaped table sends both ways; what stays on a device at the V's turn is not sent); idle
+    cells send zeros, since SPMD collectives run on every device every slot."""
     if not x.pipelined:
         return []
     micro = x.rows // x.pipeline["microbatches"]
     act = micro * x.cfg.seq_len * x.cfg.d_model * x.itemsize
-    slots = 2 * (x.pipeline.get("virtual_stages", 1) * x.pipeline["microbatches"] + x.sizes["pipeline"] - 1)
-    return [Expected("stage activations and gradients", "collective_permute", "pipeline", 2 * slots * act)]
+    schedule = x.schedule()
+    plans = (schedule_buffers.activation_buffers(schedule), schedule_buffers.gradient_buffers(schedule))
+    channels = sum(channel != schedule_buffers.SELF for plan in plans for channel in plan.writes)
+    return [Expected("stage activations and gradients", "collective_permute", "pipeline",
+                     channels * schedule.num_slots * act)]
 
 
 # One rule per kind of parallelism, in the order the table lists them.
@@ -258,7 +271,7 @@ RULES: list[Callable[[Layout], list[Expected]]] = [
 def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Mapping,
                      sizes: Mapping[str, int], global_batch: int,
                      pipeline: Mapping[str, int] | None = None) -> list[Expected]:
-    """What the layout requires; `pipeline` = {microbatches, virtual_stages} when mesh.pipeline > 1."""
+    """What the layout requires; `pipeline` = {schedule, microbatches, virtual_stages} when mesh.pipeline > 1."""
     paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(abstract_params)[0])
     lookup_keys = models.family_of(cfg).lookup_keys(cfg)  # tables only looked up: gathered forward only
     lookup = tuple(len(path) == 1 and getattr(path[0], "key", None) in lookup_keys for path in paths)

@@ -1,7 +1,8 @@
 """Pipeline-parallel loss and gradients in one SPMD program: a `shard_map` over the pipeline and batch axes
 runs any schedule table (sharding/schedules.py) as a `lax.scan` over time slots, one `lax.switch` per slot.
 
-Same contract as train.step.model_loss_and_grad, so GPipe, 1F1B and interleaved 1F1B are tables, not code.
+Same contract as train.step.model_loss_and_grad, so GPipe, 1F1B, interleaved 1F1B and the zero-bubble ZB-H1 and
+ZB-V (split backwards) are tables, not code.
 """
 from __future__ import annotations
 
@@ -29,18 +30,20 @@ FSDP_GATHER = "once_per_step"
 
 # ----------------------------------------------------------------------------- layer order
 
-def layer_order(n_layers: int, stages_: int, virtual_stages: int) -> np.ndarray:
+def layer_order(n_layers: int, stages_: int, virtual_stages: int, v_shape: bool = False) -> np.ndarray:
     """int [n_layers]: the logical layer held at each position of the in-memory layer stack.
 
     The stack's `layers` dimension is split contiguously over `pipeline` (rule layers -> pipeline), so
     device d holds positions [d*v*Lc, (d+1)*v*Lc), read as v chunks of Lc = L/(vp) layers. Interleaving
     (Megatron-LM, Narayanan et al. SC'21) puts model chunk k = c*p + d on device d, so position
-    d*v*Lc + c*Lc + l holds logical layer (c*p + d)*Lc + l. With v = 1 this is the identity.
+    d*v*Lc + c*Lc + l holds logical layer (c*p + d)*Lc + l; a V-shaped schedule (ZB-V) puts chunk
+    k = schedules.chunk_map(p, v, True)[d, c] there instead. With v = 1 this is the identity.
     """
     p, v = stages_, virtual_stages
     lc = n_layers // (p * v)
+    ks = schedules.chunk_map(p, v, v_shape)
     d, c, l = np.meshgrid(np.arange(p), np.arange(v), np.arange(lc), indexing="ij")
-    return ((c * p + d) * lc + l).reshape(-1)
+    return (ks[d, c] * lc + l).reshape(-1)
 
 
 def _permute_layers(tree: Any, index: np.ndarray) -> Any:
@@ -99,24 +102,32 @@ def slot_program(schedule: schedules.Schedule, train: bool) -> dict[str, np.ndar
     """int32 [slots, p] per field: the branch each device runs in each slot, its microbatch and chunk, and
     the buffer entries it reads and writes (entry `size` is a scratch entry for cells that use none).
 
+    Writes: `act_write` (from the previous stage) and `grad_write` (from the next), and for a V-shaped table
+    the other channels it uses (`act_write_prev`, `act_write_self`, `grad_write_next`, `grad_write_self`).
     Evaluation (train=False) runs the same table with every backward cell idle, cut after its last forward.
     """
     kind, mb, chunk = (schedule.table[:, :, f] for f in (schedules.KIND, schedules.MICROBATCH, schedules.CHUNK))
-    p, v = schedule.stages, schedule.virtual_stages
-    d = np.arange(p)[None, :]
-    place = np.where((chunk == 0) & (d == 0), 0, np.where((chunk == v - 1) & (d == p - 1), 2, 1))
+    k = schedule.chunk_map[np.arange(schedule.stages)[None, :], np.maximum(chunk, 0)]
+    place = np.where(k == 0, 0, np.where(k == schedule.num_chunks - 1, 2, 1))
     branch = np.full(kind.shape, stages.IDLE)
     branch = np.where(kind == schedules.FORWARD, stages.FWD_FIRST + place, branch)
     if train:
         branch = np.where(kind == schedules.BACKWARD, stages.BWD_FIRST + place, branch)
+        split = {schedules.INPUT_GRAD: (stages.IDLE, stages.INPUT_MID, stages.INPUT_LAST),
+                 schedules.WEIGHT_GRAD: (stages.BWD_FIRST, stages.WEIGHT_MID, stages.WEIGHT_LAST)}
+        for action, by_place in split.items():
+            branch = np.where(kind == action, np.asarray(by_place)[place], branch)
     acts, grads = schedule_buffers.activation_buffers(schedule), schedule_buffers.gradient_buffers(schedule)
     scratch = lambda a, plan: np.where(a < 0, plan.size, a)  # noqa: E731
-    program = dict(branch=branch, mb=np.maximum(mb, 0), chunk=np.maximum(chunk, 0),
-                   act_read=scratch(acts.read, acts), act_write=scratch(acts.write, acts),
-                   grad_read=scratch(grads.read, grads), grad_write=scratch(grads.write, grads))
+    program = dict(branch=branch, mb=np.maximum(mb, 0), chunk=np.maximum(chunk, 0))
+    for name, plan in (("act", acts), ("grad", grads)):  # the own channel first (see BufferPlan.writes)
+        program[f"{name}_read"] = scratch(plan.read, plan)
+        for n, (channel, write) in enumerate(plan.writes.items()):
+            program[f"{name}_write" if n == 0 else f"{name}_write_{channel}"] = scratch(write, plan)
     sizes = [acts.size + 1, grads.size + 1]
     if not train:  # no gradients travel: one scratch entry
-        program = {k: a[: np.nonzero(kind == schedules.FORWARD)[0].max() + 1] for k, a in program.items()}
+        program = {k: a[: np.nonzero(kind == schedules.FORWARD)[0].max() + 1] for k, a in program.items()
+                   if not k.startswith("grad_write_")}
         program["grad_read"], program["grad_write"], sizes[1] = 0 * program["grad_read"], 0 * program["grad_write"], 1
     program = {k: a.astype(np.int32) for k, a in program.items()}
     program["sizes"] = np.array(sizes)
@@ -130,7 +141,13 @@ def branch_slot_counts(schedule: schedules.Schedule, train: bool = True) -> np.n
     how often a device really runs it, where the compiled loop only says the switch runs every slot.
     """
     branch = slot_program(schedule, train)["branch"]
-    return np.stack([np.bincount(column, minlength=stages.NUM_BRANCHES) for column in branch.T])
+    n = stages.num_branches(train and has_split_backward(schedule))
+    return np.stack([np.bincount(column, minlength=n) for column in branch.T])
+
+
+def has_split_backward(schedule: schedules.Schedule) -> bool:
+    """Whether the table runs backwards as B and W cells (zero-bubble schedules), so the executor needs them."""
+    return bool(np.isin(schedule.table[:, :, schedules.KIND], (schedules.INPUT_GRAD, schedules.WEIGHT_GRAD)).any())
 
 
 def build(cfg: Any, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule,
@@ -159,8 +176,10 @@ class StageProgram:
     Per device (shard_map, manual over `pipeline` and the batch axes): its rows of the batch split into m
     microbatches; its stage's layers as v chunks. Each slot it runs its table cell, then `ppermute` carries
     the activation to the next stage (d+1) and the input gradient to the previous one (d-1), on a ring when
-    interleaved (chunk c on device p-1 feeds chunk c+1 on device 0). Received messages wait in fixed-size
-    buffers (schedule_buffers) until their backward, so 1F1B keeps at most p inputs per stage whatever m.
+    interleaved (chunk c on device p-1 feeds chunk c+1 on device 0), and both ways when V-shaped (ZB-V: the
+    second chunk runs back up the stages; at the V's turn a message stays on its device). Received messages
+    wait in fixed-size buffers (schedule_buffers) until their backward, so 1F1B keeps at most p inputs per stage
+    whatever m.
     The cells themselves (embedding first, head and loss last, backward by vjp) are in pipeline_stages.
 
     FSDP inside the pipeline: stage parameters are gathered once per step, before the slot loop, and the
@@ -192,9 +211,10 @@ class StageProgram:
         self.constrain = AutoAxesHints(auto_rules, sizes)
 
         self.program = slot_program(schedule, train)
+        self.split = train and has_split_backward(schedule)
         self.act_entries, self.grad_entries = (int(n) for n in self.program.pop("sizes"))
         self.count_targets = models.target_counter(cfg)
-        ring = v > 1  # only interleaving sends from the last stage back to the first
+        ring = v > 1 and not schedule.v_shape  # only interleaving sends from the last stage back to the first
         self.to_next = [(d, (d + 1) % p) for d in range(p if ring else p - 1)]
         self.to_prev = [((d + 1) % p, d) for d in range(p if ring else p - 1)]
 
@@ -223,8 +243,9 @@ class StageProgram:
         micro = tokens.reshape(m, tokens.shape[0] // m, tokens.shape[1])
         weight = (None if self.count_targets is None
                   else _microbatch_weight(self.count_targets, tokens, self.batch_axes, self.replicas))
-        cells = stages.branches(self.cfg, self.constrain, self.manual, 1.0 / m if weight is None else weight)
-        assert len(cells) == stages.NUM_BRANCHES, len(cells)  # branch_slot_counts and the audit index by these
+        cells = stages.branches(self.cfg, self.constrain, self.manual, 1.0 / m if weight is None else weight,
+                                self.split)
+        assert len(cells) == stages.num_branches(self.split), len(cells)  # branch_slot_counts, the audit index these
         return DeviceOperands(d, stack, top, micro, weight, cells)
 
     def initial_carry(self, device: DeviceOperands, tokens: jax.Array) -> dict[str, Any]:
@@ -250,15 +271,27 @@ class StageProgram:
         weighted = loss / self.m if device.weight is None else loss * device.weight(device.micro[cell["mb"]])
         new = dict(carry, loss=carry["loss"] + weighted)
         # Send, then store what arrived (schedule_buffers' order), so an entry freed in this slot is reusable.
-        new["acts"] = _store(carry["acts"], jax.lax.ppermute(y, PIPELINE, self.to_next), cell["act_write"])
+        new["acts"] = self.deliver(carry["acts"], y, cell, "act_write", self.to_next, self.to_prev)
         if self.train:
             # Every cell returns chunk and top gradients (zeros unless it is a backward), since switch
             # branches share one output type; the add costs one pass over the chunk's gradient, small next
             # to the chunk's matmuls on a microbatch.
-            new["grads"] = _store(carry["grads"], jax.lax.ppermute(g_x, PIPELINE, self.to_prev), cell["grad_write"])
+            new["grads"] = self.deliver(carry["grads"], g_x, cell, "grad_write", self.to_prev, self.to_next)
             new["g_stack"] = jax.tree.map(lambda acc, g: _add_at(acc, g, cell["chunk"]), carry["g_stack"], g_chunk)
             new["g_top"] = jax.tree.map(jnp.add, carry["g_top"], g_top)
         return new, None
+
+    def deliver(self, buffer: jax.Array, message: jax.Array, cell: dict[str, jax.Array], key: str,
+                own: list, other: list) -> jax.Array:
+        """Send `message` the kind's own way (activations to the next stage, gradients to the previous one) and
+        store what arrives at `cell[key]`; a V-shaped table also sends it the other way (`key`_prev or _next)
+        and keeps it where the V turns (`key`_self)."""
+        buffer = _store(buffer, jax.lax.ppermute(message, PIPELINE, own), cell[key])
+        for channel, pairs in (("prev" if key == "act_write" else "next", other), ("self", None)):
+            if f"{key}_{channel}" in cell:
+                arrived = message if pairs is None else jax.lax.ppermute(message, PIPELINE, pairs)
+                buffer = _store(buffer, arrived, cell[f"{key}_{channel}"])
+        return buffer
 
     def gather(self, x: jax.Array, spec: P) -> jax.Array:
         """FSDP: the whole stage's weights, once per step."""

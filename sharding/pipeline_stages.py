@@ -1,6 +1,6 @@
 """The work of one pipeline cell: a model chunk's forward, or its backward by `jax.vjp` (recomputing the
-chunk's forward from its kept input), with the embedding on the first chunk and the head and loss on the last,
-all through the model contract (models/contract.py), so any family pipelines.
+chunk's forward from its kept input), whole or split into B and W, with the embedding on the first chunk and the
+head and loss on the last, all through the model contract (models/contract.py), so any family pipelines.
 """
 from __future__ import annotations
 
@@ -12,9 +12,18 @@ import jax.numpy as jnp
 import models
 from models.contract import Constrain
 
-# Branch indices: the action kind crossed with the chunk's place in the model (first, middle, last).
+# Branch indices: the action kind crossed with the chunk's place in the model (first, middle, last). The split
+# backward's cells (B: input gradient, W: weight gradient) follow; the first chunk's B is IDLE (its input is the
+# embedding's output, whose gradient only W needs) and its W is BWD_FIRST (every gradient but the input's).
 IDLE, FWD_FIRST, FWD_MID, FWD_LAST, BWD_FIRST, BWD_MID, BWD_LAST = range(7)
-NUM_BRANCHES = BWD_LAST + 1
+INPUT_MID, INPUT_LAST, WEIGHT_MID, WEIGHT_LAST = range(7, 11)
+NUM_BRANCHES = BWD_LAST + 1  # without split backwards
+NUM_SPLIT_BRANCHES = WEIGHT_LAST + 1
+
+
+def num_branches(split: bool) -> int:
+    """How many `lax.switch` branches the executor compiles: the split cells only when the table has them."""
+    return NUM_SPLIT_BRANCHES if split else NUM_BRANCHES
 
 # One cell's inputs: (chunk layers [Lc, ...], top params (all outside the layer stack), tokens [b, seq+1],
 # x_in [b, seq, D], g_in [b, seq, D]).
@@ -43,12 +52,14 @@ def make_varying(tree: Any, axes: tuple[str, ...]) -> Any:
 LossScale = Union[float, Callable[[jax.Array], jax.Array]]  # 1/m, or a microbatch's tokens -> its weight
 
 
-def branches(cfg: Any, constrain: Constrain, manual: tuple[str, ...],
-             loss_scale: LossScale) -> list[Callable[[Operands], Outputs]]:
-    """The seven cell programs, indexed by the constants above (see Cells). The executor picks one per time
-    slot with `lax.switch`, so all of them share one signature."""
+def branches(cfg: Any, constrain: Constrain, manual: tuple[str, ...], loss_scale: LossScale,
+             split: bool = False) -> list[Callable[[Operands], Outputs]]:
+    """The cell programs, indexed by the constants above (see Cells): seven, or eleven with the split backward's.
+    The executor picks one per time slot with `lax.switch`, so all of them share one signature."""
     cells = Cells(cfg, constrain, manual, loss_scale)
-    return [cells.idle, cells.fwd_first, cells.fwd_mid, cells.fwd_last, cells.bwd_first, cells.bwd_mid, cells.bwd_last]
+    whole = [cells.idle, cells.fwd_first, cells.fwd_mid, cells.fwd_last, cells.bwd_first, cells.bwd_mid,
+             cells.bwd_last]
+    return whole + ([cells.input_mid, cells.input_last, cells.weight_mid, cells.weight_last] if split else [])
 
 
 class Cells:
@@ -137,6 +148,39 @@ class Cells:
         _, pullback = jax.vjp(lambda c, t, x: self.last(c, t, x, tokens), chunk, top, x_in)
         g_chunk, g_top, g_x = pullback(self.seed(tokens))
         return self.zeros(x_in), g_x, g_chunk, g_top, self._no_loss()
+
+    # --------------------------------------------------------------------- the split backward (zero-bubble)
+    # Qi et al. 2023: B differentiates with respect to the chunk's input only, so the previous stage gets its
+    # gradient without waiting for the weight gradient; W (any later slot) differentiates with respect to the
+    # weights only. Each recomputes the chunk's forward from the kept input, as the whole backward does, and
+    # keeps nothing between them: the split costs one more forward per microbatch and chunk, and W, to reach
+    # the weights of the chunk's earlier layers, backpropagates through its later ones again (the paper's W
+    # reuses the per-layer output gradients its B stored; here only the chunk's input and output gradient
+    # are kept, so W is a whole backward minus the input gradient of the chunk's first layer).
+
+    def input_mid(self, ops: Operands) -> Outputs:
+        chunk, top, tokens, x_in, g_in = ops
+        _, pullback = jax.vjp(lambda x: self.mid(chunk, x, tokens), x_in)
+        (g_x,) = pullback((g_in, self.seed(tokens)))
+        return self.zeros(x_in), g_x, self.zeros(chunk), self.zeros(top), self._no_loss()
+
+    def input_last(self, ops: Operands) -> Outputs:
+        chunk, top, tokens, x_in, _ = ops
+        _, pullback = jax.vjp(lambda x: self.last(chunk, top, x, tokens), x_in)
+        (g_x,) = pullback(self.seed(tokens))
+        return self.zeros(x_in), g_x, self.zeros(chunk), self.zeros(top), self._no_loss()
+
+    def weight_mid(self, ops: Operands) -> Outputs:
+        chunk, top, tokens, x_in, g_in = ops
+        _, pullback = jax.vjp(lambda c: self.mid(c, x_in, tokens), chunk)
+        (g_chunk,) = pullback((g_in, self.seed(tokens)))
+        return self.zeros(x_in), self.zeros(x_in), g_chunk, self.zeros(top), self._no_loss()
+
+    def weight_last(self, ops: Operands) -> Outputs:
+        chunk, top, tokens, x_in, _ = ops
+        _, pullback = jax.vjp(lambda c, t: self.last(c, t, x_in, tokens), chunk, top)
+        g_chunk, g_top = pullback(self.seed(tokens))
+        return self.zeros(x_in), self.zeros(x_in), g_chunk, g_top, self._no_loss()
 
     def _no_loss(self) -> jax.Array:
         return self.zeros(jnp.zeros((), jnp.float32))

@@ -1,6 +1,7 @@
 """The pipeline executor: every schedule on three 3D layouts trains exactly as one device does (losses,
-first-step gradients, parameters in logical order), 1F1B's memory stays flat in the microbatch count while
-GPipe's grows, only stage-local collectives run per slot, and misconfigurations fail with one line."""
+first-step gradients, parameters in logical order), so do the zero-bubble schedules (split backwards), 1F1B's
+memory stays flat in the microbatch count while GPipe's grows and ZB-H1's stays near 1F1B's, only stage-local
+collectives run per slot, and misconfigurations fail with one line."""
 import functools
 
 import numpy as np
@@ -57,13 +58,26 @@ def test_schedule_matches_single_device(layout, schedule, virtual_stages):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     # Checkpoints are layout-free: the logical-order state is the single-device state.
     assert rel_norm(trainer.to_logical(state)["params"], ref_params) < 1e-5
-    if layout == LAYOUTS[0] and schedule == "interleaved":  # the pipelined eval step, on permuted layers
+    if layout == LAYOUTS[0] and schedule in ("interleaved", "zb_v"):  # the pipelined eval step, on permuted layers
         np.testing.assert_allclose(float(trainer.eval_step(state["params"], trainer.batch(0, "eval"))), ref_eval,
                                    rtol=1e-5)
 
 
+@pytest.mark.parametrize("schedule,virtual_stages", [("zb_h1", 1), ("zb_v", 2)], ids=["zb_h1", "zb_v"])
+@pytest.mark.parametrize("layout", LAYOUTS[:2], ids=_name)
+def test_zero_bubble_matches_single_device(layout, schedule, virtual_stages):
+    """B and W cells (the split backward) on pipeline=4 beside data and pipeline=2 beside data and tensor; zb_v
+    also sends activations back up the stages and keeps them at the V's turn."""
+    test_schedule_matches_single_device(layout, schedule, virtual_stages)
+
+
 def test_fsdp_tensor_layout_matches_single_device():
     test_schedule_matches_single_device(FSDP_TENSOR, "1f1b", 1)
+
+
+def test_v_shaped_layer_order():
+    # zb_v on 2 stages: device 0 holds model chunks 0 and 3 (layers 0,1 and 6,7), device 1 chunks 1 and 2.
+    np.testing.assert_array_equal(pipeline_lib.layer_order(8, 2, 2, v_shape=True), [0, 1, 6, 7, 2, 3, 4, 5])
 
 
 def test_layer_order_round_trip():
@@ -77,16 +91,27 @@ def test_layer_order_round_trip():
     np.testing.assert_array_equal(physical["embed"], np.arange(3))
 
 
+@functools.lru_cache(maxsize=None)
+def _temp_bytes(schedule: str, m: int) -> int:
+    """Compiled temp bytes of the tiny model on LAYOUTS[0] with 2 rows per microbatch per replica."""
+    trainer = Trainer.build(_config(LAYOUTS[0], schedule, 1, m, 2 * 2 * m, model=tiny_config))
+    return trainer.compile().memory_analysis().temp_size_in_bytes
+
+
 def test_one_f_one_b_memory_is_flat_and_gpipe_grows():
     """Microbatch size fixed at 2 rows per replica: the batch grows with m. GPipe keeps m inputs per stage,
     1F1B at most p, so only GPipe's temp memory grows, by one [2, seq, d_model] input per extra microbatch."""
-    layout = LAYOUTS[0]
-    temp = {(s, m): Trainer.build(_config(layout, s, 1, m, 2 * 2 * m, model=tiny_config)).compile()
-            .memory_analysis().temp_size_in_bytes for s in ("1f1b", "gpipe") for m in (4, 16)}
+    temp = {(s, m): _temp_bytes(s, m) for s in ("1f1b", "gpipe") for m in (4, 16)}
     assert temp["1f1b", 16] <= 1.3 * temp["1f1b", 4], temp
     entry = 2 * 64 * 128 * 4
     assert temp["gpipe", 16] - temp["gpipe", 4] >= 0.9 * (16 - 4) * entry, temp
     assert temp["gpipe", 16] > temp["1f1b", 16], temp
+
+
+def test_zb_h1_memory_stays_near_1f1b():
+    """ZB-H1 keeps 1F1B's p stage inputs; only its gradient buffer grows (p-1 entries waiting for their W), and
+    its split cells add no buffer of their own: compiled temp bytes within 10% of 1F1B's."""
+    assert _temp_bytes("zb_h1", 4) <= 1.1 * _temp_bytes("1f1b", 4), (_temp_bytes("zb_h1", 4), _temp_bytes("1f1b", 4))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[1:], ids=_name)
@@ -120,6 +145,20 @@ def test_branch_slot_counts(name, p, m, v):
         np.testing.assert_array_equal(counts[:, first], [m] + [0] * (p - 1))
         np.testing.assert_array_equal(counts[:, last], [0] * (p - 1) + [m])
         np.testing.assert_array_equal(counts[:, first] + counts[:, mid] + counts[:, last], v * m)
+
+
+def test_branch_slot_counts_of_split_backwards():
+    """ZB-H1 on p=4, m=8: per stage m forwards, m B cells and m W cells; the first chunk's B is idle (nothing
+    upstream to send to) and its W the whole backward of the embedding chunk; idle = the p-1 bubble slots."""
+    p, m = 4, 8
+    counts = pipeline_lib.branch_slot_counts(schedules.build("zb_h1", p, m))
+    assert counts.shape == (p, stages.NUM_SPLIT_BRANCHES) and (counts.sum(axis=1) == 3 * m + p - 1).all()
+    np.testing.assert_array_equal(counts[:, stages.IDLE], [p - 1 + m] + [p - 1] * (p - 1))
+    np.testing.assert_array_equal(counts[:, stages.BWD_FIRST], [m] + [0] * (p - 1))
+    np.testing.assert_array_equal(counts[:, stages.BWD_MID] + counts[:, stages.BWD_LAST], 0)
+    np.testing.assert_array_equal(counts[:, stages.INPUT_MID], [0, m, m, 0])
+    np.testing.assert_array_equal(counts[:, stages.WEIGHT_LAST], [0, 0, 0, m])
+    assert pipeline_lib.branch_slot_counts(schedules.build("zb_h1", p, m), train=False).shape[1] == stages.NUM_BRANCHES
 
 
 def _bad(changes: dict, layout=(("pipeline", 4), ("data", 2))):

@@ -173,7 +173,8 @@ def audit(trainer, report: dict, xla_log: str, topology: str, hosts: int, mfu: f
     pipe = plan.pipeline
     expected = expected_traffic(plan.model, layout.abstract_state["params"], layout.param_specs, plan.rules,
                                 plan.mesh_sizes, plan.global_batch,
-                                {"microbatches": pipe.microbatches, "virtual_stages": pipe.virtual_stages}
+                                {"schedule": pipe.schedule, "microbatches": pipe.microbatches,
+                                 "virtual_stages": pipe.virtual_stages}
                                 if pipe else None)
     records = report["collectives"]
     if plan.pipeline:
