@@ -1,4 +1,5 @@
-"""The tiny model for tests: 1.6M parameters, 8 layers, short sequences, small batches."""
+"""The tiny model (1.6M parameters, 8 layers, short sequences, small batches) for quick checks; the planner
+picks the layout for the devices at hand (a --config.mesh.* override pins your own)."""
 from train.config import base_config
 
 
@@ -7,7 +8,7 @@ def get_config(variant: str = ""):
         raise ValueError(f"experiments/tiny.py:{variant}: this experiment has no variants")
     c = base_config()
     c.model.preset = "tiny"
-    c.mesh.data = -1
+    c.plan.auto = True
     c.train.steps = 20
     c.train.global_batch_size = 16
     c.train.log_every = 5

@@ -24,6 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def tiny_config(source: str = "synthetic", **mesh):
     config = get_config()
     config.data.source = source
+    config.plan.auto = False  # the tests pin their layouts
     config.mesh.update({"data": 1, **mesh} if mesh else {"data": 1})
     return config
 

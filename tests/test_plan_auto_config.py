@@ -2,6 +2,8 @@
 tools that read config.json back (train.sample, train.export_hf) use that layout instead of planning again."""
 import json
 
+import pytest
+
 from experiments.tiny import get_config
 from mesh.layout import axis_sizes
 from train import config as run_config
@@ -14,7 +16,7 @@ def test_config_json_of_an_auto_run_holds_the_mesh_it_used(tmp_path):
     config.data.source = "synthetic"
     config.plan.auto = True
     assert config.mesh.data == -1  # the user's mesh is not what runs
-    trainer = Trainer.build(planner_auto.apply(config, 8), 8)  # as train/loop/runner.py does
+    trainer = Trainer.build(planner_auto.apply(config, 8)[0], 8)  # as train/loop/runner.py does
     used = axis_sizes(trainer.mesh)
     assert trainer.config.mesh.to_dict() == used  # loop._compile writes trainer.config to config.json
     (tmp_path / "config.json").write_text(json.dumps({"config": trainer.config.to_dict()}))
@@ -22,3 +24,18 @@ def test_config_json_of_an_auto_run_holds_the_mesh_it_used(tmp_path):
     assert loaded.plan.auto is False and loaded.mesh.to_dict() == used
     again = Trainer.build(loaded, 8)
     assert axis_sizes(again.mesh) == used and again.plan.rules == trainer.plan.rules
+
+
+def test_a_continued_run_keeps_the_layout_it_chose(monkeypatch):
+    config = get_config()
+    record = {"devices": 8, "fixed": "", "chosen": {"mesh": dict(data=2, pipeline=2, fsdp=1, expert=1, context=1,
+                                                                   tensor=2),
+                                                    "schedule": "1f1b", "microbatches": 4, "virtual_stages": 1,
+                                                    "remat": "full", "shard_opt_state": True, "grad_accum_steps": 2}}
+    monkeypatch.setattr(planner_auto, "choose", lambda *a: pytest.fail("planned again"))
+    kept, again = planner_auto.apply(config, 8, {"plan": record})
+    assert again is record and kept.mesh.to_dict() == record["chosen"]["mesh"]
+    assert (kept.model.remat, kept.train.grad_accum_steps, kept.pipeline.microbatches) == ("full", 2, 4)
+    monkeypatch.undo()
+    for other in ({**record, "devices": 4}, {**record, "fixed": "tensor:2"}):  # another cluster or request: plan
+        assert planner_auto.apply(config, 8, {"plan": other})[1] is not other

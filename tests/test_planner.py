@@ -11,11 +11,13 @@ import pytest
 import models
 from checkpoint import cadence
 from experiments.default import get_config as default_config
+from experiments.tiny import get_config as tiny_experiment
 from mesh import layout as L
 from mesh import placement as PL
 from mesh import topology as T
 from sharding import schedules
 from tests.helpers import run_cli, tiny_config
+from train.config import pin_layout_if_mesh_given
 from train.planner import audit as audit_lib
 from train.planner import compile_report as report_lib
 from train.planner import memory, search, timing
@@ -224,12 +226,29 @@ def test_bad_plan_input_is_a_user_error():
 
 
 def test_plan_auto_trains_on_the_printed_layout(tmp_path):
-    done = run_cli("--config=experiments/tiny.py", f"--workdir={tmp_path / 'run'}", "--config.plan.auto=True",
-                   "--config.data.source=synthetic", "--config.train.steps=4", "--config.train.eval_every=0")
+    """The shipped experiments leave the layout to the planner: the run trains the printed choice and records it
+    with the runner-up in config.json."""
+    done = run_cli("--config=experiments/tiny.py", f"--workdir={tmp_path / 'run'}", "--config.data.source=synthetic",
+                   "--config.train.steps=4", "--config.train.eval_every=0")
     assert done.returncode == 0, done.stderr[-2000:]
     chosen = next(l for l in done.stdout.splitlines() if l.startswith("plan.auto:"))
+    assert any(l.startswith("plan.auto runner-up:") for l in done.stdout.splitlines())
     mesh = json.loads((tmp_path / "run" / "compile_report.json").read_text())["mesh"]
     assert chosen.split(": ", 1)[1].split(" | ")[0] == " x ".join(f"{a}={s}" for a, s in mesh.items() if s > 1)
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["plan"]
+    assert recorded["devices"] == 8 and recorded["chosen"]["mesh"] == mesh and recorded["runner_up"]["fits"]
+
+
+def test_a_mesh_override_pins_the_layout_unless_plan_auto_is_given():
+    config = tiny_experiment()
+    assert config.plan.auto
+    pin_layout_if_mesh_given(config, {"train.steps": 3})
+    assert config.plan.auto
+    pin_layout_if_mesh_given(config, {"mesh.tensor": 2, "mesh.data": 4})
+    assert not config.plan.auto
+    config.plan.auto = True
+    pin_layout_if_mesh_given(config, {"mesh.tensor": 2, "plan.auto": True})
+    assert config.plan.auto
 
 
 def test_mtbf_hours_sets_the_time_interval_capped_by_every_minutes():

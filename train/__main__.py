@@ -12,6 +12,7 @@ from ml_collections import config_flags
 
 from mesh import use_cpu_devices
 from train import cli
+from train import config as train_config
 from train.loop import exit_codes, phases
 from train.loop import runner as loop
 from train.runtime import distributed, xla_env
@@ -46,7 +47,9 @@ def _config():
         resumed = phases.resume_config(workdir, config_flags.get_override_values(flag))
         if resumed is not None:
             return resumed, ""
-    return _CONFIG.value, flag.config_filename
+    config = _CONFIG.value
+    train_config.pin_layout_if_mesh_given(config, config_flags.get_override_values(flag))
+    return config, flag.config_filename
 
 
 def main(argv: list[str]) -> int:

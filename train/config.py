@@ -68,8 +68,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint = dict(every_steps=0, every_minutes=10.0, keep=3, keep_period=0, restore_from="",
                         restore_params_only=False, mtbf_hours=0.0, max_failed_saves=3,
                         enabled=True)  # False: never write one (benchmarks, smoke runs); still resumes from one
-    # The planner (train/planner): plan.auto takes its best layout for the devices at hand, keeping the
-    # mesh sizes in plan.fixed ("tensor:8,pipeline:4").
+    # The planner (train/planner): plan.auto takes its best layout for the devices at hand (shipped experiments
+    # turn it on; a --config.mesh.* override turns it off), keeping what plan.fixed pins: mesh sizes and the
+    # layout knobs ("tensor:8,pipeline:4,schedule:interleaved,virtual_stages:2,microbatch_size:1,remat:full,
+    # shard_opt_state:false,grad_accum_steps:1"). plan.topology: a preset or JSON file (default: `local`).
     c.plan = dict(auto=False, fixed="", topology="")
     c.train.update(on_nonfinite="stop", step_timeout_s=1800.0)  # fault tolerance: see train/loop/resume.py
     # Faults on purpose, for tests of the fault handling (0 = off): never set them in a real run.
@@ -332,6 +334,13 @@ def apply_saved(section: ml_collections.ConfigDict, values: dict[str, Any]) -> N
             apply_saved(section[key], value)
         else:
             section[key] = value
+
+
+def pin_layout_if_mesh_given(config: ml_collections.ConfigDict, overrides: dict[str, Any]) -> None:
+    """A `--config.mesh.*` on the command line is the user's own layout: it turns plan.auto off (unless
+    plan.auto itself is given too), so an experiment that leaves the mesh to the planner still runs as told."""
+    if "plan.auto" not in overrides and any(k.startswith("mesh.") for k in overrides):
+        config.plan.auto = False
 
 
 def load_run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:

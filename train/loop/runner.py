@@ -94,7 +94,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
          options: Options) -> dict[str, Any]:
     # plan.auto: the planner's layout replaces mesh.* and the layout knobs (printed); the trainer then
     # builds exactly the layout of the config it is given.
-    config = planner_auto.apply(config, jax.device_count())
+    config, planned = planner_auto.apply(config, jax.device_count(), phases.read(pathlib.Path(workdir).expanduser()))
     actions_lib.check_names(config.train)
     if "wandb" in actions_lib.names(config.train.loggers):
         extras.check("wandb", "train.loggers=wandb")
@@ -105,7 +105,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
             resume.check_before_compile(trainer, path)  # checkpoint compatibility: nothing moved yet
             changed = _phase_changes(trainer, path)
         goodput = Goodput(path, enabled=jax.process_index() == 0)
-        run = _compile(trainer, path, goodput, options, changed)
+        run = _compile(trainer, path, goodput, options, changed, planned)
         if options.compile_only:
             mem = run.rep["memory_per_device"]
             say(f"compiled in {run.rep['compile_seconds']:.1f}s: peak {mem['peak_bytes'] / GiB:.3f} GiB/device, "
@@ -150,9 +150,9 @@ def _phase_changes(trainer: Trainer, path: pathlib.Path) -> dict[str, list[Any]]
 
 
 def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Options,
-             changed: dict[str, list[Any]]) -> Compiled:
+             changed: dict[str, list[Any]], planned: dict | None) -> Compiled:
     """Compile (with the memory check and the audit), then write compile_report.json and config.json (with
-    the history of the run's phases: `changed` is this one's)."""
+    the history of the run's phases: `changed` is this one's; `planned`: plan.auto's choice and runner-up)."""
     plan, is_main = trainer.plan, jax.process_index() == 0
     t0 = time.perf_counter()
     audit = options.audit
@@ -174,6 +174,8 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
                 "mesh": rep["mesh"], "versions": versions.environment(),
                 "runtime_defaults": dict(xla_env.APPLIED),  # GPU XLA flags / memory fraction set for the user
                 "peak": hardware.peak_record(plan.model.compute_dtype, options.peak_tflops)}  # what MFU divides by
+    if planned:
+        resolved["plan"] = planned
     if is_main and not options.compile_only:  # a what-if compile leaves the run's own config.json alone
         record = phases.with_history(resolved, phases.read(path), changed, options.config_file)
         (path / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")

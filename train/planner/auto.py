@@ -41,25 +41,41 @@ def choose(config: ml_collections.ConfigDict, num_devices: int) -> list[Predicti
     return [p for p in ranked if p.fits]
 
 
-def apply(config: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
-    """`config` itself when plan.auto is off, else a copy running the planner's choice (printed with the runner-up)."""
-    if not config.get("plan", {}).get("auto", False):
-        return config
-    fitting = choose(config, num_devices)
-    best = fitting[0].candidate
+def with_layout(config: ml_collections.ConfigDict, choice: dict) -> ml_collections.ConfigDict:
+    """A copy of `config` set to a chosen layout (a candidate's as_json: mesh sizes and the layout knobs)."""
     config = ml_collections.ConfigDict(config.to_dict())
-    config.mesh.update(best.sizes)
+    config.mesh.update(choice["mesh"])
     config.sharding.strategy = "fsdp_tensor"
-    config.sharding.shard_opt_state = best.shard_opt_state
-    config.model.remat = best.remat
-    config.train.grad_accum_steps = best.grad_accum_steps
-    if best.sizes["pipeline"] > 1:
-        config.pipeline.update(schedule=best.schedule, microbatches=best.microbatches,
-                               virtual_stages=best.virtual_stages)
-    if jax.process_index() == 0:
-        print(f"plan.auto: {report.mesh_text(best.sizes)} | {report.knobs(fitting[0])}, predicted "
-              f"{fitting[0].step_time_s:.4g} s/step", flush=True)
-        if len(fitting) > 1:
-            print(f"plan.auto runner-up: {report.mesh_text(fitting[1].candidate.sizes)} | {report.knobs(fitting[1])}, "
-                  f"predicted {fitting[1].step_time_s:.4g} s/step", flush=True)
+    config.sharding.shard_opt_state = choice["shard_opt_state"]
+    config.model.remat = choice["remat"]
+    config.train.grad_accum_steps = choice["grad_accum_steps"]
+    if choice["mesh"]["pipeline"] > 1:
+        config.pipeline.update(schedule=choice["schedule"], microbatches=choice["microbatches"],
+                               virtual_stages=choice["virtual_stages"])
     return config
+
+
+def apply(config: ml_collections.ConfigDict, num_devices: int,
+          previous: dict | None = None) -> tuple[ml_collections.ConfigDict, dict | None]:
+    """(`config` itself, None) when plan.auto is off, else (a copy running the planner's choice, the record of
+    the choice and the runner-up for config.json), printed. `previous`, the config.json of the run being
+    continued: its choice is kept when the devices and plan.fixed are the same, so a requeued run resumes on
+    the layout it saved (a re-measured CPU peak could otherwise flip two near-equal candidates)."""
+    if not config.get("plan", {}).get("auto", False):
+        return config, None
+    record = (previous or {}).get("plan")
+    if record and record["devices"] == num_devices and record["fixed"] == config.plan.fixed:
+        if jax.process_index() == 0:
+            print(f"plan.auto: {report.mesh_text(record['chosen']['mesh'])}, the layout this run chose before",
+                  flush=True)
+        return with_layout(config, record["chosen"]), record
+    fitting = choose(config, num_devices)
+    runner_up = fitting[1] if len(fitting) > 1 else None
+    if jax.process_index() == 0:
+        for label, p in (("plan.auto", fitting[0]), ("plan.auto runner-up", runner_up)):
+            if p is not None:
+                print(f"{label}: {report.mesh_text(p.candidate.sizes)} | {report.knobs(p)}, predicted "
+                      f"{p.step_time_s:.4g} s/step, {p.memory['total'] / 1e9:.3g} GB/device", flush=True)
+    record = {"devices": num_devices, "fixed": config.plan.fixed, "chosen": fitting[0].as_json(),
+              "runner_up": runner_up.as_json() if runner_up else None}
+    return with_layout(config, record["chosen"]), record
