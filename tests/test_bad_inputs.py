@@ -73,7 +73,7 @@ def _cases(tmp):
         "damaged tokenizer.json": ("train", [*tokens, f"--config.data.path={bad['tokenizer']}"],
                                    r"data.path=.*/tokenizer.json is not a Hugging Face tokenizer.json \(damaged\?\); "
                                    r"run train.prepare again with --overwrite", [W]),
-        "truncated safetensors": ("train", ["--config=experiments/llama3_tiny.py", "--config.mesh.data=2",
+        "truncated safetensors": ("train", ["--config=experiments/llama3_tiny.py", "--config.mesh.data=-1",
                                             f"--config.checkpoint.restore_from=hf:{hf}", f"--workdir={W}"],
                                   r"checkpoint.restore_from='hf:.*': .*/model.safetensors is truncated \(8,000 bytes, "
                                   r"its header needs [\d,]+\); download or copy it again", [W]),
