@@ -60,10 +60,13 @@ class WatchdogKick(Action):
 
 class StopSaveAgreement(Action):
     """Every process's stop request and save wish (time-based or SIGUSR1), OR-ed across processes when step s
-    is read."""
+    is read. A single process has no one to agree with, so a stop asked while step s ran counts at once: only
+    the step already queued behind it runs before the save (the flags posted at dispatch would add one more)."""
 
     def run(self, info: StepInfo) -> Update:
         stop, time_save = self.s.agreement.read(info.flags)
+        if not self.s.agreement.collective:
+            stop = stop or self.s.signals.requested.is_set()
         return Update(decision=Decision(info.decision.stop or stop, info.decision.time_save or time_save))
 
 
