@@ -46,6 +46,18 @@ def _hf_truncated(tmp):
     return hf
 
 
+def _damaged_checkpoint(tmp):
+    """A copy of a small run's checkpoint (tests/fixtures) whose largest data file has a flipped stretch: its meta
+    reads, so only reading the arrays finds the damage."""
+    source = tmp / "damaged-run"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "checkpoint_604b7c2" / "checkpoints", source / "checkpoints")
+    data = max((source / "checkpoints" / "3" / "state").rglob("d/*"), key=lambda f: f.stat().st_size)
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2:len(blob) // 2 + 64] = bytes(255 - b for b in blob[len(blob) // 2:len(blob) // 2 + 64])
+    data.write_bytes(bytes(blob))
+    return source
+
+
 def _run_without_step_99(tmp):
     """A run directory with config.json (the tiny model on one device) and a (bare) checkpoint 3."""
     run = tmp / "trained"
@@ -59,6 +71,7 @@ def _run_without_step_99(tmp):
 def _cases(tmp):
     """{name: (module, args, the error line as a regex, paths that must not exist afterwards)}."""
     bad, hf, trained = _datadirs(tmp), _hf_truncated(tmp), _run_without_step_99(tmp)
+    damaged = _damaged_checkpoint(tmp)
     (tmp / "file").write_text("a file, so nothing can be created under it")
     W, blocked, busy = tmp / "W", tmp / "file" / "sub", tmp / "busy"  # busy: held by the test process
     tokens = [*TINY, "--config.data.source=tokens", f"--workdir={W}"]
@@ -77,6 +90,13 @@ def _cases(tmp):
                                             f"--config.checkpoint.restore_from=hf:{hf}", f"--workdir={W}"],
                                   r"checkpoint.restore_from='hf:.*': .*/model.safetensors is truncated \(8,000 bytes, "
                                   r"its header needs [\d,]+\); download or copy it again", [W]),
+        "damaged restore_from checkpoint": ("train", [*TINY, "--config.model.d_model=16", "--config.model.n_layers=2",
+                                                      "--config.model.n_heads=2", "--config.data.source=synthetic",
+                                                      "--config.train.global_batch_size=8",
+                                                      f"--config.checkpoint.restore_from={damaged}:3",
+                                                      f"--workdir={W}"],
+                                            rf"checkpoint.restore_from='{t(str(damaged))}:3': .*/checkpoints/3 is "
+                                            r"damaged \(.*\); name an older step as PATH:STEP", [W]),
         "unwritable data.cache_dir": ("train", [*TINY, f"--config.data.cache_dir={blocked}", f"--workdir={W}"],
                                       rf"data.cache_dir={t(str(blocked))}: cannot write there \(.*", [W]),
         "schedule shorter than warmup": ("train", [*TINY, "--config.train.steps=2", f"--workdir={W}"],

@@ -105,13 +105,18 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
             resume.check_before_compile(trainer, path)  # checkpoint compatibility: nothing moved yet
             changed = _phase_changes(trainer, path)
         goodput = Goodput(path, enabled=jax.process_index() == 0)
-        run = _compile(trainer, path, goodput, options, changed, planned)
         if options.compile_only:
+            run = _compile(trainer, path, goodput, options, {"changes": changed, "plan": planned})
             mem = run.rep["memory_per_device"]
             say(f"compiled in {run.rep['compile_seconds']:.1f}s: peak {mem['peak_bytes'] / GiB:.3f} GiB/device, "
                 f"{len(run.rep['collectives'])} distinct collectives; wrote {path / 'compile_report.json'}")
             return {"compile_report": run.rep}
-        return train(run, path, goodput, signals)
+        # Restore before compiling: a restore_from checkpoint damaged in its data (found only by reading it) is
+        # then a one-line error before the compile, and the restore is needed anyway.
+        ckpts = _open_checkpoints(trainer.plan, path)
+        begin = resume.start(trainer, ckpts, say)
+        run = _compile(trainer, path, goodput, options, {"changes": changed, "plan": planned})
+        return train(run, path, goodput, signals, (ckpts, begin))
 
 
 @contextlib.contextmanager
@@ -150,9 +155,10 @@ def _phase_changes(trainer: Trainer, path: pathlib.Path) -> dict[str, list[Any]]
 
 
 def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Options,
-             changed: dict[str, list[Any]], planned: dict | None) -> Compiled:
+             phase: dict[str, Any]) -> Compiled:
     """Compile (with the memory check and the audit), then write compile_report.json and config.json (with
-    the history of the run's phases: `changed` is this one's; `planned`: plan.auto's choice and runner-up)."""
+    the history of the run's phases: phase["changes"] is this one's; phase["plan"]: plan.auto's choice and
+    runner-up)."""
     plan, is_main = trainer.plan, jax.process_index() == 0
     t0 = time.perf_counter()
     audit = options.audit
@@ -174,21 +180,21 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
                 "mesh": rep["mesh"], "versions": versions.environment(),
                 "runtime_defaults": dict(xla_env.APPLIED),  # GPU XLA flags / memory fraction set for the user
                 "peak": hardware.peak_record(plan.model.compute_dtype, options.peak_tflops)}  # what MFU divides by
-    if planned:
-        resolved["plan"] = planned
+    if phase["plan"]:
+        resolved["plan"] = phase["plan"]
     if is_main and not options.compile_only:  # a what-if compile leaves the run's own config.json alone
-        record = phases.with_history(resolved, phases.read(path), changed, options.config_file)
+        record = phases.with_history(resolved, phases.read(path), phase["changes"], options.config_file)
         (path / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
         data_lib.copy_tokenizer(plan.data, path)
     return Compiled(trainer, compiled, rep, options.peak_tflops, resolved)
 
 
-def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preemption.StopSignals) -> dict[str, Any]:
-    """Resume (or start), then loop; the exit paths (done, preempted, non-finite, failed save) all wait
-    for the save in flight and record goodput."""
+def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preemption.StopSignals,
+          started: tuple[checkpoint.Checkpoints, resume.Start]) -> dict[str, Any]:
+    """Loop from the restored or initial state (`started`: the run's checkpoints and where it begins); the exit
+    paths (done, preempted, non-finite, failed save) all wait for the save in flight and record goodput."""
     trainer, plan = run.trainer, run.trainer.plan
-    ckpts = _open_checkpoints(plan, path)
-    begin = resume.start(trainer, ckpts, say)
+    ckpts, begin = started
     goodput.add("init_s" if begin.origin == "initialized" else "restore_s", begin.seconds)
     if begin.step >= plan.steps:
         say(f"the run in {path} already reached train.steps={plan.steps} ({begin.origin}); nothing to do")
