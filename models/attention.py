@@ -83,16 +83,23 @@ def attend(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, imp
 
 
 def attend_cached(q_BxTxHxK: jax.Array, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Array, k_cache_BxSxGxK: jax.Array,
-                  v_cache_BxSxGxK: jax.Array, length: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                  v_cache_BxSxGxK: jax.Array, length: jax.Array,
+                  start_B: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Decoding with a KV cache: write T new keys and values at position `length` of the [B, S, G, K] buffers,
     then attend causally over the cache (a new token sees every cached position up to its own). Returns (out,
-    (k cache, v cache)); T is a prompt's length for the prefill, 1 for a step."""
+    (k cache, v cache)); T is a prompt's length for the prefill, 1 for a step. `start_B`: each row's first real
+    position, for prompts of several lengths left-padded into one batch (rotary positions are relative, so a
+    row shifted right attends as it would unshifted); the padding is never attended but by itself."""
     k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache_BxSxGxK, k_BxTxGxK.astype(k_cache_BxSxGxK.dtype), length, 1)
     v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache_BxSxGxK, v_BxTxGxK.astype(v_cache_BxSxGxK.dtype), length, 1)
     T, S = q_BxTxHxK.shape[1], k_cache.shape[1]
-    allowed_TxS = jnp.arange(S)[None, :] <= (length + jnp.arange(T))[:, None]
+    query_T = length + jnp.arange(T)
+    allowed = (jnp.arange(S)[None, :] <= query_T[:, None])[None]
+    if start_B is not None:  # a padding query keeps its own key, so no row of scores is empty
+        own_TxS = jnp.arange(S)[None, :] == query_T[:, None]
+        allowed = allowed & ((jnp.arange(S)[None, None, :] >= start_B[:, None, None]) | own_TxS[None])
     out = jax.nn.dot_product_attention(q_BxTxHxK, k_cache.astype(q_BxTxHxK.dtype), v_cache.astype(q_BxTxHxK.dtype),
-                                       mask=allowed_TxS[None, None])
+                                       mask=allowed[:, None])
     return out, (k_cache, v_cache)
 
 

@@ -79,13 +79,15 @@ def decode_with_cache(params: Params, tokens_BxT: jax.Array, cache: dict, length
                       constrain: Any, embed: Any, cached_block: Any, logits: Any):
     """A family's `decode`: run T new tokens at positions length.. through the stack, writing their keys and
     values into the cache: a prefill (T = prompt length, length 0) or one step (T = 1). `cached_block(p, x,
-    positions, (k, v, length)) -> (x, (k, v))` is one layer. Returns (last position's logits [B, V], cache)."""
+    positions, (k, v, length[, start])) -> (x, (k, v))` is one layer. A cache with a "start" entry [B] holds
+    left-padded rows (models/attention.attend_cached). Returns (last position's logits [B, V], cache)."""
     positions = length + jnp.arange(tokens_BxT.shape[1])
     x = embed(params, tokens_BxT, cfg, constrain)
+    start = (cache["start"],) if "start" in cache else ()
 
     def body(x, layer):
         p, k, v = layer
-        return cached_block(p, x, positions, (k, v, length))
+        return cached_block(p, x, positions, (k, v, length, *start))
 
     x, (k, v) = jax.lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
-    return logits(params, x[:, -1:], cfg, constrain)[:, 0], {"k": k, "v": v}
+    return logits(params, x[:, -1:], cfg, constrain)[:, 0], {"k": k, "v": v, **({"start": start[0]} if start else {})}

@@ -56,20 +56,34 @@ class Generator:
             return choose(logits, key, sampling), logits, cache
         self._run = jax.jit(run, donate_argnums=(2,))
 
-    def __call__(self, params, prompt_BxT: np.ndarray, max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """(new tokens [B, N], logits of each choice [B, N, V] as numpy)."""
+    def stream(self, params, prompt_BxT: np.ndarray, max_new_tokens: int, start_B: np.ndarray | None = None):
+        """Yields each new token [B] (on device) as it is chosen. `start_B`: each row's first real position,
+        for prompts left-padded to one length (models/attention.attend_cached)."""
         B, T = prompt_BxT.shape
         cache = self.family.init_cache(self.cfg, B, T + max_new_tokens)
+        if start_B is not None:
+            cache["start"] = jnp.asarray(start_B, jnp.int32)
         if self.mesh is not None:  # next to the sharded params; the step's constraints then place it
             cache = jax.device_put(cache, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
         key = jax.random.key(self.sampling.seed)
         tokens = jnp.asarray(prompt_BxT, jnp.int32)
         length = jnp.zeros((), jnp.int32)
-        out, all_logits = [], []
         for i in range(max_new_tokens):
             nxt, logits, cache = self._run(params, tokens, cache, length, jax.random.fold_in(key, i))
             length = length + tokens.shape[1]
             tokens = nxt[:, None]
-            out.append(nxt)
-            all_logits.append(logits)
+            yield nxt, logits
+
+    def __call__(self, params, prompt_BxT: np.ndarray, max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """(new tokens [B, N], logits of each choice [B, N, V] as numpy)."""
+        out, all_logits = zip(*self.stream(params, prompt_BxT, max_new_tokens))
         return np.asarray(jnp.stack(out, 1)), np.asarray(jnp.stack(all_logits, 1))
+
+
+def fold_stack_axes(mesh: Any) -> None:
+    """A run's mesh config made fit for decoding: `pipeline` and `context` folded into `data`, since decoding
+    runs the whole layer stack on every device, one new token at a time."""
+    folded = mesh.pipeline * mesh.context
+    mesh.pipeline = mesh.context = 1
+    if mesh.data != -1:
+        mesh.data *= folded

@@ -47,10 +47,7 @@ def _mesh_overrides(config) -> None:
     for name in AXES:
         if any(arg.startswith(f"--config.mesh.{name}=") for arg in sys.argv):
             config.mesh[name] = _CONFIG.value.mesh[name]
-    folded = config.mesh.pipeline * config.mesh.context
-    config.mesh.pipeline = config.mesh.context = 1
-    if config.mesh.data != -1:
-        config.mesh.data *= folded
+    generate.fold_stack_axes(config.mesh)
 
 
 def check_flags() -> None:
