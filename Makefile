@@ -23,9 +23,9 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) -m train --config=experiments/default.py --workdir=$(WORKDIR)
 
-# The tests compare against transformers: `make test` adds the hf extra.
+# The tests compare against transformers and run lm-evaluation-harness: `make test` adds the hf and eval extras.
 $(HF_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e '.[test,parquet,plots,wandb,data,hf]'
+	$(PY) -m pip install --quiet -e '.[test,parquet,plots,wandb,data,hf,eval]'
 	touch $(HF_STAMP)
 
 test: $(HF_STAMP)
