@@ -53,6 +53,7 @@ def evaluate(options: Options, echo=print) -> dict:
     extras.check("lm_eval", WHAT)
     harness = importlib.import_module("train.eval.harness")  # imports lm_eval, now known to be installed
     manager = harness.task_manager(options.tasks, options.include_path)
+    harness.check_data(manager, options.tasks)
     run = load.load_run(options.workdir, options.step, options.batch_size, options.mesh, options.num_devices)
     lm = harness.SpmdLM(run=run)
     out = harness.evaluate(lm, manager, options.tasks, options.num_fewshot, options.limit)

@@ -12,6 +12,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.tasks import TaskManager
 
+from mesh.layout import AXES
 from train.eval import load
 from train.eval.options import EvalError
 from train.generate import decode
@@ -21,16 +22,20 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm_eval's own default
 
 @register_model("spmdtrain")
 class SpmdLM(TemplateLM):
-    """`lm_eval --model spmdtrain --model_args workdir=DIR[,step=N,batch_size=N]`, or built around a loaded run."""
+    """Built around a loaded run, or by lm_eval from model_args `workdir=DIR[,step=N,batch_size=N,max_gen_toks=N,
+    num_devices=N]` plus mesh sizes (`data=2,tensor=2`) overriding the run's, in a process that imported this."""
 
-    def __init__(self, workdir: str | None = None, step: int | None = None, batch_size: int = 16,
-                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, run: load.LoadedRun | None = None, **_ignored):
+    def __init__(self, workdir: str | None = None, step: int | None = None, batch_size: int | str = 16,
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, num_devices: int | None = None,
+                 run: load.LoadedRun | None = None, **kwargs):
         super().__init__()
         if run is None:
             if workdir is None:
                 raise EvalError("the spmdtrain model needs model_args workdir=DIR (a training run's directory)")
-            run = load.load_run(pathlib.Path(workdir).expanduser(), None if step is None else int(step),
-                                int(batch_size))
+            size = int(batch_size) if str(batch_size).isdigit() else 16  # lm_eval's "auto": the default
+            mesh = {name: int(value) for name, value in kwargs.items() if name in AXES}  # device=, ...: not ours
+            run = load.load_run(pathlib.Path(workdir).expanduser(), None if step is None else int(step), size,
+                                mesh, None if num_devices is None else int(num_devices))
         self.run, self.scorer, self.codec = run, run.scorer, run.codec
         self.max_length, self.max_gen_toks = run.scorer.cfg.seq_len, int(max_gen_toks)
 
@@ -123,6 +128,19 @@ def task_manager(names: tuple[str, ...], include_path: str | None) -> TaskManage
     manager = TaskManager(include_path=include_path)
     _refuse([n for n in names if n not in manager.all_tasks], include_path)
     return manager
+
+
+def check_data(manager: TaskManager, names: tuple[str, ...]) -> None:
+    """Load each task (and its dataset) once before the checkpoint is read, so a dataset that cannot be reached
+    offline is one line, not a traceback after the restore; lm_eval loads it again from the `datasets` cache."""
+    for name in names:
+        try:
+            manager.load([name])
+        except Exception as e:  # noqa: BLE001  (datasets raises ConnectionError, FileNotFoundError and its own kinds)
+            cause = " ".join(str(e).split()) or type(e).__name__
+            raise EvalError(f"--tasks: the data of task {name!r} cannot be loaded ({cause}); offline, give a local "
+                            f"task over local files with --include_path, or fill the Hugging Face datasets cache "
+                            f"first") from None
 
 
 def _refuse(unknown: list[str], include_path: str | None) -> None:

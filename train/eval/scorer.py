@@ -59,6 +59,8 @@ class Scorer:
         """Up to `max_new` new tokens after each prompt; a batch ends early once `stopped(i, new tokens of
         prompt i)` holds for all its rows."""
         out: list[list[int]] = [[] for _ in prompts]
+        if max_new < 1:
+            return out
         gen = self.generator(sampling)
         for batch in batching.longest_first(prompts, self.batch_size):
             length = batching.bucket(max(len(prompts[i]) for i in batch))
