@@ -7,6 +7,7 @@ import importlib
 import pathlib
 import sys
 
+import jax
 from absl import app, flags, logging
 
 from mesh import use_cpu_devices
@@ -57,12 +58,13 @@ def evaluate(options: Options, echo=print) -> dict:
     run = load.load_run(options.workdir, options.step, options.batch_size, options.mesh, options.num_devices)
     lm = harness.SpmdLM(run=run)
     out = harness.evaluate(lm, manager, options.tasks, options.num_fewshot, options.limit)
-    content = results.record(out, run.step, options.tasks, options.num_fewshot, options.limit)
-    results.write(options.workdir / "eval" / f"step_{run.step}.json", content)
-    if options.json_path:
-        results.write(pathlib.Path(options.json_path).expanduser(), content)
+    if jax.process_index() == 0:  # every process of a multi-process run computed the same results
+        content = results.record(out, run.step, options.tasks, options.num_fewshot, options.limit)
+        results.write(options.workdir / "eval" / f"step_{run.step}.json", content)
+        if options.json_path:
+            results.write(pathlib.Path(options.json_path).expanduser(), content)
+        echo(f"step {run.step}\n{harness.table(out)}")
     results.log(options.workdir, run.config, run.step, results.scalars(out))
-    echo(f"step {run.step}\n{harness.table(out)}")
     return out
 
 

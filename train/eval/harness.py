@@ -18,6 +18,7 @@ from train.eval.options import EvalError
 from train.generate import decode
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm_eval's own default
+LM_EVAL_ARGS = {"device", "max_batch_size"}  # what lm_eval adds to every model's model_args; the mesh places us
 
 
 @register_model("spmdtrain")
@@ -33,7 +34,11 @@ class SpmdLM(TemplateLM):
             if workdir is None:
                 raise EvalError("the spmdtrain model needs model_args workdir=DIR (a training run's directory)")
             size = int(batch_size) if str(batch_size).isdigit() else 16  # lm_eval's "auto": the default
-            mesh = {name: int(value) for name, value in kwargs.items() if name in AXES}  # device=, ...: not ours
+            unknown = sorted(set(kwargs) - set(AXES) - LM_EVAL_ARGS)
+            if unknown:
+                raise EvalError(f"the spmdtrain model has no model_args {unknown[0]!r}; it takes workdir, step, "
+                                f"batch_size, max_gen_toks, num_devices and mesh sizes ({', '.join(AXES)})")
+            mesh = {name: int(value) for name, value in kwargs.items() if name in AXES}
             run = load.load_run(pathlib.Path(workdir).expanduser(), None if step is None else int(step), size,
                                 mesh, None if num_devices is None else int(num_devices))
         self.run, self.scorer, self.codec = run, run.scorer, run.codec
