@@ -50,7 +50,7 @@ def run(tmp_path_factory):
     config.train.loggers = ""
     trainer = Trainer.build(config, num_devices=1)
     state = trainer.init_state()
-    state["params"]["head"] = state["params"]["head"] * 30.0
+    state["params"]["head"] = state["params"]["head"] * 10.0
     ckpts = checkpoint.Checkpoints(workdir / "checkpoints")
     ckpts.save(STEP, ckpt_format.to_tree(trainer, state, ckpt_format.rng_of(0, trainer.mesh)),
                saver.describe_run(trainer))
