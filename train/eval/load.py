@@ -34,5 +34,6 @@ def load_run(workdir: pathlib.Path, step: int | None, batch_size: int, mesh: dic
     trainer = Trainer.build(config, num_devices=num_devices)
     got = checkpoint.restore_source(source, step, {"params": ckpt_format.target(trainer)["params"]}, True, spec)
     params = ckpt_format.params_from_tree(trainer, got.tree["params"])
-    scorer = Scorer(trainer.plan.model, params, trainer.layout.constrain(), trainer.mesh, batch_size, codec.eos_id)
+    # Padding is id 0, inside every vocabulary (a byte-level run's EOS, 256, may not be); nothing real attends to it.
+    scorer = Scorer(trainer.plan.model, params, trainer.layout.constrain(), trainer.mesh, batch_size, pad_id=0)
     return LoadedRun(scorer, codec, step, config)
