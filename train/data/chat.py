@@ -4,6 +4,7 @@ only the assistant's tokens become targets. A record that cannot be used is coun
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import pathlib
 from typing import Any, Iterator
@@ -21,6 +22,7 @@ DEFAULT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role']
                     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 SKIP_REASONS = ("unrenderable", "no_assistant")
+FEATURE = "train.prepare --format=chat"
 
 
 class ChatTemplateError(UserError):
@@ -65,8 +67,7 @@ def template_source(spec: str) -> tuple[str, dict[str, str]]:
 def _environment():
     """A sandboxed Jinja environment set up as Hugging Face chat templates expect (block whitespace trimmed,
     loop controls, tojson that keeps non-ASCII text, raise_exception, strftime_now, {% generation %} blocks)."""
-    jinja2 = extras.load("jinja2", "train.prepare --format=chat")
-    sandbox, ext = extras.load("jinja2.sandbox", ""), extras.load("jinja2.ext", "")
+    jinja2, sandbox, ext = (extras.load(m, FEATURE) for m in ("jinja2", "jinja2.sandbox", "jinja2.ext"))
 
     class Generation(ext.Extension):
         """{% generation %}...{% endgeneration %}: marks the assistant's text for some tools; rendered as is."""
@@ -98,6 +99,7 @@ class Renderer:
     def __init__(self, spec: str):
         source, self.specials = template_source(spec)
         self.default = source == DEFAULT_TEMPLATE
+        self.sha256 = hashlib.sha256(source.encode("utf-8")).hexdigest()
         env = _environment()
         try:
             self.template = env.from_string(source)

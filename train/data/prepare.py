@@ -219,8 +219,8 @@ def _staging_dir(out: pathlib.Path) -> pathlib.Path:
 def _difference(meta: dict[str, Any], inputs: list[dict], recipe: dict) -> str:
     """How an existing DATADIR's preparation differs from this one, in the flags' words."""
     before = meta.get("recipe") or {}
-    changed = [("another --tokenizer file" if k == "tokenizer_sha256" else
-                f"--{k}={before.get(k, '')} (now {recipe.get(k, '')})")
+    changed = [("another --tokenizer file" if k == "tokenizer_sha256" else "another chat template"
+                if k == "chat_template_sha256" else f"--{k}={before.get(k, '')} (now {recipe.get(k, '')})")
                for k in sorted(set(before) | set(recipe)) if before.get(k) != recipe.get(k)]
     flags_text = "with " + ", ".join(changed) if changed else ""
     if meta.get("inputs") != inputs:
@@ -259,15 +259,14 @@ def prepare(inputs: list[str], out: str, spec: str, *, text_field: str = "text",
     if text_split not in corpus.TEXT_SPLITS:
         raise PrepareError(f"--text_split={text_split}: use one of {', '.join(corpus.TEXT_SPLITS)}")
     files = corpus.inputs(inputs)
-    if data_format == "chat":
-        _check_chat(files, spec, max_skipped_percent)
+    template = _check_chat(files, spec, max_skipped_percent) if data_format == "chat" else None
     listed = [sources.fingerprint(f) for f in files]
     recipe = {"tokenizer": spec, "text_field": text_field, "val_percent": val_percent,
               "eos_token": eos_token, "bos_token": bos_token}
     if text_split != "file":  # recorded only when set: DATADIRs prepared before it existed stay the same recipe
         recipe["text_split"] = text_split
     if data_format == "chat":  # also recorded only when set
-        recipe.update(format="chat", max_skipped_percent=max_skipped_percent)
+        recipe.update(format="chat", max_skipped_percent=max_skipped_percent, chat_template_sha256=template)
     if spec.startswith("train-bpe:"):
         recipe["bpe_sample_mb"] = bpe_sample_mb
     if spec.startswith("hf:"):
@@ -284,15 +283,16 @@ def prepare(inputs: list[str], out: str, spec: str, *, text_field: str = "text",
     return meta
 
 
-def _check_chat(files: list[sources.Input], spec: str, max_skipped_percent: float) -> None:
-    """--format=chat's settings and inputs, before any work: JSONL files only, the template compiles."""
+def _check_chat(files: list[sources.Input], spec: str, max_skipped_percent: float) -> str:
+    """--format=chat's settings and inputs, before any work: JSONL files only, the template compiles; returns the
+    template's SHA-256 (a rerun with another template is another preparation)."""
     if not 0 <= max_skipped_percent <= 100:
         raise PrepareError(f"--max_skipped_percent={max_skipped_percent}: use a percentage in [0, 100]")
     other = next((f for f in files if f.is_dataset or not f.name.endswith(corpus.JSONL)), None)
     if other is not None:
         raise PrepareError(f"--format=chat: {other.where} is not a JSONL file (.jsonl or .ndjson, compressed or "
                            f"not) of records with `messages`; convert it or leave it out")
-    chat.Renderer(spec)  # the extra is there and the template compiles
+    return chat.Renderer(spec).sha256  # the extra is there and the template compiles
 
 
 def _hf_file(path: str) -> pathlib.Path:
