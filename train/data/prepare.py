@@ -218,10 +218,14 @@ def _staging_dir(out: pathlib.Path) -> pathlib.Path:
 
 def _difference(meta: dict[str, Any], inputs: list[dict], recipe: dict) -> str:
     """How an existing DATADIR's preparation differs from this one, in the flags' words."""
-    before = meta.get("recipe") or {}
+    before = {"format": "text", **(meta.get("recipe") or {})}
+    recipe = {"format": "text", **recipe}
+    keys = [k for k in sorted(set(before) | set(recipe)) if before.get(k) != recipe.get(k)]
+    if "format" in keys:  # the template follows from the format
+        keys = [k for k in keys if k != "chat_template_sha256"]
     changed = [("another --tokenizer file" if k == "tokenizer_sha256" else "another chat template"
                 if k == "chat_template_sha256" else f"--{k}={before.get(k, '')} (now {recipe.get(k, '')})")
-               for k in sorted(set(before) | set(recipe)) if before.get(k) != recipe.get(k)]
+               for k in keys]
     flags_text = "with " + ", ".join(changed) if changed else ""
     if meta.get("inputs") != inputs:
         return "from other inputs" + (f" and {flags_text}" if flags_text else "")
@@ -266,7 +270,7 @@ def prepare(inputs: list[str], out: str, spec: str, *, text_field: str = "text",
     if text_split != "file":  # recorded only when set: DATADIRs prepared before it existed stay the same recipe
         recipe["text_split"] = text_split
     if data_format == "chat":  # also recorded only when set
-        recipe.update(format="chat", max_skipped_percent=max_skipped_percent, chat_template_sha256=template)
+        recipe.update(format="chat", chat_template_sha256=template)
     if spec.startswith("train-bpe:"):
         recipe["bpe_sample_mb"] = bpe_sample_mb
     if spec.startswith("hf:"):
@@ -276,7 +280,8 @@ def prepare(inputs: list[str], out: str, spec: str, *, text_field: str = "text",
         return None
     staging = _staging_dir(out_path)
     try:
-        meta = _write(staging, files, listed, recipe, text_field, val_percent, num_workers, bpe_sample_mb, bos_token)
+        meta = _write(staging, files, listed, recipe, text_field, val_percent, num_workers, bpe_sample_mb, bos_token,
+                      max_skipped_percent)
         _publish(staging, out_path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -304,7 +309,7 @@ def _hf_file(path: str) -> pathlib.Path:
 
 
 def _write(staging: pathlib.Path, files, listed, recipe, text_field, val_percent, num_workers, sample_mb,
-           bos_token) -> dict[str, Any]:
+           bos_token, max_skipped_percent) -> dict[str, Any]:
     docs_of = functools.partial(corpus.documents, text_field=text_field, text_split=recipe.get("text_split", "file"))
     renderer = chat.Renderer(recipe["tokenizer"]) if recipe.get("format") == "chat" else None
     if renderer is not None:  # the tokenizer's sample reads the conversations' text, counted by a renderer of its own
@@ -320,7 +325,7 @@ def _write(staging: pathlib.Path, files, listed, recipe, text_field, val_percent
     counts, nearest = _stream(staging, _encoded(docs, num_workers, init), progress)
     progress.show(final=True)
     if renderer is not None:
-        _check_skipped(renderer.counts, recipe["max_skipped_percent"])
+        _check_skipped(renderer.counts, max_skipped_percent)
     if counts["train"]["tokens"] == 0:
         raise CorpusError(f"--input: the corpus has no training documents ({len(files)} files); add text")
     if val_percent > 0 and counts["val"]["documents"] == 0:
