@@ -10,7 +10,7 @@ import pytest
 
 import models
 from tests.helpers import rel_norm, tiny_config
-from train.data import prepare
+from train.data import chat, prepare
 from train.data import tokenizer as tok_lib
 from train.trainer import Trainer
 
@@ -50,10 +50,12 @@ def _tokens_and_mask(out):
     return np.fromfile(out / "train.bin", np.uint16), np.fromfile(out / "train_mask.bin", np.uint8)
 
 
-def test_chat_tokens_and_mask_are_the_templates(tmp_path):
+def test_chat_tokens_and_mask_are_the_templates(tmp_path, monkeypatch):
     """Tokens and mask of an hf: tokenizer's template equal transformers' apply_chat_template and assistant mask,
-    each conversation followed by the (untrained) end-of-document token; the unusable records are counted."""
+    each conversation followed by the (untrained) end-of-document token, also when every conversation is a work
+    unit of its own; the unusable records are counted."""
     transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(prepare, "CHUNK_BYTES", 1)
     hf = _hf_dir(tmp_path / "tok")
     data = _jsonl(tmp_path / "chats.jsonl", [GOOD[0], BAD[0], GOOD[1], BAD[1], BAD[2]])
     meta = prepare.prepare([str(data)], str(tmp_path / "out"), f"hf:{hf}", val_percent=0, data_format="chat",
@@ -87,7 +89,7 @@ def test_default_template_and_too_many_bad_records(tmp_path):
     assert meta["chat_template"] == "default" and meta["records"]["kept"] == 1
 
     bad = _jsonl(tmp_path / "bad.jsonl", [GOOD[0], *BAD])
-    with pytest.raises(prepare.PrepareError, match=r"^--format=chat: 1 of 4 conversations kept, skipped 2 that the "
+    with pytest.raises(chat.ChatError, match=r"^--format=chat: 1 of 4 conversations kept, skipped 2 that the "
                                                    r"template cannot render, 1 without an assistant turn, more than "
                                                    r"--max_skipped_percent=50;"):
         prepare.prepare([str(bad)], str(tmp_path / "bad-out"), "bytes", val_percent=0, data_format="chat")

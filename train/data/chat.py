@@ -13,7 +13,7 @@ import numpy as np
 
 from mesh.errors import UserError
 from train.data import sources
-from train.data.corpus import CorpusError
+from train.data.corpus import JSONL, CorpusError
 from train.runtime import extras
 
 # For the bytes and train-bpe tokenizers, and a Hugging Face tokenizer without a chat_template: ChatML's layout,
@@ -25,8 +25,8 @@ SKIP_REASONS = ("unrenderable", "no_assistant")
 FEATURE = "train.prepare --format=chat"
 
 
-class ChatTemplateError(UserError):
-    """A chat template that does not compile; one line."""
+class ChatError(UserError):
+    """A --format=chat setting, input or template the user can fix, or too many unusable records; one line."""
 
 
 class Skip(Exception):
@@ -104,7 +104,7 @@ class Renderer:
         try:
             self.template = env.from_string(source)
         except Exception as e:  # noqa: BLE001  (jinja2's TemplateSyntaxError, or what a broken extension raises)
-            raise ChatTemplateError(f"--tokenizer={spec}: its chat template does not compile ({e}); fix "
+            raise ChatError(f"--tokenizer={spec}: its chat template does not compile ({e}); fix "
                                     f"chat_template in tokenizer_config.json") from None
         self.counts = {"read": 0, "kept": 0, **dict.fromkeys(SKIP_REASONS, 0)}
 
@@ -156,8 +156,6 @@ class Renderer:
 
 def records(item: sources.Input) -> Iterator[Any]:
     """The `messages` value of every JSONL record of one input (None where a record has none)."""
-    if item.is_dataset or not any(item.name.endswith(s) for s in (".jsonl", ".ndjson")):
-        raise CorpusError(f"{item.where}: --format=chat reads JSONL files of records with `messages`; convert it")
     try:
         with sources.open_bytes(item) as f:
             for number, raw in enumerate(f, 1):
@@ -170,6 +168,26 @@ def records(item: sources.Input) -> Iterator[Any]:
                 yield record.get("messages") if isinstance(record, dict) else None
     except sources.read_errors() as e:
         raise CorpusError(f"{item.where}: cannot read it ({e})") from None
+
+
+def check(files: list[sources.Input], spec: str, max_skipped_percent: float) -> str:
+    """--format=chat's settings and inputs, before any work: JSONL files only, the template compiles; returns the
+    template's SHA-256 (a rerun with another template is another preparation)."""
+    if not 0 <= max_skipped_percent <= 100:
+        raise ChatError(f"--max_skipped_percent={max_skipped_percent}: use a percentage in [0, 100]")
+    other = next((f for f in files if f.is_dataset or not f.name.endswith(JSONL)), None)
+    if other is not None:
+        raise ChatError(f"--format=chat: {other.where} is not a JSONL file (.jsonl or .ndjson, compressed or not) of "
+                        f"records with `messages`; convert it or leave it out")
+    return Renderer(spec).sha256  # the extra is there and the template compiles
+
+
+def check_skipped(counts: dict[str, int], max_percent: float) -> None:
+    """Records that give no conversation are counted; too many of them is an error (nothing is written)."""
+    skipped = counts["read"] - counts["kept"]
+    if skipped and skipped * 100 > max_percent * counts["read"]:
+        raise ChatError(f"--format=chat: {summary(counts)}, more than --max_skipped_percent={max_percent:g}; fix the "
+                        f"records' `messages` or the chat template (--tokenizer), or raise the limit")
 
 
 def target_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:

@@ -263,7 +263,7 @@ def prepare(inputs: list[str], out: str, spec: str, *, text_field: str = "text",
     if text_split not in corpus.TEXT_SPLITS:
         raise PrepareError(f"--text_split={text_split}: use one of {', '.join(corpus.TEXT_SPLITS)}")
     files = corpus.inputs(inputs)
-    template = _check_chat(files, spec, max_skipped_percent) if data_format == "chat" else None
+    template = chat.check(files, spec, max_skipped_percent) if data_format == "chat" else None
     listed = [sources.fingerprint(f) for f in files]
     recipe = {"tokenizer": spec, "text_field": text_field, "val_percent": val_percent,
               "eos_token": eos_token, "bos_token": bos_token}
@@ -286,18 +286,6 @@ def prepare(inputs: list[str], out: str, spec: str, *, text_field: str = "text",
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return meta
-
-
-def _check_chat(files: list[sources.Input], spec: str, max_skipped_percent: float) -> str:
-    """--format=chat's settings and inputs, before any work: JSONL files only, the template compiles; returns the
-    template's SHA-256 (a rerun with another template is another preparation)."""
-    if not 0 <= max_skipped_percent <= 100:
-        raise PrepareError(f"--max_skipped_percent={max_skipped_percent}: use a percentage in [0, 100]")
-    other = next((f for f in files if f.is_dataset or not f.name.endswith(corpus.JSONL)), None)
-    if other is not None:
-        raise PrepareError(f"--format=chat: {other.where} is not a JSONL file (.jsonl or .ndjson, compressed or "
-                           f"not) of records with `messages`; convert it or leave it out")
-    return chat.Renderer(spec).sha256  # the extra is there and the template compiles
 
 
 def _hf_file(path: str) -> pathlib.Path:
@@ -325,7 +313,7 @@ def _write(staging: pathlib.Path, files, listed, recipe, text_field, val_percent
     counts, nearest = _stream(staging, _encoded(docs, num_workers, init), progress)
     progress.show(final=True)
     if renderer is not None:
-        _check_skipped(renderer.counts, max_skipped_percent)
+        chat.check_skipped(renderer.counts, max_skipped_percent)
     if counts["train"]["tokens"] == 0:
         raise CorpusError(f"--input: the corpus has no training documents ({len(files)} files); add text")
     if val_percent > 0 and counts["val"]["documents"] == 0:
@@ -341,14 +329,6 @@ def _write(staging: pathlib.Path, files, listed, recipe, text_field, val_percent
     return meta
 
 
-def _check_skipped(counts: dict[str, int], max_percent: float) -> None:
-    """Records that give no conversation are counted; too many of them is an error (nothing is written)."""
-    skipped = counts["read"] - counts["kept"]
-    if skipped and skipped * 100 > max_percent * counts["read"]:
-        raise PrepareError(f"--format=chat: {chat.summary(counts)}, more than --max_skipped_percent={max_percent:g}; "
-                           f"fix the records' `messages` or the chat template (--tokenizer), or raise the limit")
-
-
 def _stream(staging: pathlib.Path, encoded: Iterator[dict[str, Any]], progress: Progress):
     """Write the encoded chunks to train.bin and val.bin: (counts per split, the train document nearest to val
     as (hash, token offset in train.bin, tokens))."""
@@ -360,7 +340,8 @@ def _stream(staging: pathlib.Path, encoded: Iterator[dict[str, Any]], progress: 
         for got in encoded:
             if got["mask"] is not None:  # conversations: the loss mask beside the tokens, and its targets counted
                 for s in SPLITS:
-                    mask_sinks.setdefault(s, open(staging / datadir.MASK_FILES[s], "wb"))
+                    if s not in mask_sinks:
+                        mask_sinks[s] = open(staging / datadir.MASK_FILES[s], "wb")
                     got["mask"][s].tofile(mask_sinks[s])
                     counts[s]["targets"] = counts[s].get("targets", 0) + int(got["mask"][s].sum())
             if got["nearest"]:
