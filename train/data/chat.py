@@ -104,8 +104,8 @@ class Renderer:
         try:
             self.template = env.from_string(source)
         except Exception as e:  # noqa: BLE001  (jinja2's TemplateSyntaxError, or what a broken extension raises)
-            raise ChatError(f"--tokenizer={spec}: its chat template does not compile ({e}); fix "
-                                    f"chat_template in tokenizer_config.json") from None
+            raise ChatError(f"--tokenizer={spec}: its chat template does not compile ({e}); fix chat_template in "
+                            f"tokenizer_config.json") from None
         self.counts = {"read": 0, "kept": 0, **dict.fromkeys(SKIP_REASONS, 0)}
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
