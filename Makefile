@@ -17,7 +17,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,parquet,plots,wandb,data]'
+	$(PY) -m pip install --quiet -e '.[test,parquet,plots,wandb,data,chat]'
 	touch $(STAMP)
 
 train: $(STAMP)
@@ -25,7 +25,7 @@ train: $(STAMP)
 
 # The tests compare against transformers and run lm-evaluation-harness: `make test` adds the hf and eval extras.
 $(HF_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e '.[test,parquet,plots,wandb,data,hf,eval]'
+	$(PY) -m pip install --quiet -e '.[test,parquet,plots,wandb,data,chat,hf,eval]'
 	touch $(HF_STAMP)
 
 test: $(HF_STAMP)

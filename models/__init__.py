@@ -20,7 +20,7 @@ from models.contract import (
                              register,
                              top_params,
 )
-from models.documents import loss_mask, target_counter
+from models.documents import loss_mask, split_row, target_counter
 from models.gpt_config import GPT_PRESETS, GPTConfig
 from models.llama_config import LLAMA_PRESETS, LlamaConfig
 from models.moe import is_moe
@@ -30,4 +30,4 @@ PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
 __all__ = ["FAMILIES", "ExpertBuffers", "GPT_PRESETS", "GPTConfig", "LAYERS", "LLAMA_PRESETS", "LlamaConfig",
            "ModelConfigError", "PRESETS", "Family", "ModelConfig", "TensorTraffic", "abstract_params", "family_of",
            "flops_per_token", "forward", "from_dict", "init_params", "is_moe", "loss", "loss_and_metrics", "loss_mask",
-           "param_count", "register", "target_counter", "top_params"]
+           "param_count", "register", "split_row", "target_counter", "top_params"]

@@ -96,6 +96,9 @@ class SharedFields(MoEFields):
     # Packed documents end at this token (set by train.config from data.document_mask and the DATADIR's
     # eos id; -1: a row is one stream): see models/documents.py.
     document_eos_id: int = -1
+    # Rows carry a loss mask, a target that does not count stored as -(id+1) (set by train.config from
+    # data.loss_mask): see models/documents.py.
+    masked_targets: bool = False
     attention: str = "auto"  # auto | xla | cudnn (models/attention.py)
     loss_chunk_size: int = 0  # positions per chunk of the head + loss (models/lm_loss.py); 0: all at once
 

@@ -184,14 +184,15 @@ def loss_and_metrics(params: Params, tokens_BxL1: jax.Array, cfg: Any,
     metrics (a mixture's router statistics) join it as their own scalars."""
     fam = family_of(cfg)
     tokens_BxL1 = constrain(tokens_BxL1, ("batch", None))  # the shift is local: every device has whole rows
-    inputs, targets = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
+    inputs, targets, counted = documents.split_row(tokens_BxL1, cfg)
     order = constrain.context_order(inputs.shape[1])
     if order is not None:  # the loss is a mean over tokens: once permuted, the sequence never goes back
         inputs, targets = jnp.take(inputs, order, axis=1), jnp.take(targets, order, axis=1)
+        counted = None if counted is None else jnp.take(counted, order, axis=1)
     top = top_params(params)
     x = fam.embed(top, inputs, cfg, constrain)
     x, (aux_loss, layer_metrics) = fam.run_layers(params[LAYERS], x, inputs, cfg, constrain)
-    lm, head_metrics = fam.head_loss(top, x, targets, cfg, constrain, documents.loss_mask(inputs, cfg))
+    lm, head_metrics = fam.head_loss(top, x, targets, cfg, constrain, counted)
     objective = lm + aux_loss
     # Layers that log nothing add nothing (aux_loss is 0): their objective is the loss, reported as such.
     return objective, {"loss": lm if layer_metrics else objective, **scalars(head_metrics), **scalars(layer_metrics)}

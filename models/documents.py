@@ -1,7 +1,9 @@
 """Packed documents: a row of tokens may hold several documents, each ending with an end-of-document token.
 With `cfg.document_eos_id` >= 0 the model keeps them apart, all derived from the input tokens alone (so batches
 and pipeline messages stay plain token rows): attention stays within a document, rotary positions restart at
-each one, and the target after an end-of-document input (the next document's first token) is not counted."""
+each one, and the target after an end-of-document input (the next document's first token) is not counted.
+With `cfg.masked_targets` a row also carries a loss mask (supervised fine-tuning): a target that does not count
+is stored as -(id+1), so the mask rides in the same int32 rows (`split_row` decodes it)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -32,6 +34,27 @@ def segments(inputs_BxL: jax.Array, cfg: Any) -> tuple[jax.Array | None, jax.Arr
     return segment_BxL, index_L[None, :] - start_BxL
 
 
+def masked(cfg: Any) -> bool:
+    """Whether rows encode a loss mask (a target that does not count stored as -(id+1))."""
+    return bool(getattr(cfg, "masked_targets", False))
+
+
+def split_row(tokens_BxL1: jax.Array, cfg: Any) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(inputs_BxL, targets_BxL, counted_BxL or None) of rows of seq+1 tokens: the ids with any loss mask decoded,
+    and the targets that count (a masked target, or the one after an end-of-document input, does not; None:
+    all count). Keeping the mask inside the token rows rather than in an array beside them means batches,
+    accumulation slices and pipeline messages need no second array: whatever already carries the tokens
+    carries the mask, and every layout derives it where it takes inputs and targets."""
+    if not masked(cfg):
+        inputs, targets = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
+        return inputs, targets, loss_mask(inputs, cfg)
+    ids_BxL1 = jnp.where(tokens_BxL1 < 0, -tokens_BxL1 - 1, tokens_BxL1)
+    inputs, targets = ids_BxL1[:, :-1], ids_BxL1[:, 1:]
+    counted = tokens_BxL1[:, 1:] >= 0
+    document = loss_mask(inputs, cfg)
+    return inputs, targets, counted if document is None else counted & document
+
+
 def loss_mask(inputs_BxL: jax.Array, cfg: Any) -> jax.Array | None:
     """bool [B, L]: the targets that count (not the one after an end-of-document input); None counts all."""
     eos = eos_id(cfg)
@@ -41,6 +64,6 @@ def loss_mask(inputs_BxL: jax.Array, cfg: Any) -> jax.Array | None:
 def target_counter(cfg: Any) -> Callable[[jax.Array], jax.Array] | None:
     """tokens [B, seq+1] -> float32 number of counted targets, for normalizing a loss over a whole batch that
     is computed in parts (accumulation slices, pipeline microbatches); None when every target counts."""
-    if eos_id(cfg) is None:
+    if eos_id(cfg) is None and not masked(cfg):
         return None
-    return lambda tokens_BxL1: jnp.sum(loss_mask(tokens_BxL1[:, :-1], cfg), dtype=jnp.float32)
+    return lambda tokens_BxL1: jnp.sum(split_row(tokens_BxL1, cfg)[2], dtype=jnp.float32)

@@ -89,18 +89,19 @@ class Cells:
 
     def layers(self, chunk: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(x, aux loss varying like the loss, so its seed has its type)."""
-        y, (aux, _) = self.family.run_layers(chunk, x, tokens[:, :-1], self.cfg, self.constrain)
+        y, (aux, _) = self.family.run_layers(chunk, x, models.split_row(tokens, self.cfg)[0], self.cfg, self.constrain)
         return y, make_varying(aux, self.manual)
 
     def first(self, chunk: Any, top: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return self.layers(chunk, self.family.embed(top, tokens[:, :-1], self.cfg, self.constrain), tokens)
+        inputs = models.split_row(tokens, self.cfg)[0]
+        return self.layers(chunk, self.family.embed(top, inputs, self.cfg, self.constrain), tokens)
 
     def mid(self, chunk: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         return self.layers(chunk, x, tokens)
 
     def last(self, chunk: Any, top: Any, x: jax.Array, tokens: jax.Array) -> jax.Array:
         y, aux = self.layers(chunk, x, tokens)
-        targets, mask = tokens[:, 1:], models.loss_mask(tokens[:, :-1], self.cfg)
+        _, targets, mask = models.split_row(tokens, self.cfg)
         loss, _ = self.family.head_loss(top, y, targets, self.cfg, self.constrain, mask)
         return loss + aux
 

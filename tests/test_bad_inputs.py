@@ -68,10 +68,19 @@ def _run_without_step_99(tmp):
     return run
 
 
+def _chats(tmp):
+    """A DATADIR of conversations, with a loss mask."""
+    answered = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    (tmp / "chats.jsonl").write_text(json.dumps(answered) + "\n" + json.dumps(answered) + "\n")
+    prepare.prepare([str(tmp / "chats.jsonl")], str(tmp / "chat"), "bytes", data_format="chat")
+    return tmp / "chat"
+
+
 def _cases(tmp):
     """{name: (module, args, the error line as a regex, paths that must not exist afterwards)}."""
     bad, hf, trained = _datadirs(tmp), _hf_truncated(tmp), _run_without_step_99(tmp)
     damaged = _damaged_checkpoint(tmp)
+    chats = _chats(tmp)
     (tmp / "file").write_text("a file, so nothing can be created under it")
     W, blocked, busy = tmp / "W", tmp / "file" / "sub", tmp / "busy"  # busy: held by the test process
     tokens = [*TINY, "--config.data.source=tokens", f"--workdir={W}"]
@@ -97,6 +106,14 @@ def _cases(tmp):
                                                       f"--workdir={W}"],
                                             rf"checkpoint.restore_from='{t(str(damaged))}:3': .*/checkpoints/3 is "
                                             r"damaged \(.*\); name an older step as PATH:STEP", [W]),
+        "data.loss_mask on data without one": ("train", [*tokens, f"--config.data.path={tmp / 'data'}",
+                                                         "--config.data.loss_mask=True"],
+                                               rf"data.loss_mask=True: data.path='{t(str(tmp / 'data'))}' has no loss "
+                                               r"mask; prepare conversations with python -m train.prepare "
+                                               r"--format=chat, or set data.loss_mask=False", [W]),
+        "a loss mask that data.loss_mask ignores": ("train", [*tokens, f"--config.data.path={chats}"],
+                                                    rf"data.path='{t(str(chats))}' holds conversations with a loss "
+                                                    r"mask, which data.loss_mask=False would ignore .*", [W]),
         "unwritable data.cache_dir": ("train", [*TINY, f"--config.data.cache_dir={blocked}", f"--workdir={W}"],
                                       rf"data.cache_dir={t(str(blocked))}: cannot write there \(.*", [W]),
         "schedule shorter than warmup": ("train", [*TINY, "--config.train.steps=2", f"--workdir={W}"],

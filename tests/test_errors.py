@@ -18,6 +18,7 @@ NOT_USER_ERRORS = {
     "checkpoint.errors.SaveFailed": exit_codes.SAVE_FAILED,
     "checkpoint.restore._Damaged": None,  # caught inside checkpoint/restore.py, which tries the next step
     "train.loop.exit_codes.Stop": None,  # carries its own status
+    "train.data.chat.Skip": None,  # caught inside train/data/chat.py, which counts the record it skips
 }
 
 

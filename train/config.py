@@ -64,7 +64,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer = dict(lr=3e-3, warmup_steps=10, decay_steps=0, min_lr_ratio=0.1, weight_decay=0.1,
                        b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0)
     c.data = dict(source="text", path="", token_dtype="uint16", eval_percent=5, cache_dir="", order="epochs",
-                  document_mask=False)  # True: attention, positions and loss stop at each EOS (models/documents.py)
+                  document_mask=False,  # True: attention, positions and loss stop at each EOS (models/documents.py)
+                  # True: the loss counts only the targets the DATADIR's loss mask keeps (train.prepare --format=chat:
+                  # the assistant's tokens), the mean over them across the global batch; must match the DATADIR
+                  loss_mask=False)
     c.checkpoint = dict(every_steps=0, every_minutes=10.0, keep=3, keep_period=0, restore_from="",
                         restore_params_only=False, mtbf_hours=0.0, max_failed_saves=3,
                         enabled=True)  # False: never write one (benchmarks, smoke runs); still resumes from one
@@ -276,17 +279,24 @@ def _long_sequences(config: ml_collections.ConfigDict, model: models.ModelConfig
     return rules
 
 
-def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str | None = None) -> Plan:
-    """Validate `config` for `num_devices` devices of `platform` (default: this process's first device's);
-    raises a UserError (mesh/errors.py) naming the setting."""
-    data = datadir.resolve(config.data, config.train.global_batch_size)
+def _model_values(config: ml_collections.ConfigDict, data: datadir.DataSpec | None) -> dict[str, Any]:
+    """The model section with what the data decides: the vocabulary, packed documents, the loss mask."""
     model_values = config.model.to_dict()
     if data and data.vocab_size and model_values.get("vocab_size") is None:
         model_values["vocab_size"] = data.vocab_size  # the model's vocabulary comes from meta.json
     eos_id = _document_eos_id(config.data, data)
     if eos_id >= 0:  # only then: a family without packed-document support keeps working unmasked
         model_values["document_eos_id"] = eos_id
-    model = models.from_dict(model_values)
+    if data and data.loss_mask:  # only then, as above: rows then encode masked targets (models/documents.py)
+        model_values["masked_targets"] = True
+    return model_values
+
+
+def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str | None = None) -> Plan:
+    """Validate `config` for `num_devices` devices of `platform` (default: this process's first device's);
+    raises a UserError (mesh/errors.py) naming the setting."""
+    data = datadir.resolve(config.data, config.train.global_batch_size)
+    model = models.from_dict(_model_values(config, data))
     if data and data.vocab_size and model.vocab_size < data.vocab_size:
         raise ConfigError(f"model.vocab_size={model.vocab_size} is smaller than the vocabulary of data.path "
                           f"({data.vocab_size}, its meta.json); raise it or leave it unset")

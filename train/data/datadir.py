@@ -15,6 +15,9 @@ from train.data import tokenizer
 
 ORDERS = ("epochs", "random")
 DTYPES = ("uint16", "uint32")
+# A loss mask beside each token file (train.prepare --format=chat): one uint8 per token, 1 where the token is a
+# target that counts, 0 where it is context only.
+MASK_FILES = {"train": "train_mask.bin", "val": "val_mask.bin"}
 
 
 class DataConfigError(UserError):
@@ -29,6 +32,11 @@ class SourceSpec:
     weight: float
     meta: dict[str, Any] | None  # meta.json of a prepared DATADIR
 
+    @property
+    def masked(self) -> bool:
+        """Whether the DATADIR carries a loss mask (train_mask.bin, val_mask.bin)."""
+        return bool(self.meta and self.meta.get("loss_mask"))
+
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
@@ -37,6 +45,7 @@ class DataSpec:
     vocab_size: int | None    # from meta.json; None for flat files
     tokenizer: pathlib.Path | None
     eos_id: int | None
+    loss_mask: bool = False   # every source carries a loss mask (data.loss_mask trains on it)
 
 
 def _split_mixture(path: str) -> list[tuple[str, float]]:
@@ -79,6 +88,11 @@ def _source(where: str, weight: float, setting: str, name: str) -> SourceSpec:
             if not f.is_file():
                 raise DataConfigError(f"{setting}: {f} is missing; run train.prepare again with --overwrite")
             _check_size(f, meta["dtype"], setting, meta.get(split, {}).get("tokens"))
+            if meta.get("loss_mask"):
+                mask = p / MASK_FILES[split]
+                if not mask.is_file():
+                    raise DataConfigError(f"{setting}: {mask} is missing; run train.prepare again with --overwrite")
+                _check_size(mask, "uint8", setting, meta.get(split, {}).get("tokens"))
         if (p / tokenizer.FILE).is_file():
             _check_tokenizer(p / tokenizer.FILE, setting)
         return SourceSpec(name, p / "train.bin", p / "val.bin", weight, meta)
@@ -112,6 +126,25 @@ def _names(paths: list[str]) -> list[str]:
     return [n if names.count(n) == 1 else f"{n}{i}" for i, n in enumerate(names)]
 
 
+def _check_loss_mask(data: Any, sources: tuple[SourceSpec, ...] | None) -> bool:
+    """data.loss_mask must match the data: training on a mask that is not there, or on every token of
+    conversations prepared with one (the prompts too), is a mistake caught before the run."""
+    wanted = bool(data.get("loss_mask", False))
+    masked = {s.masked for s in sources or ()}
+    if len(masked) > 1:
+        raise DataConfigError(f"data.path={data.path!r}: some sources carry a loss mask (train.prepare "
+                              f"--format=chat) and some do not; mix only sources prepared with the same --format")
+    if wanted and masked != {True}:
+        where = f"data.path={data.path!r} has" if sources else f"data.source={data.source} gives"
+        raise DataConfigError(f"data.loss_mask=True: {where} no loss mask; prepare conversations with python -m "
+                              f"train.prepare --format=chat, or set data.loss_mask=False")
+    if masked == {True} and not wanted:
+        raise DataConfigError(f"data.path={data.path!r} holds conversations with a loss mask, which "
+                              f"data.loss_mask=False would ignore (training on the prompts too); set "
+                              f"data.loss_mask=True, or prepare the data with --format=text")
+    return wanted
+
+
 def resolve(data: Any, global_batch: int | None) -> DataSpec | None:
     """Check the data.* settings; the token files a `tokens` source reads (None for other sources).
     `global_batch` (None: not checked) must give every mixture source at least one row per batch."""
@@ -119,6 +152,7 @@ def resolve(data: Any, global_batch: int | None) -> DataSpec | None:
     if order not in ORDERS:
         raise DataConfigError(f"data.order={order!r}: use epochs (each window once per epoch) or random")
     if data.source != "tokens":
+        _check_loss_mask(data, None)
         if data.source == "text" and "," in str(data.path):
             raise DataConfigError(f"data.path={data.path!r}: mixtures need data.source=tokens and prepared DATADIRs")
         if data.source == "text" and data.get("cache_dir"):  # written at the start of training: checked now
@@ -131,6 +165,7 @@ def resolve(data: Any, global_batch: int | None) -> DataSpec | None:
     parts = _split_mixture(str(data.path))
     sources = tuple(_source(w, x, setting, n) for (w, x), n in zip(parts, _names([w for w, _ in parts])))
     total = sum(s.weight for s in sources)
+    loss_mask = _check_loss_mask(data, sources)
     if len(sources) > 1:
         if any(s.meta is None for s in sources):
             raise DataConfigError(f"{setting}: every source of a mixture must be a DATADIR made by train.prepare")
@@ -150,4 +185,4 @@ def resolve(data: Any, global_batch: int | None) -> DataSpec | None:
                 _check_size(f, data.token_dtype, setting, None)
         return DataSpec(sources, data.token_dtype, None, None, None)
     return DataSpec(sources, meta["dtype"], int(meta["vocab_size"]), sources[0].train.parent / "tokenizer.json",
-                    meta.get("eos_id"))
+                    meta.get("eos_id"), loss_mask)

@@ -34,6 +34,17 @@ class Stream:
     name: str
     train: np.ndarray
     eval: np.ndarray
+    train_mask: np.ndarray | None = None  # uint8 per token, 1 where the target counts (data.loss_mask)
+    eval_mask: np.ndarray | None = None
+
+    def window(self, split: str, start: int, length: int) -> np.ndarray:
+        """int32 tokens [start, start + length) of a split; with a loss mask, a target that does not count is
+        stored as -(id+1) (models/documents.py decodes it)."""
+        tokens = np.asarray((self.train if split == "train" else self.eval)[start:start + length], dtype=np.int32)
+        mask = self.train_mask if split == "train" else self.eval_mask
+        if mask is None:
+            return tokens
+        return np.where(np.asarray(mask[start:start + length]) > 0, tokens, -tokens - 1)
 
     def windows(self, length: int) -> int:
         """Windows of `length` tokens starting at multiples of length - 1 (the remainder is dropped)."""
@@ -78,7 +89,7 @@ class TokenSource:
                 else:  # one source: exactly the draws of the releases before mixtures
                     rng = np.random.default_rng([seed, stream_step] + ([j] if len(self.streams) > 1 else []))
                     starts = rng.integers(0, len(tokens) - length, size=n)[wanted[mine] - first]
-                out[mine] = np.stack([np.asarray(tokens[s:s + length], dtype=np.int32) for s in starts])
+                out[mine] = np.stack([stream.window(split, s, length) for s in starts])
             first += n
         return out
 
@@ -155,6 +166,16 @@ def _map(path: pathlib.Path, dtype: str) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
+def _open_stream(source: datadir.SourceSpec, dtype: str, eval_percent: int) -> Stream:
+    """A source's memory-mapped tokens, and its loss mask when it has one."""
+    train, held = _open_tokens(source, dtype, eval_percent)
+    if not source.masked:
+        return Stream(source.name, train, held)
+    where = source.train.parent
+    masks = (_map(where / datadir.MASK_FILES[split], "uint8") for split in ("train", "val"))
+    return Stream(source.name, train, held, *masks)
+
+
 def _open_tokens(source: datadir.SourceSpec, dtype: str, eval_percent: int) -> tuple[np.ndarray, np.ndarray]:
     """Memory-mapped train and held-out tokens (val.bin, or the tail of a lone flat file)."""
     train = _map(source.train, dtype)
@@ -181,7 +202,7 @@ def load(data_cfg: Any, vocab_size: int, length: int, spec: datadir.DataSpec | N
         cumulative = [order_lib.WEIGHT_ONE]
     else:
         spec = spec or datadir.resolve(data_cfg, None)
-        streams = tuple(Stream(s.name, *_open_tokens(s, spec.dtype, data_cfg.eval_percent)) for s in spec.sources)
+        streams = tuple(_open_stream(s, spec.dtype, data_cfg.eval_percent) for s in spec.sources)
         cumulative = order_lib.integer_weights([s.weight for s in spec.sources])
     for stream in streams:
         for split, arr in (("training", stream.train), ("held-out", stream.eval)):

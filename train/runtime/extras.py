@@ -9,7 +9,7 @@ from types import ModuleType
 from mesh.errors import UserError
 
 EXTRAS = {"pyarrow": "parquet", "matplotlib": "plots", "wandb": "wandb", "datasets": "data", "fsspec": "data",
-          "zstandard": "data", "lm_eval": "eval"}
+          "zstandard": "data", "lm_eval": "eval", "jinja2": "chat"}
 
 
 class MissingExtra(UserError):
