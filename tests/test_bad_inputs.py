@@ -152,6 +152,8 @@ def _cases(tmp):
                                        []),
         "launch --num_processes=0": ("train.launch", ["--num_processes=0", "--", *TINY, f"--workdir={W}"],
                                      t("--num_processes=0: must be >= 1"), [W]),
+        "launch --min_processes too high": ("train.launch", ["--min_processes=3", "--", *TINY, f"--workdir={W}"],
+                                            t("--min_processes=3: must be <= --num_processes=2"), [W]),
         "launch --num_processes=-1": ("train.launch", ["--num_processes=-1", "--", *TINY, f"--workdir={W}"],
                                       t("--num_processes=-1: must be >= 1"), [W]),
         "bench --iters=0": ("mesh.bench", ["--iters=0"], t("--iters=0: must be >= 1"), []),
