@@ -230,8 +230,9 @@ def flops_per_token(cfg: GPTConfig) -> float:
     """Training FLOPs per token: 6N for the matmul weights (forward 2N, backward 4N) plus the
     attention scores and values, 12 * layers * d_model * seq_len (Chowdhery et al. 2022, PaLM, App. B).
     Rematerialization is not counted: MFU measures useful model FLOPs; a mixture counts the k experts a token
-    runs through (and the router), not all of them."""
-    return 6.0 * matmul_params(cfg, active=True) + contract.causal_attention_flops(cfg)
+    runs through (and the router), not all of them; with LoRA, 4N for the frozen weights and 6 per adapter weight."""
+    matmuls = lora.matmul_flops(cfg, matmul_params(cfg, active=True), projections(cfg))
+    return matmuls + contract.causal_attention_flops(cfg)
 
 
 def layer_bytes_per_token(cfg: GPTConfig, remat: str, tensor: int) -> float:

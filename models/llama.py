@@ -226,8 +226,10 @@ def param_count(cfg: LlamaConfig) -> int:
 
 
 def flops_per_token(cfg: LlamaConfig) -> float:
-    """6N for the matmul weights (a mixture's active experts) plus attention (as GPT; remat not counted)."""
-    return 6.0 * matmul_params(cfg, active=True) + contract.causal_attention_flops(cfg)
+    """6N for the matmul weights (a mixture's active experts; LoRA as GPT) plus attention (as GPT; remat not
+    counted)."""
+    matmuls = lora.matmul_flops(cfg, matmul_params(cfg, active=True), projections(cfg))
+    return matmuls + contract.causal_attention_flops(cfg)
 
 
 def layer_bytes_per_token(cfg: LlamaConfig, remat: str, tensor: int) -> float:

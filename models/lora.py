@@ -117,3 +117,11 @@ def adapter_count(cfg: Any, projections: dict[str, Projection]) -> int:
     """Adapter parameters of the whole stack."""
     return cfg.n_layers * cfg.lora_rank * sum(math.prod(projections[t].in_shape) + math.prod(projections[t].out_shape)
                                               for t in adapter_names(cfg))
+
+
+def matmul_flops(cfg: Any, matmul_params: int, projections: dict[str, Projection]) -> float:
+    """Training FLOPs per token of the matmul weights: 6N (forward 2N, backward 4N); with adapters the frozen
+    weights skip their weight gradient (4N) and each adapter parameter costs 6."""
+    if not enabled(cfg):
+        return 6.0 * matmul_params
+    return 4.0 * matmul_params + 6.0 * adapter_count(cfg, projections)

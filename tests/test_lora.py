@@ -19,6 +19,7 @@ from tests.helpers import losses  # noqa: E402
 from tests.test_hf import TOKENS, _hf_logits, _import_config  # noqa: E402
 from train.hf import export as export_hf  # noqa: E402
 from train.loop import runner as loop  # noqa: E402
+from train.planner import candidate, memory  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
 STEPS = 3
@@ -78,6 +79,8 @@ def test_training_lowers_the_loss_and_only_adapters_hold_optimizer_state(run, ba
     moments = [x for x in jax.tree.leaves(abstract["opt_state"]) if x.ndim]
     assert _nbytes(moments) == 2 * _nbytes(abstract["params"]["layers"][lora.KEY])  # Adam's mu and nu
     assert _nbytes(abstract["opt_state"]) - _nbytes(moments) <= 16  # the step counters
+    one_device = candidate.mesh_of({a: 1 for a in trainer.plan.mesh_sizes})
+    assert memory.state_bytes(trainer.plan.model, one_device, False)[1] == _nbytes(moments)  # the planner agrees
 
 
 def test_checkpoint_holds_adapters_and_names_the_base(run, base_model):
