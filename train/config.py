@@ -52,9 +52,7 @@ def base_config() -> ml_collections.ConfigDict:
                    capacity_factor=config_dict.placeholder(float), moe_every=config_dict.placeholder(int),
                    router_z_loss_weight=config_dict.placeholder(float),
                    load_balance_weight=config_dict.placeholder(float),
-                   # LoRA (models/lora.py): lora_rank 0 = off; above 0 the base is frozen (read again from
-                   # checkpoint.restore_from on every start) and the lora_targets (comma list of q,k,v,o,mlp) gain
-                   # (lora_alpha/lora_rank)·A·B; defaults 16.0 and "q,v"
+                   # LoRA, 0 = off: the base (checkpoint.restore_from) frozen, q,k,v,o,mlp + alpha/rank·A·B
                    lora_rank=config_dict.placeholder(int), lora_alpha=config_dict.placeholder(float),
                    lora_targets=config_dict.placeholder(str))
     c.mesh = dict(data=-1, pipeline=1, fsdp=1, expert=1, context=1, tensor=1)
