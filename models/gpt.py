@@ -107,8 +107,8 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrai
     # Pinning the projection's output (heads split) makes sequence parallelism gather the normed input, not the weight.
     qkv = constrain(jnp.einsum("bld,dthk->tblhk", h_BxLxD, p["wqkv"].astype(cdt)),
                     (None, "batch", "seq", "heads", "kv"))
-    q, k, v = (constrain(lora.add(qkv[i], p, t, h_BxLxD, cfg), ("batch", "seq", "heads", "kv"))
-               for i, t in enumerate("qkv"))
+    q, k, v = (constrain(lora.add(t, p, name, h_BxLxD, cfg), ("batch", "seq", "heads", "kv"))
+               for t, name in zip((qkv[0], qkv[1], qkv[2]), "qkv"))
     q, k = rotary(q, positions_L=positions), rotary(k, positions_L=positions)
     if cache is None:
         o_BxLxHxK = constrain.causal_attention(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
