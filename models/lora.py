@@ -1,13 +1,6 @@
-"""Low-rank adapters (Hu et al. 2021, LoRA): a projection W of a frozen model becomes W + (alpha/rank)·A·B, with A
-[in, rank] drawn at random and B [rank, out] zero, so the adapted model starts equal to its base. Adapters live in
-the layer stack's dict under `lora` (stacked on `layers` like every block weight, so scans and pipeline stages
-slice them), each dimension named with its base weight's logical axis and the rank dimension with none.
-
-google/qwix (LoRA for Flax) does not fit this model code: it intercepts the einsums an NNX module's `__call__`
-runs and attaches `<name>_lora_a/_b` to that module, sharded like the concrete array it finds there; here the NNX
-modules only create parameters, the forward pass is pure functions of a plain dict run under `lax.scan` and inside
-the pipeline's `shard_map`, q, k and v are slices of one fused einsum, and shardings come from logical axes.
-"""
+"""Low-rank adapters (Hu et al. 2021, LoRA): a frozen model's projection W becomes W + (alpha/rank)·A·B, B zero at
+first so the adapted model starts as its base; adapters sit in the layer stack's dict under `lora`, stacked on
+`layers`, each dimension named with its base weight's logical axis and the rank dimension with none."""
 from __future__ import annotations
 
 import dataclasses
@@ -76,7 +69,13 @@ class Adapters(nnx.Module):
 
 
 def add(y: jax.Array, p: dict, name: str, x: jax.Array, cfg: Any) -> jax.Array:
-    """`y` (the base projection of `x`, [B, L, *out]) plus the adapter `name`'s scale·(x·A)·B, when adapted."""
+    """`y` (the base projection of `x`, [B, L, *out]) plus the adapter `name`'s scale·(x·A)·B, when adapted.
+
+    The families call this at each projection themselves. google/qwix (LoRA for Flax) does not fit this model
+    code: it intercepts the einsums an NNX module's `__call__` runs and attaches `<name>_lora_a/_b` to that module,
+    sharded like the concrete array it finds there; here the NNX modules only create parameters, the forward pass
+    is pure functions of a plain dict run under `lax.scan` and inside the pipeline's `shard_map` (no module call to
+    intercept), q, k and v are slices of one fused einsum, and shardings come from logical axes at abstract init."""
     adapter = p.get(KEY, {}).get(name)
     if adapter is None:
         return y
