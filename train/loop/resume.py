@@ -118,8 +118,8 @@ def _from_elsewhere(trainer: Trainer, t0: float) -> Start:
     rng = ckpt_format.rng_of(trainer.plan.train.seed, trainer.mesh)
     spec, params_only = trainer.plan.checkpoint.restore_from, trainer.plan.checkpoint.restore_params_only
     if trainer.frozen:  # LoRA: fresh adapters and optimizer state on the base read from its source
-        return Start(lora_base.fresh_state(trainer), rng, 0, f"adapters initialized on {lora_base.describe(spec)}",
-                     False, time.perf_counter() - t0)
+        origin = f"{lora_base.adapter_count(trainer):,} adapter parameters initialized on {lora_base.describe(spec)}"
+        return Start(lora_base.fresh_state(trainer), rng, 0, origin, False, time.perf_counter() - t0)
     if not spec:
         return Start(trainer.init_state(), rng, 0, "initialized", False, time.perf_counter() - t0)
     if spec.startswith(hf_import.PREFIX):  # Hugging Face weights: params only, fresh optimizer, step 0

@@ -12,6 +12,7 @@ import models
 from checkpoint import format as ckpt_format
 from checkpoint import meta as meta_lib
 from checkpoint import plain
+from models import lora
 from train.hf import restore as hf_import
 from train.trainer import Trainer
 
@@ -23,6 +24,12 @@ def describe(spec: str) -> str:
     if spec.startswith(hf_import.PREFIX):
         return f"the Hugging Face weights of {spec[len(hf_import.PREFIX):]}"
     return f"the params of {spec}" if spec else "the model's initialization from train.seed"
+
+
+def adapter_count(trainer: Trainer) -> int:
+    """The run's trained parameters (the log's "training N parameters" counts the model)."""
+    cfg = trainer.plan.model
+    return lora.adapter_count(cfg, models.family_of(cfg).lora_projections(cfg))
 
 
 def load(spec: str, cfg: Any, seed: int, target: dict[str, Any]) -> dict[str, jax.Array]:
