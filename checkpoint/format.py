@@ -3,7 +3,8 @@
 The saved tree is {"params", "opt_state", "step", "rng"} as plain nested dicts (plain.py), every
 stacked-layer array in logical layer order, so any pipeline layout restores it; meta carries each array's
 checksum (integrity.py). This layout on disk is unchanged since commit 604b7c2
-(tests/fixtures/checkpoint_604b7c2 proves it).
+(tests/fixtures/checkpoint_604b7c2 proves it). Arrays the run names `frozen` (a LoRA run's base) are left out and
+handed back to `from_tree` from their own source.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class Trainer(Protocol):
     the maps between its in-memory layer order and the logical order a checkpoint keeps."""
     mesh: jax.sharding.Mesh
     layout: _Layout
+    frozen: frozenset[str]  # saved-tree paths a checkpoint leaves out (read from elsewhere on restore)
 
     def to_logical(self, state: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -38,16 +40,28 @@ def rng_of(seed: int, mesh: jax.sharding.Mesh) -> jax.Array:
     return jax.device_put(jax.random.key_data(jax.random.key(seed)), NamedSharding(mesh, P()))
 
 
+def _held(trainer: Trainer, tree: dict[str, Any]) -> dict[str, Any]:
+    """The plain tree of `tree` without the run's frozen arrays."""
+    frozen = getattr(trainer, "frozen", frozenset())
+    return plain.nest({k: v for k, v in plain.flatten(tree).items() if k not in frozen})
+
+
+def frozen_target(trainer: Trainer) -> dict[str, Any]:
+    """{path: ShapeDtypeStruct} of the arrays a checkpoint leaves out, in this run's shardings."""
+    flat = plain.flatten({"params": trainer.layout.abstract_state["params"]})
+    return {k: v for k, v in flat.items() if k in trainer.frozen}
+
+
 def target(trainer: Trainer) -> dict[str, Any]:
     """The saved tree as ShapeDtypeStructs in this run's shardings: what a restore fills."""
     rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
     rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=NamedSharding(trainer.mesh, P()))
-    return plain.to_plain({**trainer.layout.abstract_state, "rng": rng})
+    return _held(trainer, {**trainer.layout.abstract_state, "rng": rng})
 
 
 def to_tree(trainer: Trainer, state: dict[str, Any], rng: jax.Array) -> dict[str, Any]:
     """A live state (in this layout's layer order) and the RNG -> the tree a checkpoint saves."""
-    return plain.to_plain({**trainer.to_logical(state), "rng": rng})
+    return _held(trainer, {**trainer.to_logical(state), "rng": rng})
 
 
 def to_tree_with_checksums(trainer: Trainer, state: dict[str, Any], rng: jax.Array) -> tuple[dict[str, Any], Any]:
@@ -56,12 +70,17 @@ def to_tree_with_checksums(trainer: Trainer, state: dict[str, Any], rng: jax.Arr
     return tree, integrity.device_checksums(tree)
 
 
-def from_tree(trainer: Trainer, tree: dict[str, Any]) -> dict[str, Any]:
-    """A restored tree -> this run's state, in its in-memory layer order (the RNG is tree["rng"])."""
-    logical = plain.from_plain({k: tree[k] for k in STATE_KEYS}, trainer.layout.abstract_state)
+def from_tree(trainer: Trainer, tree: dict[str, Any], frozen: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A restored tree -> this run's state, in its in-memory layer order (the RNG is tree["rng"]); `frozen` holds
+    the arrays of `frozen_target` (logical layer order) when the run has any."""
+    flat = {**plain.flatten({k: tree[k] for k in STATE_KEYS}), **(frozen or {})}
+    logical = plain.from_plain(plain.nest(flat), trainer.layout.abstract_state)
     return trainer.from_logical(logical)
 
 
-def params_from_tree(trainer: Trainer, params_tree: dict[str, Any]) -> dict[str, Any]:
-    """The restored "params" subtree -> this run's params, for a params-only (fine-tuning) start."""
-    return plain.from_plain(params_tree, trainer.layout.abstract_state["params"])
+def params_from_tree(trainer: Trainer, params_tree: dict[str, Any],
+                     frozen: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The restored "params" subtree (and the frozen arrays, as in from_tree) -> this run's params, for a
+    params-only (fine-tuning) start."""
+    flat = {**plain.flatten({"params": params_tree}), **(frozen or {})}
+    return plain.from_plain(plain.nest(flat)["params"], trainer.layout.abstract_state["params"])

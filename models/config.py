@@ -8,6 +8,8 @@ from typing import Any, Mapping
 from mesh.errors import UserError  # the one module of ours models imports: the base of user errors
 from models.attention import IMPLEMENTATIONS as ATTENTION  # resolved per platform there
 from models.contract import FAMILIES
+from models.lora import TARGETS as LORA_TARGETS
+from models.lora import targets as lora_targets
 
 REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -44,6 +46,7 @@ def check_common(cfg: Any, positive: tuple[str, ...]) -> None:
     if not cfg.norm_eps > 0:
         raise ModelConfigError(f"model.norm_eps={cfg.norm_eps}: must be a positive number")
     check_moe(cfg)
+    check_lora(cfg)
 
 
 def check_moe(cfg: Any) -> None:
@@ -65,8 +68,35 @@ def check_moe(cfg: Any) -> None:
             raise ModelConfigError(f"model.{key}={getattr(cfg, key)!r}: a number >= 0 (0: not in the objective)")
 
 
+def check_lora(cfg: Any) -> None:
+    """The low-rank adapter settings (models/lora.py); lora_rank 0 trains every weight and ignores alpha."""
+    rank = cfg.lora_rank
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ModelConfigError(f"model.lora_rank={rank!r}: an integer >= 0 (0: no adapters, every weight trains)")
+    unknown = [t for t in lora_targets(cfg) if t not in LORA_TARGETS]
+    if unknown or not lora_targets(cfg):
+        raise ModelConfigError(f"model.lora_targets={cfg.lora_targets!r}: a comma list of {', '.join(LORA_TARGETS)}")
+    if not rank:
+        return
+    if not isinstance(cfg.lora_alpha, (int, float)) or not cfg.lora_alpha > 0:
+        raise ModelConfigError(f"model.lora_alpha={cfg.lora_alpha!r}: a number > 0 (adapters add "
+                               f"alpha/rank x A.B to each weight)")
+    if cfg.n_experts:
+        raise ModelConfigError(f"model.lora_rank={rank} with model.n_experts={cfg.n_experts}: adapters on a mixture "
+                               f"of experts are not built; set model.lora_rank=0 or model.n_experts=0")
+
+
 @dataclasses.dataclass(frozen=True)
-class MoEFields:
+class LoRAFields:
+    """Low-rank adapters (models/lora.py): lora_rank 0 trains the whole model; above 0 the base is frozen and each
+    projection of `lora_targets` (q, k, v, o: attention; mlp: both MLP matrices) gains (alpha/rank)·A·B."""
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: str = "q,v"
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEFields(LoRAFields):
     """Mixture-of-experts settings shared by every family (models/moe.py). n_experts 0: dense MLPs.
     Every `moe_every`-th block (the last of each group of moe_every) routes each token to its top
     `experts_per_token` experts; capacity_factor 0 is dropless, else each expert takes at most

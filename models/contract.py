@@ -119,6 +119,8 @@ class Family:
     layer_bytes_per_token(cfg, remat, tensor): bytes one layer keeps for its backward pass per token of a
         microbatch on one device, under remat none | save_dots | full, with `tensor` ways of tensor
         parallelism (None: the planner cannot size the family)
+    lora_projections(cfg) -> {adapter name: models.lora.Projection}: what each LoRA adapter adds to (None: the
+        family takes no adapters)
     """
     name: str
     config_cls: type
@@ -140,6 +142,7 @@ class Family:
     expert_buffers: Callable = no_experts
     attention_flops_per_token: Callable = causal_attention_flops
     layer_bytes_per_token: Callable | None = None
+    lora_projections: Callable | None = None
 
 
 FAMILIES: dict[str, Family] = {}

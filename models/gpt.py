@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import contract, lm_loss, moe
+from models import contract, lm_loss, lora, moe
 from models.attention import attend_cached
 from models.contract import Constrain, Params, no_constraint
 from models.gpt_config import GPT_PRESETS, GPTConfig
@@ -69,9 +69,22 @@ class GPT(nnx.Module):
         self.layers = stack(cfg, rngs)
         self.final_norm = param(rngs, (cfg.d_model,), ("embed",), dt, None)
         self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dt, 0.02)
+        if lora.enabled(cfg):  # drawn last, so the base weights are those of the same seed without adapters
+            self.layers.lora = lora.Adapters(cfg, projections(cfg), rngs)
 
     def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
         return contract.forward(param_dict(self), tokens_BxL, self.cfg)
+
+
+def projections(cfg: GPTConfig) -> dict[str, lora.Projection]:
+    """What each LoRA target adapts: q, k and v the three slices of the fused wqkv, o the output projection wo,
+    mlp both MLP matrices (adapters `mlp_in` on w_in, `mlp_out` on w_out)."""
+    D, H, K, F = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_mlp
+    qkv = {t: lora.Projection("wqkv", (slice(None), i), (D,), ("embed",), (H, K), ("heads", "kv"))
+           for i, t in enumerate("qkv")}
+    return {**qkv, "o": lora.Projection("wo", (), (H, K), ("heads", "kv"), (D,), ("embed",)),
+            "mlp_in": lora.Projection("w_in", (), (D,), ("embed",), (F,), ("mlp",)),
+            "mlp_out": lora.Projection("w_out", (), (F,), ("mlp",), (D,), ("embed",))}
 
 
 def init_params(cfg: GPTConfig, seed: int) -> Params:
@@ -94,20 +107,23 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrai
     # Pinning the projection's output (heads split) makes sequence parallelism gather the normed input, not the weight.
     qkv = constrain(jnp.einsum("bld,dthk->tblhk", h_BxLxD, p["wqkv"].astype(cdt)),
                     (None, "batch", "seq", "heads", "kv"))
-    q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (qkv[0], qkv[1], qkv[2]))
+    q, k, v = (constrain(lora.add(t, p, name, h_BxLxD, cfg), ("batch", "seq", "heads", "kv"))
+               for t, name in zip((qkv[0], qkv[1], qkv[2]), "qkv"))
     q, k = rotary(q, positions_L=positions), rotary(k, positions_L=positions)
     if cache is None:
         o_BxLxHxK = constrain.causal_attention(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
     else:
         o_BxLxHxK, cache = attend_cached(q, k, v, *cache)
     o_BxLxHxK = constrain(o_BxLxHxK, ("batch", "seq", "heads", "kv"))
-    return constrain(jnp.einsum("blhk,hkd->bld", o_BxLxHxK, p["wo"].astype(cdt)), ("batch", "seq", "embed")), cache
+    out_BxLxD = lora.add(jnp.einsum("blhk,hkd->bld", o_BxLxHxK, p["wo"].astype(cdt)), p, "o", o_BxLxHxK, cfg)
+    return constrain(out_BxLxD, ("batch", "seq", "embed")), cache
 
 
 def mlp(p: Params, h_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain) -> jax.Array:
     cdt = jnp.dtype(cfg.compute_dtype)
-    u_BxLxF = constrain(jax.nn.gelu(jnp.einsum("bld,df->blf", h_BxLxD, p["w_in"].astype(cdt))), ("batch", "seq", "mlp"))
-    return jnp.einsum("blf,fd->bld", u_BxLxF, p["w_out"].astype(cdt))
+    pre_BxLxF = lora.add(jnp.einsum("bld,df->blf", h_BxLxD, p["w_in"].astype(cdt)), p, "mlp_in", h_BxLxD, cfg)
+    u_BxLxF = constrain(jax.nn.gelu(pre_BxLxF), ("batch", "seq", "mlp"))
+    return lora.add(jnp.einsum("blf,fd->bld", u_BxLxF, p["w_out"].astype(cdt)), p, "mlp_out", u_BxLxF, cfg)
 
 
 def block(p: Params, x_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain = no_constraint,
@@ -147,6 +163,7 @@ def expert_mlp(w: Params, x_ExNxD: jax.Array, cfg: GPTConfig) -> jax.Array:
 
 
 def embed(params: Params, tokens_BxL: jax.Array, cfg: GPTConfig, constrain: Constrain = no_constraint):
+    params = lora.freeze(params, cfg)
     # Gather the table's `embed` dimension first (as FSDP does for any weight before use): XLA's
     # partitioner cannot look rows up in a table split along both dimensions without replicating it.
     table = constrain(params["embed"], ("vocab", None))
@@ -166,6 +183,7 @@ def head_loss(params: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: G
               constrain: Constrain = no_constraint, loss_mask_BxL: jax.Array | None = None):
     """Final norm, head and cross entropy: the one function the plain step, eval and the last pipeline
     cell call (in chunks of model.loss_chunk_size positions, see models/lm_loss.py). Returns (loss, no metrics)."""
+    params = lora.freeze(params, cfg)
     return mean_head_loss(rms_norm(x_BxLxD, params["final_norm"], cfg.norm_eps), params["head"], targets_BxL, cfg,
                           constrain, loss_mask_BxL), {}
 
@@ -212,8 +230,9 @@ def flops_per_token(cfg: GPTConfig) -> float:
     """Training FLOPs per token: 6N for the matmul weights (forward 2N, backward 4N) plus the
     attention scores and values, 12 * layers * d_model * seq_len (Chowdhery et al. 2022, PaLM, App. B).
     Rematerialization is not counted: MFU measures useful model FLOPs; a mixture counts the k experts a token
-    runs through (and the router), not all of them."""
-    return 6.0 * matmul_params(cfg, active=True) + contract.causal_attention_flops(cfg)
+    runs through (and the router), not all of them; with LoRA, 4N for the frozen weights and 6 per adapter weight."""
+    matmuls = lora.matmul_flops(cfg, matmul_params(cfg, active=True), projections(cfg))
+    return matmuls + contract.causal_attention_flops(cfg)
 
 
 def layer_bytes_per_token(cfg: GPTConfig, remat: str, tensor: int) -> float:
@@ -240,4 +259,4 @@ FAMILY = contract.register(contract.Family(
     embed=embed, run_layers=run_layers, head_loss=head_loss, logits=logits, flops_per_token=flops_per_token,
     param_count=param_count, lookup_keys=lambda cfg: ("embed",), divisibility=divisibility,
     init_cache=init_cache, decode=decode, expert_buffers=moe.expert_buffers,
-    layer_bytes_per_token=layer_bytes_per_token))
+    layer_bytes_per_token=layer_bytes_per_token, lora_projections=projections))

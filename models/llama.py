@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import contract, gpt, moe
+from models import contract, gpt, lora, moe
 from models.attention import attend_cached
 from models.contract import Constrain, Params, no_constraint
 from models.layers import decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, rms_norm, rotary
@@ -60,6 +60,23 @@ class Llama(nnx.Module):
         self.final_norm = param(rngs, (cfg.d_model,), ("embed",), dt, None)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dt, 0.02)
+        if lora.enabled(cfg):  # drawn last, so the base weights are those of the same seed without adapters
+            self.layers.lora = lora.Adapters(cfg, projections(cfg), rngs)
+
+
+def projections(cfg: LlamaConfig) -> dict[str, lora.Projection]:
+    """What each LoRA target adapts: q [D -> G, R, K], k and v [D -> G, K], the slices of the fused wqkv; o the
+    output projection wo; mlp both w_in (gate and up together, [D -> 2, F]) and w_down."""
+    D, H, G, K, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_mlp
+    R = H // G
+    return {"q": lora.Projection("wqkv", (slice(None), slice(None), slice(0, R)), (D,), ("embed",), (G, R, K),
+                                 ("heads", None, "kv")),
+            "k": lora.Projection("wqkv", (slice(None), slice(None), R), (D,), ("embed",), (G, K), ("heads", "kv")),
+            "v": lora.Projection("wqkv", (slice(None), slice(None), R + 1), (D,), ("embed",), (G, K),
+                                 ("heads", "kv")),
+            "o": lora.Projection("wo", (), (H, K), ("heads", "kv"), (D,), ("embed",)),
+            "mlp_in": lora.Projection("w_in", (), (D,), ("embed",), (2, F), (None, "mlp")),
+            "mlp_out": lora.Projection("w_down", (), (F,), ("mlp",), (D,), ("embed",))}
 
 
 def init_params(cfg: LlamaConfig, seed: int) -> Params:
@@ -102,22 +119,28 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constr
     qkv_BxLxGxRxK = constrain(jnp.einsum("bld,dgrk->blgrk", h_BxLxD, p["wqkv"].astype(cdt)),
                               ("batch", "seq", "heads", None, "kv"))
     B, L, G, R2, K = qkv_BxLxGxRxK.shape
-    q = constrain(qkv_BxLxGxRxK[:, :, :, :-2].reshape(B, L, G * (R2 - 2), K), names)
-    k, v = (constrain(qkv_BxLxGxRxK[:, :, :, i], names) for i in (-2, -1))
+    q_BxLxGxRxK = lora.add(qkv_BxLxGxRxK[:, :, :, :-2], p, "q", h_BxLxD, cfg)
+    q = constrain(q_BxLxGxRxK.reshape(B, L, G * (R2 - 2), K), names)
+    k, v = (constrain(lora.add(qkv_BxLxGxRxK[:, :, :, i], p, t, h_BxLxD, cfg), names)
+            for i, t in ((-2, "k"), (-1, "v")))
     q, k = rotary(q, freqs, positions_L), rotary(k, freqs, positions_L)
     if cache is None:
         o = constrain.causal_attention(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
     else:
         o, cache = attend_cached(q, k, v, *cache)
     o = constrain(o, names)
-    return constrain(jnp.einsum("blhk,hkd->bld", o, p["wo"].astype(cdt)), ("batch", "seq", "embed")), cache
+    out_BxLxD = lora.add(jnp.einsum("blhk,hkd->bld", o, p["wo"].astype(cdt)), p, "o", o, cfg)
+    return constrain(out_BxLxD, ("batch", "seq", "embed")), cache
 
 
 def mlp(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain) -> jax.Array:
     cdt = jnp.dtype(cfg.compute_dtype)
-    gate_up = constrain(jnp.einsum("bld,dtf->tblf", h_BxLxD, p["w_in"].astype(cdt)), (None, "batch", "seq", "mlp"))
+    gate_up = jnp.einsum("bld,dtf->tblf", h_BxLxD, p["w_in"].astype(cdt))
+    if lora.KEY in p:  # the adapter's output is [B, L, 2, F]
+        gate_up = jnp.moveaxis(lora.add(jnp.moveaxis(gate_up, 0, 2), p, "mlp_in", h_BxLxD, cfg), 2, 0)
+    gate_up = constrain(gate_up, (None, "batch", "seq", "mlp"))
     u_BxLxF = constrain(jax.nn.silu(gate_up[0]) * gate_up[1], ("batch", "seq", "mlp"))
-    return jnp.einsum("blf,fd->bld", u_BxLxF, p["w_down"].astype(cdt))
+    return lora.add(jnp.einsum("blf,fd->bld", u_BxLxF, p["w_down"].astype(cdt)), p, "mlp_out", u_BxLxF, cfg)
 
 
 def block(p: Params, x_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain = no_constraint,
@@ -167,6 +190,7 @@ def logits(params: Params, x_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Cons
 def head_loss(params: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: LlamaConfig,
               constrain: Constrain = no_constraint, loss_mask_BxL: jax.Array | None = None):
     """As gpt.head_loss, through the head or the tied embedding: (loss, no metrics)."""
+    params = lora.freeze(params, cfg)
     h = rms_norm(x_BxLxD, params["final_norm"], cfg.norm_eps)
     return gpt.mean_head_loss(h, head_matrix(params, cfg), targets_BxL, cfg, constrain, loss_mask_BxL), {}
 
@@ -202,8 +226,10 @@ def param_count(cfg: LlamaConfig) -> int:
 
 
 def flops_per_token(cfg: LlamaConfig) -> float:
-    """6N for the matmul weights (a mixture's active experts) plus attention (as GPT; remat not counted)."""
-    return 6.0 * matmul_params(cfg, active=True) + contract.causal_attention_flops(cfg)
+    """6N for the matmul weights (a mixture's active experts; LoRA as GPT) plus attention (as GPT; remat not
+    counted)."""
+    matmuls = lora.matmul_flops(cfg, matmul_params(cfg, active=True), projections(cfg))
+    return matmuls + contract.causal_attention_flops(cfg)
 
 
 def layer_bytes_per_token(cfg: LlamaConfig, remat: str, tensor: int) -> float:
@@ -231,4 +257,4 @@ FAMILY = contract.register(contract.Family(
     flops_per_token=flops_per_token, param_count=param_count,
     lookup_keys=lambda cfg: () if cfg.tie_embeddings else ("embed",), divisibility=divisibility,
     init_cache=init_cache, decode=decode, kv_heads=lambda cfg: cfg.n_kv_heads, expert_buffers=moe.expert_buffers,
-    layer_bytes_per_token=layer_bytes_per_token))
+    layer_bytes_per_token=layer_bytes_per_token, lora_projections=projections))

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from models import documents, moe
+from models import documents, lora, moe
 from models.contract import Constrain, LayerAux, Params
 from models.layers import remat, rms_norm
 
@@ -19,6 +19,7 @@ def run_stack(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: An
     layer, `attention(p, h, segment_ids, positions) -> out` its attention on the normed input, `expert_mlp(w,
     x_ExNxD, cfg) -> y_ExNxD` one expert's MLP. Returns (x, aux): 0.0 for a dense stack (it adds nothing to the
     loss), the router's losses and statistics for a mixture (moe.run_groups)."""
+    layers = lora.freeze(layers, cfg)
     segment_ids, positions = documents.segments(inputs_BxL, cfg)
     if positions is None:  # a context-parallel layout's permuted sequence keeps its global rotary positions
         positions = constrain.context_order(inputs_BxL.shape[1])

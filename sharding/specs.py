@@ -109,17 +109,29 @@ def add_axis(spec: P, shape: tuple[int, ...], axis: str, mesh_sizes: Mapping[str
 def opt_state_specs(tx: optax.GradientTransformation, abstract_params: Any, specs: Any,
                     mesh_sizes: Mapping[str, int], shard_over_data: bool) -> Any:
     """Specs for the optimizer state: param-shaped leaves follow their parameter (plus `data` when
-    optimizer-state sharding is on); counters and other scalars are replicated."""
+    optimizer-state sharding is on); counters and other scalars are replicated.
+
+    A leaf is a parameter's copy when its path ends with that parameter's path and it has its shape (optax's
+    moments keep the parameter dict's keys), which also holds for states with masked-out parameters
+    (optax.multi_transform, LoRA's frozen base), where optax.tree_map_params cannot place its placeholder."""
     abstract_state = jax.eval_shape(tx.init, abstract_params)
+    flat_params = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    by_path = {_names(path): (leaf.shape, spec) for (path, leaf), spec in zip(flat_params, flat_specs)}
 
-    def follow(leaf, spec):
-        if shard_over_data:
-            return add_axis(spec, leaf.shape, "data", mesh_sizes)
-        return spec
+    def follow(path, leaf):
+        names = _names(path)
+        for start in range(len(names)):
+            shape, spec = by_path.get(names[start:], (None, None))
+            if spec is not None and shape == leaf.shape:
+                return add_axis(spec, leaf.shape, "data", mesh_sizes) if shard_over_data else spec
+        return P()
 
-    mapped = optax.tree_map_params(tx, follow, abstract_state, specs,
-                                   transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
-    return mapped
+    return jax.tree_util.tree_map_with_path(follow, abstract_state)
+
+
+def _names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def named(mesh: jax.sharding.Mesh, specs: Any) -> Any:

@@ -40,6 +40,11 @@ def _bad_configs():
         "attention": (with_(mesh__data=8, model__attention="flash"), "model.attention='flash': use one of"),
         "float16": (with_(mesh__data=8, model__compute_dtype="float16"), "model.compute_dtype=float16: float16 needs"),
         "loss_chunk": (with_(mesh__data=8, model__loss_chunk_size=-1), "model.loss_chunk_size=-1"),
+        "lora_rank": (with_(mesh__data=8, model__lora_rank=-1), "model.lora_rank=-1: an integer >= 0"),
+        "lora_target": (with_(mesh__data=8, model__lora_rank=4, model__lora_targets="q,gate"),
+                        "model.lora_targets='q,gate': a comma list of q, k, v, o, mlp"),
+        "lora_alpha": (with_(mesh__data=8, model__lora_rank=4, model__lora_alpha=0.0),
+                       "model.lora_alpha=0.0: a number > 0"),
     }
 
 

@@ -30,28 +30,36 @@ class ConfigError(UserError):
     """A training setting the user can fix; the message is one line naming the setting."""
 
 
+def _model_keys() -> dict:
+    """The model.* keys of base_config."""
+    # The preset implies the family (gpt or llama); a field left None keeps the preset's value. A field
+    # the family does not have (mlp_ratio on Llama, n_kv_heads on GPT) is an error when set.
+    return dict(preset="tiny", family=config_dict.placeholder(str), vocab_size=config_dict.placeholder(int),
+                seq_len=config_dict.placeholder(int), d_model=config_dict.placeholder(int),
+                n_layers=config_dict.placeholder(int), n_heads=config_dict.placeholder(int),
+                mlp_ratio=config_dict.placeholder(int), n_kv_heads=config_dict.placeholder(int),
+                d_mlp=config_dict.placeholder(int), norm_eps=config_dict.placeholder(float),
+                rope_theta=config_dict.placeholder(float), rope_scaling=config_dict.placeholder(str),
+                tie_embeddings=config_dict.placeholder(bool), param_dtype=config_dict.placeholder(str),
+                compute_dtype=config_dict.placeholder(str), remat=config_dict.placeholder(str),
+                # attention: auto|xla|cudnn (auto: cuDNN's flash kernel where it runs, else XLA's);
+                # loss_chunk_size: positions per chunk of the head + loss, 0 = all at once (models/lm_loss.py)
+                attention=config_dict.placeholder(str), loss_chunk_size=config_dict.placeholder(int),
+                # Mixture of experts (models/moe.py; n_experts 0 = dense): top-k experts_per_token, capacity_factor
+                # 0 = dropless, every moe_every-th block routes; router losses' weights (defaults 1e-3, 1e-2)
+                n_experts=config_dict.placeholder(int), experts_per_token=config_dict.placeholder(int),
+                capacity_factor=config_dict.placeholder(float), moe_every=config_dict.placeholder(int),
+                router_z_loss_weight=config_dict.placeholder(float),
+                load_balance_weight=config_dict.placeholder(float),
+                # LoRA, 0 = off: the base (checkpoint.restore_from) frozen, q,k,v,o,mlp + alpha/rank·A·B
+                lora_rank=config_dict.placeholder(int), lora_alpha=config_dict.placeholder(float),
+                lora_targets=config_dict.placeholder(str))
+
+
 def base_config() -> ml_collections.ConfigDict:
     """Every key the system reads, with its default. Experiment files start from this."""
     c = ml_collections.ConfigDict()
-    # The preset implies the family (gpt or llama); a field left None keeps the preset's value. A field
-    # the family does not have (mlp_ratio on Llama, n_kv_heads on GPT) is an error when set.
-    c.model = dict(preset="tiny", family=config_dict.placeholder(str), vocab_size=config_dict.placeholder(int),
-                   seq_len=config_dict.placeholder(int), d_model=config_dict.placeholder(int),
-                   n_layers=config_dict.placeholder(int), n_heads=config_dict.placeholder(int),
-                   mlp_ratio=config_dict.placeholder(int), n_kv_heads=config_dict.placeholder(int),
-                   d_mlp=config_dict.placeholder(int), norm_eps=config_dict.placeholder(float),
-                   rope_theta=config_dict.placeholder(float), rope_scaling=config_dict.placeholder(str),
-                   tie_embeddings=config_dict.placeholder(bool), param_dtype=config_dict.placeholder(str),
-                   compute_dtype=config_dict.placeholder(str), remat=config_dict.placeholder(str),
-                   # attention: auto|xla|cudnn (auto: cuDNN's flash kernel where it runs, else XLA's);
-                   # loss_chunk_size: positions per chunk of the head + loss, 0 = all at once (models/lm_loss.py)
-                   attention=config_dict.placeholder(str), loss_chunk_size=config_dict.placeholder(int),
-                   # Mixture of experts (models/moe.py; n_experts 0 = dense): top-k experts_per_token, capacity_factor
-                   # 0 = dropless, every moe_every-th block routes; router losses' weights (defaults 1e-3, 1e-2)
-                   n_experts=config_dict.placeholder(int), experts_per_token=config_dict.placeholder(int),
-                   capacity_factor=config_dict.placeholder(float), moe_every=config_dict.placeholder(int),
-                   router_z_loss_weight=config_dict.placeholder(float),
-                   load_balance_weight=config_dict.placeholder(float))
+    c.model = _model_keys()
     c.mesh = dict(data=-1, pipeline=1, fsdp=1, expert=1, context=1, tensor=1)
     # sequence_parallel: Megatron sequence parallelism, the residual stream split over the sequence on `tensor`
     c.sharding = dict(strategy=sharding_rules.DEFAULT_STRATEGY, rules={}, shard_opt_state=False,

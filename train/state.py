@@ -13,14 +13,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
+from models import lora
 from sharding import specs as sharding_specs
 from train.config import Plan
 
 State = dict[str, Any]
 
 
-def make_optimizer(opt_cfg: Any, decay_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup and cosine decay, after global-norm clipping. Norm scales are not decayed."""
+def make_optimizer(opt_cfg: Any, decay_steps: int,
+                   adapters_only: bool = False) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warmup and cosine decay, after global-norm clipping. Norm scales are not decayed.
+    `adapters_only` (LoRA): only the adapters get AdamW; every other parameter gets a zero update and no state."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=opt_cfg.lr, warmup_steps=opt_cfg.warmup_steps,
         decay_steps=decay_steps, end_value=opt_cfg.lr * opt_cfg.min_lr_ratio)
@@ -28,8 +31,12 @@ def make_optimizer(opt_cfg: Any, decay_steps: int) -> tuple[optax.GradientTransf
         lambda path, _: not str(path[-1].key).endswith("norm"), params)
     adamw = optax.adamw(schedule, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
                         weight_decay=opt_cfg.weight_decay, mask=decay_mask)
-    chain = [optax.clip_by_global_norm(opt_cfg.clip_norm)] if opt_cfg.clip_norm else []
-    return optax.chain(*chain, adamw), schedule
+    chain = optax.chain(*([optax.clip_by_global_norm(opt_cfg.clip_norm)] if opt_cfg.clip_norm else []), adamw)
+    if not adapters_only:
+        return chain, schedule
+    labels = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, _: "adapter" if lora.is_adapter(path) else "frozen", params)
+    return optax.multi_transform({"adapter": chain, "frozen": optax.set_to_zero()}, labels), schedule
 
 
 @dataclasses.dataclass(frozen=True)

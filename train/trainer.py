@@ -12,6 +12,7 @@ import optax
 
 import models
 from mesh import make_mesh
+from models import lora
 from sharding import pipeline as pipeline_lib
 from train import state as state_lib
 from train import step as step_lib
@@ -39,7 +40,7 @@ class Trainer:
         plan = resolve(config, num_devices or jax.device_count())
         source = data_lib.load(plan.source, plan.model.vocab_size, plan.model.seq_len + 1, plan.data)
         mesh = make_mesh(plan.mesh_sizes, num_devices=num_devices)
-        tx, schedule = state_lib.make_optimizer(plan.optimizer, plan.decay_steps)
+        tx, schedule = state_lib.make_optimizer(plan.optimizer, plan.decay_steps, lora.enabled(plan.model))
         layout = state_lib.plan_layout(plan, mesh, tx, plan.shard_opt_state)
         if plan.pipeline:
             table = plan.pipeline.build()
@@ -56,6 +57,16 @@ class Trainer:
 
     def init_state(self) -> state_lib.State:
         return self.from_logical(state_lib.init_state(self.plan, self.layout, self.tx, self.plan.train.seed))
+
+    @functools.cached_property
+    def frozen(self) -> frozenset[str]:
+        """Saved-tree paths ('params/layers/wqkv') a checkpoint does not hold: with LoRA, every base parameter
+        (read again from checkpoint.restore_from, train/lora); otherwise none."""
+        if not lora.enabled(self.plan.model):
+            return frozenset()
+        paths = jax.tree_util.tree_flatten_with_path(self.layout.abstract_state["params"])[0]
+        return frozenset("params/" + "/".join(str(k.key) for k in path) for path, _ in paths
+                         if not lora.is_adapter(path))
 
     @property
     def layer_order(self):

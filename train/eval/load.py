@@ -12,6 +12,7 @@ from train import config as run_config
 from train.data import tokenizer as tok_lib
 from train.eval.scorer import Scorer
 from train.generate import decode
+from train.lora import base as lora_base
 from train.trainer import Trainer
 
 
@@ -33,7 +34,7 @@ def load_run(workdir: pathlib.Path, step: int | None, batch_size: int, mesh: dic
     source, step, spec = run_config.run_checkpoints(workdir, step)
     trainer = Trainer.build(config, num_devices=num_devices)
     got = checkpoint.restore_source(source, step, {"params": ckpt_format.target(trainer)["params"]}, True, spec)
-    params = ckpt_format.params_from_tree(trainer, got.tree["params"])
+    params = ckpt_format.params_from_tree(trainer, got.tree["params"], lora_base.for_trainer(trainer))
     # Padding is id 0, inside every vocabulary (a byte-level run's EOS, 256, may not be); nothing real attends to it.
     scorer = Scorer(trainer.plan.model, params, trainer.layout.constrain(), trainer.mesh, batch_size, pad_id=0)
     return LoadedRun(scorer, codec, step, config)

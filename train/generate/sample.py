@@ -23,6 +23,7 @@ from train.data import tokenizer as tok_lib
 from train.generate import decode as generate
 from train.generate import prompt as prompt_lib
 from train.loop import exit_codes
+from train.lora import base as lora_base
 from train.trainer import Trainer
 
 _CONFIG = cli.config_dict("config", base_config(), "Only --config.mesh.* overrides are read.")
@@ -71,7 +72,7 @@ def run(workdir: pathlib.Path) -> None:
                                                                         _PROMPT_TOKENS.value)
     source, step, spec = run_config.run_checkpoints(workdir, _STEP.value)
     got = checkpoint.restore_source(source, step, {"params": ckpt_format.target(trainer)["params"]}, True, spec)
-    params = ckpt_format.params_from_tree(trainer, got.tree["params"])
+    params = ckpt_format.params_from_tree(trainer, got.tree["params"], lora_base.for_trainer(trainer))
     if _EVAL_BATCHES.value:
         losses = [float(trainer.eval_step(params, trainer.batch(i, "eval"))) for i in range(_EVAL_BATCHES.value)]
         loss = sum(losses) / len(losses)

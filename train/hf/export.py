@@ -1,9 +1,9 @@
-"""`python -m train.export_hf --workdir=DIR [--step=N] [--dtype=float32|bfloat16] --out=HFDIR`: a Llama run's
-checkpoint as a directory transformers' AutoModelForCausalLM.from_pretrained loads (config.json,
-generation_config.json, model.safetensors or shards with an index, and the run's tokenizer when it has one:
-tokenizer.json with a tokenizer_config.json, and its bos/eos ids in both configs)."""
+"""`python -m train.export_hf --workdir=DIR [--step=N] [--dtype=float32|bfloat16] [--merge_lora] --out=HFDIR`: a
+Llama run's checkpoint (a LoRA run's merged into its base) as a directory transformers' from_pretrained loads: config,
+generation_config, model.safetensors or shards with an index, and the run's tokenizer with its bos/eos ids if any."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -18,11 +18,12 @@ import models
 from checkpoint import plain, safetensors_io
 from mesh import use_cpu_devices
 from mesh.errors import UserError, check_writable
-from models import llama_hf
+from models import llama_hf, lora
 from train import cli
 from train import config as run_config
 from train.data import tokenizer as tok_lib
 from train.loop import exit_codes
+from train.lora import base as lora_base
 
 FLAGS = flags.FLAGS
 
@@ -39,23 +40,42 @@ def define_flags() -> None:
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dtype of the written tensors.")
     flags.DEFINE_string("out", None, "Directory to write; must not exist or be empty.", required=True)
     flags.DEFINE_float("max_shard_gb", 5.0, "Split model.safetensors into shards of at most this size.")
+    flags.DEFINE_bool("merge_lora", False, "A LoRA run (model.lora_rank > 0): write each adapted weight as "
+                      "W + (alpha/rank)·A·B, the base read from the run's checkpoint.restore_from.")
 
 
-def restore_params(workdir: pathlib.Path, step: int | None):
-    """(model config, params as numpy in logical layer order, step) from a run's checkpoint, on one device."""
+def run_model(workdir: pathlib.Path):
+    """(the run's config, its model config)."""
     config = run_config.load_run_config(workdir)
     values = config.model.to_dict()
     data_meta = workdir / "data_meta.json"  # a DATADIR run's vocabulary comes from its meta.json (train.config)
     if values.get("vocab_size") is None and data_meta.is_file():
         values["vocab_size"] = int(json.loads(data_meta.read_text())["vocab_size"])
-    cfg = models.from_dict(values)
+    return config, models.from_dict(values)
+
+
+def restore_params(workdir: pathlib.Path, step: int | None):
+    """(model config, params as numpy in logical layer order, step) from a run's checkpoint, on one device; a LoRA
+    run's params are its base (read from checkpoint.restore_from) with the adapters from the checkpoint."""
+    config, cfg = run_model(workdir)
     source, step, spec = run_config.run_checkpoints(workdir, step)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract, _ = models.abstract_params(cfg)
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
-    got = checkpoint.restore_source(source, step, {"params": plain.to_plain(target)}, True, spec)
-    params = plain.from_plain(got.tree["params"], target)
+    target = plain.flatten(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                                        {"params": abstract}))
+    base = {k: v for k, v in target.items() if lora.enabled(cfg) and not lora.is_adapter(k.split("/"))}
+    held = plain.nest({k: v for k, v in target.items() if k not in base})
+    got = checkpoint.restore_source(source, step, held, True, spec)
+    if base:
+        base = lora_base.load(config.checkpoint.restore_from, cfg, config.train.seed, base)
+    params = plain.nest({**plain.flatten({"params": got.tree["params"]}), **base})["params"]
     return cfg, jax.tree.map(np.asarray, jax.device_get(params)), step
+
+
+def merged(cfg, params):
+    """(the base's config, its params with every adapter merged into its weight)."""
+    projections = models.family_of(cfg).lora_projections(cfg)
+    return dataclasses.replace(cfg, lora_rank=0), lora.merge(params, cfg, projections)
 
 
 def _shards(tensors: dict[str, np.ndarray], max_bytes: float) -> list[dict[str, np.ndarray]]:
@@ -110,7 +130,12 @@ def write_tokenizer(directory: pathlib.Path, codec) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _check_exportable(workdir: pathlib.Path, cfg) -> None:
+def _check_exportable(workdir: pathlib.Path, cfg, merge_lora: bool) -> None:
+    if lora.enabled(cfg) and not merge_lora:
+        raise ExportError(f"--workdir={workdir} trains LoRA adapters (model.lora_rank={cfg.lora_rank}) and its "
+                          f"checkpoints hold only them; add --merge_lora to write W + (alpha/rank)·A·B")
+    if merge_lora and not lora.enabled(cfg):
+        raise ExportError(f"--merge_lora: --workdir={workdir} has no adapters (model.lora_rank=0); drop the flag")
     if not isinstance(cfg, models.LlamaConfig):
         raise ExportError(f"--workdir={workdir} trains a {cfg.family} model; only Llama runs export to Hugging Face")
     if models.is_moe(cfg):
@@ -130,8 +155,10 @@ def main(argv: list[str]) -> int:
     if not FLAGS.max_shard_gb > 0:
         raise ExportError(f"--max_shard_gb={FLAGS.max_shard_gb}: must be > 0 (the most GB one safetensors file holds)")
     codec = tok_lib.load_run_codec(workdir)  # a damaged tokenizer.json stops before the restore
+    _check_exportable(workdir, run_model(workdir)[1], FLAGS.merge_lora)
     cfg, params, step = restore_params(workdir, FLAGS.step)
-    _check_exportable(workdir, cfg)
+    if FLAGS.merge_lora:
+        cfg, params = merged(cfg, params)
     write(out, cfg, params, FLAGS.dtype, codec if codec.from_run else None, FLAGS.max_shard_gb * 1e9)
     print(f"wrote {out} (step {step}, {FLAGS.dtype}, {models.param_count(cfg):,} parameters)")
     return exit_codes.OK

@@ -83,7 +83,11 @@ def _check_complete(spec: str, f: pathlib.Path) -> None:
 def check(spec: str, trainer: Trainer, workdir: pathlib.Path | None = None) -> dict[str, np.ndarray]:
     """One-line errors for a config or tensor that does not match the run's model; then the tokenizer files
     are copied into `workdir` (the only write). Returns the memory-mapped tensors."""
-    cfg = trainer.plan.model
+    return check_model(spec, trainer.plan.model, workdir)
+
+
+def check_model(spec: str, cfg: Any, workdir: pathlib.Path | None = None) -> dict[str, np.ndarray]:
+    """`check` for a model config (an export merging a LoRA run's base has no Trainer)."""
     if not isinstance(cfg, models.LlamaConfig):
         raise _fail(spec, f"Hugging Face import needs a Llama model; set model.preset to a llama preset "
                           f"(model.family is {cfg.family!r})")
@@ -116,10 +120,15 @@ def check(spec: str, trainer: Trainer, workdir: pathlib.Path | None = None) -> d
 
 def load_params(spec: str, trainer: Trainer) -> Any:
     """The run's params (its in-memory layer order and shardings), each device reading only its slices."""
-    cfg = trainer.plan.model
-    tensors = check(spec, trainer)
+    return read_params(spec, trainer.plan.model, trainer.layout.abstract_state["params"], trainer.layer_order)
+
+
+def read_params(spec: str, cfg: Any, target: Any, order: np.ndarray | None = None) -> Any:
+    """The leaves of `target` (ShapeDtypeStructs with shardings, named as params are) from HFDIR, the layer
+    stack in `order` (None: logical order), each device reading only its slices."""
+    tensors = check_model(spec, cfg)
     read = tensors.__getitem__
-    order = trainer.layer_order if trainer.layer_order is not None else np.arange(cfg.n_layers)
+    order = order if order is not None else np.arange(cfg.n_layers)
 
     def leaf(path, sds):
         keys = [k.key for k in path]
@@ -133,7 +142,7 @@ def load_params(spec: str, trainer: Trainer) -> Any:
             return np.asarray(arr, dtype=sds.dtype)
         return jax.make_array_from_callback(sds.shape, sds.sharding, piece)
 
-    return jax.tree_util.tree_map_with_path(leaf, trainer.layout.abstract_state["params"])
+    return jax.tree_util.tree_map_with_path(leaf, target)
 
 
 def load_state(spec: str, trainer: Trainer) -> tuple[dict[str, Any], str]:

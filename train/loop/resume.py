@@ -18,6 +18,7 @@ from checkpoint import format as ckpt_format
 from checkpoint import meta as meta_lib
 from train.config import ConfigError
 from train.hf import restore as hf_import
+from train.lora import base as lora_base
 from train.runtime.hardware import GiB
 from train.trainer import Trainer
 
@@ -33,7 +34,8 @@ def _newest_meta(ckpts: checkpoint.Checkpoints) -> tuple[int, dict[str, Any]] | 
 
 def check_before_compile(trainer: Trainer, workdir: pathlib.Path) -> None:
     """Fail fast, moving nothing: the run's own newest checkpoint (or restore_from's) must hold the arrays
-    this config trains, with the same seed; the workdir must have room for a checkpoint."""
+    this config trains, with the same seed; a LoRA run's base source must hold its base (it is read on every
+    start); the workdir must have room for a checkpoint."""
     wanted, ck, seed_now = ckpt_format.target(trainer), trainer.plan.checkpoint, trainer.plan.train.seed
     own_dir = workdir / "checkpoints"
     own = checkpoint.Checkpoints(own_dir, read_only=True) if own_dir.is_dir() else None
@@ -45,7 +47,23 @@ def check_before_compile(trainer: Trainer, workdir: pathlib.Path) -> None:
         if seed is not None and seed != seed_now:
             raise ConfigError(f"train.seed={seed_now} but {own.step_dir(step)} was trained with seed {seed}; "
                               f"set it back (a resumed run replays the same data), or use a new --workdir")
-    elif ck.restore_from.startswith(hf_import.PREFIX):
+    if trainer.frozen:
+        lora_base.check_source(trainer, workdir)
+    elif not found:
+        _check_restore_from(trainer, workdir, wanted)
+    if not ck.enabled:
+        return  # nothing will be written: no room needed
+    need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(wanted))
+    free = shutil.disk_usage(workdir).free
+    if free < need:
+        raise ConfigError(f"--workdir={workdir}: {free / GiB:.2f} GiB free but one checkpoint needs about "
+                          f"{need / GiB:.2f} GiB; free some space or choose another directory")
+
+
+def _check_restore_from(trainer: Trainer, workdir: pathlib.Path, wanted: dict[str, Any]) -> None:
+    """checkpoint.restore_from (of a run without checkpoints of its own) holds what this config trains."""
+    ck = trainer.plan.checkpoint
+    if ck.restore_from.startswith(hf_import.PREFIX):
         hf_import.check(ck.restore_from, trainer, workdir)
     elif ck.restore_from:
         source, step = checkpoint.open_source(ck.restore_from)
@@ -57,13 +75,6 @@ def check_before_compile(trainer: Trainer, workdir: pathlib.Path) -> None:
                 f"({type(e).__name__})") from None
         meta_lib.check_compatible(meta, wanted, str(source.step_dir(step)),
                                   prefix="params/" if ck.restore_params_only else "")
-    if not ck.enabled:
-        return  # nothing will be written: no room needed
-    need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(wanted))
-    free = shutil.disk_usage(workdir).free
-    if free < need:
-        raise ConfigError(f"--workdir={workdir}: {free / GiB:.2f} GiB free but one checkpoint needs about "
-                          f"{need / GiB:.2f} GiB; free some space or choose another directory")
 
 
 @dataclasses.dataclass
@@ -87,7 +98,8 @@ def start(trainer: Trainer, ckpts: checkpoint.Checkpoints, say: Callable[[str], 
             say(f"resuming with changed settings: {'; '.join(changes)}")
         if "order" not in restored.meta.get("config", {}).get("data", {"order": None}):  # written before data.order
             _train_with_random_windows(trainer)
-        return Start(ckpt_format.from_tree(trainer, restored.tree), restored.tree["rng"], restored.step,
+        state = ckpt_format.from_tree(trainer, restored.tree, lora_base.for_trainer(trainer))
+        return Start(state, restored.tree["rng"], restored.step,
                      f"resumed from {restored.where}", True, time.perf_counter() - t0)
     return _from_elsewhere(trainer, t0)
 
@@ -105,6 +117,9 @@ def _from_elsewhere(trainer: Trainer, t0: float) -> Start:
     else a fresh init."""
     rng = ckpt_format.rng_of(trainer.plan.train.seed, trainer.mesh)
     spec, params_only = trainer.plan.checkpoint.restore_from, trainer.plan.checkpoint.restore_params_only
+    if trainer.frozen:  # LoRA: fresh adapters and optimizer state on the base read from its source
+        origin = f"{lora_base.adapter_count(trainer):,} adapter parameters initialized on {lora_base.describe(spec)}"
+        return Start(lora_base.fresh_state(trainer), rng, 0, origin, False, time.perf_counter() - t0)
     if not spec:
         return Start(trainer.init_state(), rng, 0, "initialized", False, time.perf_counter() - t0)
     if spec.startswith(hf_import.PREFIX):  # Hugging Face weights: params only, fresh optimizer, step 0

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import models
+from models import lora
 from sharding import rules as sharding_rules
 from sharding import schedules
 from sharding import specs as sharding_specs
@@ -42,15 +43,18 @@ def layout_specs(cfg: models.ModelConfig, mesh: tuple[tuple[str, int], ...]):
 @functools.lru_cache(maxsize=4096)
 def state_bytes(cfg: models.ModelConfig, mesh: tuple[tuple[str, int], ...],
                 shard_opt_state: bool) -> tuple[float, float]:
-    """(parameter bytes, Adam moment bytes) per device, following the layout's specs exactly."""
+    """(parameter bytes, Adam moment bytes) per device, following the layout's specs exactly; with LoRA adapters
+    only they have moments (the frozen base has none)."""
     sizes = dict(mesh)
     abstract, specs, _ = layout_specs(cfg, mesh)
-    leaves = jax.tree.leaves(abstract)
+    leaves = jax.tree_util.tree_flatten_with_path(abstract)[0]
     pspecs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     params = moments = 0.0
-    for leaf, spec in zip(leaves, pspecs):
+    for (path, leaf), spec in zip(leaves, pspecs):
         nbytes = math.prod(leaf.shape) * leaf.dtype.itemsize
         params += nbytes / _ways(spec, sizes)
+        if lora.enabled(cfg) and not lora.is_adapter(path):
+            continue
         if shard_opt_state:
             spec = sharding_specs.add_axis(spec, leaf.shape, "data", sizes)
         moments += 2 * nbytes / _ways(spec, sizes)  # Adam's mu and nu, in the parameter dtype
