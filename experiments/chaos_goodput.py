@@ -8,13 +8,15 @@ cost, step time, restart time and MTBF.
     python -m experiments.chaos_goodput --smoke        # 40 s, a couple of failures: proves the script runs
 
 The run is the tiny model on 8 virtual devices (experiments/tiny.py, data=8), restarted by the launcher with no
-back-off. `--step_delay_s` pads every step (fault_injection.step_delay_s) to stand for a bigger model; the pad
+back-off, logging (and so recording goodput.json) every step, so a killed attempt's lost steps are counted.
+`--step_delay_s` pads every step (fault_injection.step_delay_s) to stand for a bigger model; the pad
 counts as productive step time, as a real step's compute would. An attempt killed before its first step records
 nothing, so the restart time is the mean over the attempts that trained.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import pathlib
@@ -33,7 +35,7 @@ STEPS = 10 ** 7  # never reached: the run ends when the time is up
 def _launch(workdir: pathlib.Path, args) -> subprocess.Popen:
     train = ["--config=experiments/tiny.py", f"--workdir={workdir}", "--config.mesh.data=8",
              "--config.data.source=synthetic", f"--config.train.steps={STEPS}", "--config.optimizer.decay_steps=1000",
-             "--config.train.eval_every=0", "--config.train.log_every=20", "--config.checkpoint.every_minutes=0",
+             "--config.train.eval_every=0", "--config.train.log_every=1", "--config.checkpoint.every_minutes=0",
              f"--config.checkpoint.every_steps={args.every_steps}", "--config.checkpoint.keep=2",
              f"--config.fault_injection.step_delay_s={args.step_delay_s}"]
     launcher = [sys.executable, "-m", "train.launch", "--num_processes=1", "--num_cpu_devices=8",
@@ -56,28 +58,42 @@ def _kill_loop(workdir: pathlib.Path, launcher: subprocess.Popen, args) -> list[
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)
             if pids:
-                kills.append(time.monotonic())
+                kills.append(time.time())  # wall clock, as goodput.json's attempt start times
             next_kill = time.monotonic() + rng.expovariate(1.0 / args.mtbf_s)
         time.sleep(0.05)
     return kills
 
 
-def _measure(record: dict, kills: int, wall_s: float, args) -> dict:
+def _restart_s(attempts: list[dict], kills: list[float]) -> float:
+    """Mean seconds from a kill to the next attempt's first step (launcher, process start, imports, compile
+    from the cache, restore), over the restarts that no second kill interrupted."""
+    waits = []
+    for a in attempts:
+        began = datetime.datetime.fromisoformat(a["started"]).timestamp()
+        ready = began + a["startup_s"] + a["compile_s"] + a["memory_check_s"] + a["restore_s"] + a["init_s"]
+        before = [k for k in kills if k <= began]
+        if before and not any(before[-1] < k < ready for k in kills):
+            waits.append(ready - before[-1])
+    return sum(waits) / len(waits) if waits else 0.0
+
+
+def _measure(record: dict, kills: list[float], wall_s: float, args) -> dict:
     attempts = [a for a in record["attempts"] if a.get("last_step")]  # an attempt killed before a step: restart
     k = args.every_steps
     saves = max(1, sum(a["last_step"] // k - (a["first_step"] - 1) // k for a in attempts))
     step_s = (sum(a["productive_s"] + a["recomputed_s"] for a in attempts)
               / max(1, sum(a["last_step"] - a["first_step"] + 1 for a in attempts)))
-    restarts = attempts[1:]
-    restart_s = (sum(a["startup_s"] + a["compile_s"] + a["memory_check_s"] + a["restore_s"] for a in restarts)
-                 / len(restarts)) if restarts else 0.0
+    restart_s = _restart_s(attempts, kills)
     save_s = sum(a["checkpoint_blocked_s"] for a in attempts) / saves
     productive = sum(a["productive_s"] for a in attempts)
     lost = sum(a["recomputed_steps"] for a in attempts)
     tau = args.every_steps * step_s
-    return {"wall_s": wall_s, "failures": kills, "attempts": len(attempts), "step_s": step_s,
+    parts = {p: sum(a[p] for a in record["attempts"]) for p in ("productive_s", "recomputed_s", "startup_s",
+                                                                 "compile_s", "restore_s", "checkpoint_blocked_s")}
+    parts["unrecorded_s"] = wall_s - sum(a["wall_s"] for a in record["attempts"])  # gaps, attempts killed early
+    return {"wall_s": wall_s, "failures": len(kills), "attempts": len(attempts), "step_s": step_s, "parts": parts,
             "save_blocked_s": save_s, "restart_s": restart_s, "interval_s": tau,
-            "steps_lost_per_failure": lost / max(kills, 1), "measured_goodput": productive / wall_s,
+            "steps_lost_per_failure": lost / max(len(kills), 1), "measured_goodput": productive / wall_s,
             "predicted_goodput": cadence.expected_goodput(tau, save_s, args.mtbf_s, restart_s)}
 
 
@@ -91,7 +107,7 @@ def run(args) -> dict:
         launcher.wait(timeout=120)
         wall_s = time.monotonic() - started
         record = json.loads((workdir / "goodput.json").read_text())
-        return _measure(record, len(kills), wall_s, args)
+        return _measure(record, kills, wall_s, args)
 
 
 def table(rows: list[dict], args) -> str:
@@ -124,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name}={getattr(args, name)}: must be > 0")
     row = run(args)
     print(table([row], args))
+    print("wall time: " + ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in row["parts"].items())
+          + f" of {row['wall_s']:.1f}s")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"args": vars(args), "rows": [row]}, indent=2) + "\n")
     return 0
