@@ -13,7 +13,7 @@ import numpy as np
 
 from mesh.errors import UserError
 from train.data import sources
-from train.data.corpus import JSONL, CorpusError
+from train.data.corpus import JSONL, CorpusError, jsonl_records
 from train.runtime import extras
 
 # For the bytes and train-bpe tokenizers, and a Hugging Face tokenizer without a chat_template: ChatML's layout,
@@ -156,18 +156,8 @@ class Renderer:
 
 def records(item: sources.Input) -> Iterator[Any]:
     """The `messages` value of every JSONL record of one input (None where a record has none)."""
-    try:
-        with sources.open_bytes(item) as f:
-            for number, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    record = json.loads(raw.decode("utf-8"))
-                except (UnicodeDecodeError, ValueError):
-                    raise CorpusError(f"{item.where}:{number}: not a JSON object; fix or remove the line") from None
-                yield record.get("messages") if isinstance(record, dict) else None
-    except sources.read_errors() as e:
-        raise CorpusError(f"{item.where}: cannot read it ({e})") from None
+    for _number, record in jsonl_records(item):
+        yield record.get("messages") if isinstance(record, dict) else None
 
 
 def check(files: list[sources.Input], spec: str, max_skipped_percent: float) -> str:

@@ -87,7 +87,9 @@ def split_text(text: str, how: str) -> Iterator[str]:
     yield from (p for p in pieces if p.strip())
 
 
-def _jsonl(item: sources.Input, field: str) -> Iterator[str]:
+def jsonl_records(item: sources.Input) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of every non-blank line of a JSONL input; a line that is not UTF-8 JSON or an
+    unreadable file is a CorpusError naming the place."""
     path = item.where
     try:
         with sources.open_bytes(item) as f:
@@ -95,18 +97,22 @@ def _jsonl(item: sources.Input, field: str) -> Iterator[str]:
                 if not raw.strip():
                     continue
                 try:
-                    record = json.loads(raw.decode("utf-8"))
+                    yield number, json.loads(raw.decode("utf-8"))
                 except UnicodeDecodeError:
                     raise CorpusError(f"{path}:{number}: not UTF-8; convert the file") from None
                 except ValueError as e:
                     raise CorpusError(f"{path}:{number}: not a JSON object ({e.msg}); fix or remove the line") from None
-                text = record.get(field) if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    raise CorpusError(f"{path}:{number}: no string field {field!r}; set --text_field to the "
-                                      f"field holding the text")
-                yield text
     except sources.read_errors() as e:
         raise CorpusError(f"{path}: cannot read it ({_why(e)})") from None
+
+
+def _jsonl(item: sources.Input, field: str) -> Iterator[str]:
+    for number, record in jsonl_records(item):
+        text = record.get(field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise CorpusError(f"{item.where}:{number}: no string field {field!r}; set --text_field to the "
+                              f"field holding the text")
+        yield text
 
 
 def _parquet(item: sources.Input, field: str) -> Iterator[str]:
