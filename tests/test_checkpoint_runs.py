@@ -112,6 +112,33 @@ def test_sigkill_chaos_replays_exactly(tmp_path, reference):
     assert len(goodput["attempts"]) == 4 and goodput["attempts"][-1]["exit_status"] == 0
 
 
+def local_steps(local_dir) -> list[int]:
+    """The committed steps of a single-process run's local tier (checkpoint.local_dir)."""
+    committed = local_dir.glob("*/process_0_of_1/*/manifest.json")
+    return sorted(int(p.parent.name) for p in committed if p.parent.name.isdigit())
+
+
+def test_sigkill_after_a_local_save_resumes_from_it_exactly(tmp_path, reference):
+    """Persistent saves every 6 steps, local ones every step: killed after local step 8 has committed and before
+    persistent step 12, the run resumes from its newest local step, not from step 6, and ends bit for bit as the
+    uninterrupted run."""
+    workdir, local_dir = tmp_path / "run", tmp_path / "shm"
+    tiers = ("--config.checkpoint.every_steps=6", f"--config.checkpoint.local_dir={local_dir}",
+             "--config.checkpoint.local_every_steps=1")
+    process = start(workdir, *tiers, "--config.fault_injection.step_delay_s=0.2")
+    wait_for(lambda: (local_steps(local_dir) or [0])[-1] >= 8, process)
+    process.kill()
+    assert process.wait() == -signal.SIGKILL
+    newest = local_steps(local_dir)[-1]
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [6]
+    assert 8 <= newest < STEPS and len(local_steps(local_dir)) == 2
+    result = train(workdir, *tiers)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(rf"from step {newest} \(resumed from {local_dir}/run-\w+/process_0_of_1/{newest}, local tier\)",
+                     result.stdout), result.stdout
+    assert_bitwise_equal(workdir, reference)
+
+
 def test_sigterm_saves_the_step_reached_and_requeues(tmp_path, reference):
     workdir = tmp_path / "run"
     process = start(workdir, "--config.checkpoint.every_steps=0", "--config.fault_injection.step_delay_s=0.3")

@@ -1,0 +1,218 @@
+"""The local tier: frequent checkpoints on node-local storage (checkpoint.local_dir). Each process writes the
+shards it holds as one raw file and a JSON manifest with the same per-array checksums as the persistent tier,
+in a background thread; a step is committed by renaming its folder, so a killed save is never listed.
+
+Why not Orbax's experimental emergency checkpointer: it needs at least two data-parallel replicas (a run on one
+process, or with every device in one model replica, has none to copy from), writes the persistent tier itself
+from replica 0 only, and carries none of this project's checksum meta; the persistent tier stays as it is."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from checkpoint import integrity, plain
+from checkpoint import meta as meta_lib
+from checkpoint.errors import SaveFailed
+from checkpoint.manager import SaveRecord, brief
+
+KEEP = 2  # the newest committed steps kept: one to restore while the next is written, one more if it is damaged
+MANIFEST, DATA = "manifest.json", "shards.bin"
+TMP = ".tmp"
+
+
+class Unusable(Exception):
+    """A local step that cannot be restored (unreadable, damaged, or written for another layout)."""
+
+
+def run_folder(local_dir: str | pathlib.Path, workdir: str | pathlib.Path) -> pathlib.Path:
+    """LOCAL_DIR/<workdir's name>-<hash of its absolute path>: runs sharing a local_dir never meet."""
+    workdir = pathlib.Path(workdir).expanduser().absolute()
+    digest = hashlib.sha1(str(workdir).encode()).hexdigest()[:10]
+    return pathlib.Path(local_dir).expanduser().absolute() / f"{workdir.name}-{digest}"
+
+
+def process_folder(root: pathlib.Path, process: int, count: int) -> pathlib.Path:
+    """One folder per process and process count: another count finds none of it (the persistent tier reshards)."""
+    return root / f"process_{process}_of_{count}"
+
+
+def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
+    """A shard's slices as [[start, stop], ...], the key a restore looks a device's shard up by."""
+    return [[s.start or 0, dim if s.stop is None else s.stop] for s, dim in zip(index, shape)]
+
+
+def host_shards(tree: Any) -> list[tuple[str, list[list[int]], np.ndarray]]:
+    """(name, index, host copy) of every distinct shard this process holds: the data a restore on the same
+    layout needs here. Copied, since the next step may reuse (donate) the device buffers."""
+    out = []
+    for name, x in plain.flatten(tree).items():
+        seen = set()
+        for shard in x.addressable_shards:
+            index = _index(shard.index, x.shape)
+            key = json.dumps(index)
+            if key in seen:
+                continue
+            seen.add(key)
+            data = np.asarray(shard.data)
+            out.append((name, index, data if data.flags.owndata else data.copy()))
+    return out
+
+
+def _fsynced(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_step(folder: pathlib.Path, step: int, shards: list, meta: dict[str, Any]) -> None:
+    """Write `step` into FOLDER/<step>.tmp, then rename it to FOLDER/<step>: the commit."""
+    tmp = folder / f"{step}{TMP}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    entries, offset = [], 0
+    with open(tmp / DATA, "wb") as f:
+        for name, index, data in shards:
+            data = data if data.flags.c_contiguous else np.ascontiguousarray(data).reshape(data.shape)  # keeps 0-d
+            data.tofile(f)
+            entries.append({"name": name, "index": index, "dtype": str(data.dtype), "offset": offset,
+                            "shape": list(data.shape)})
+            offset += data.nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    (tmp / MANIFEST).write_text(json.dumps({**meta, "shards": entries}))
+    _fsynced(tmp / MANIFEST)
+    final = folder / str(step)
+    shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a restore from an older one
+    os.replace(tmp, final)
+    _fsynced(folder)
+
+
+def read_shards(step_dir: pathlib.Path, target: Any) -> tuple[Any, dict[str, Any]]:
+    """The arrays of `target` (ShapeDtypeStructs in their shardings) from this process's shards; raises
+    Unusable. Collective-free: the caller agrees with the other processes before verifying."""
+    try:
+        meta = json.loads((step_dir / MANIFEST).read_text())
+        blob = np.memmap(step_dir / DATA, dtype=np.uint8, mode="r")
+        found = {(e["name"], json.dumps(e["index"])): e for e in meta["shards"]}
+    except Exception as e:  # noqa: BLE001  (missing, truncated, not JSON)
+        raise Unusable(f"its manifest or data does not read ({type(e).__name__})") from None
+    try:
+        meta_lib.check_compatible(meta, target, str(step_dir))
+    except Exception as e:  # noqa: BLE001
+        raise Unusable(str(e)) from None
+    flat = {}
+    for name, want in plain.flatten(target).items():
+        pieces = []
+        for device, index in want.sharding.addressable_devices_indices_map(want.shape).items():
+            entry = found.get((name, json.dumps(_index(index, want.shape))))
+            if entry is None:
+                raise Unusable(f"it holds no shard {_index(index, want.shape)} of {name} for this layout")
+            dtype = np.dtype(jax.numpy.dtype(entry["dtype"]))
+            count = int(np.prod(entry["shape"], dtype=np.int64))
+            if entry["offset"] + count * dtype.itemsize > blob.size:
+                raise Unusable(f"its data file is truncated (in {name})")
+            host = np.frombuffer(blob, dtype, count, entry["offset"]).reshape(entry["shape"])
+            pieces.append(jax.device_put(host, device))
+        flat[name] = jax.make_array_from_single_device_arrays(want.shape, want.sharding, pieces)
+    return plain.nest(flat), meta
+
+
+def verify(tree: Any, meta: dict[str, Any]) -> None:
+    """Every array's checksum (computed on the devices, across processes) against the manifest's."""
+    bad = integrity.mismatches(tree, {name: entry["checksum"] for name, entry in meta["arrays"].items()})
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise Unusable(f"checksum mismatch in {bad[0]}{more}")
+
+
+class LocalCheckpoints:
+    """This process's local steps of one run: async saves, one in flight, the newest KEEP kept."""
+
+    def __init__(self, local_dir: str | pathlib.Path, workdir: str | pathlib.Path, keep: int = KEEP):
+        self.root = run_folder(local_dir, workdir)
+        self.directory = process_folder(self.root, jax.process_index(), jax.process_count())
+        self.keep = keep
+        self._inflight: tuple[int, float, threading.Thread] | None = None  # (step, blocked seconds, writer)
+        self._started = self._committed = 0.0  # perf_counter at the save's start and at its commit
+        self._error: BaseException | None = None
+        self._done: list[SaveRecord] = []
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and (p / MANIFEST).is_file())
+
+    def step_dir(self, step: int) -> pathlib.Path:
+        return self.directory / str(step)
+
+    def save(self, step: int, tree: Any, info: dict[str, Any],
+             checksums: tuple[list[str], Any] | None = None, waited_s: float = 0.0) -> float:
+        """Like Checkpoints.save: blocks while this process's shards are copied to host memory, then writes
+        them in a background thread. Returns the seconds blocked (with `waited_s` and the previous save's wait)."""
+        start = time.perf_counter() - waited_s
+        if self._inflight is not None:
+            self._finish()
+        self._started = start
+        names, sums = checksums or integrity.device_checksums(tree)
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+        shards = host_shards(tree)
+        self._error = None
+        thread = threading.Thread(target=self._write, args=(step, shards, shapes, info, (names, sums)),
+                                  name=f"local-checkpoint-{step}", daemon=True)
+        thread.start()
+        blocked = time.perf_counter() - start
+        self._inflight = (step, blocked, thread)
+        return blocked
+
+    def _write(self, step: int, shards: list, shapes: Any, info: dict[str, Any], checksums: tuple) -> None:
+        try:
+            meta = meta_lib.build(shapes, integrity.to_hex(*checksums), step=step, **info)
+            write_step(self.directory, step, shards, meta)
+            for old in self.steps()[:-self.keep]:
+                shutil.rmtree(self.step_dir(old), ignore_errors=True)
+            self._committed = time.perf_counter()
+        except BaseException as e:  # noqa: BLE001  (raised on the caller's thread by the next poll or wait)
+            self._error = e
+
+    def _finish(self) -> None:
+        step, blocked, thread = self._inflight
+        thread.join()
+        self._inflight = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            shutil.rmtree(self.directory / f"{step}{TMP}", ignore_errors=True)
+            raise SaveFailed(f"local save of {self.step_dir(step)} failed ({brief(error)}); check the space and "
+                             f"permissions of checkpoint.local_dir", step) from error
+        self._done.append(SaveRecord(step, blocked, max(self._committed - self._started, blocked)))
+
+    def poll(self) -> list[SaveRecord]:
+        """Non-blocking: records of saves committed since the last call; raises SaveFailed if one failed."""
+        if self._inflight is not None and not self._inflight[2].is_alive():
+            self._finish()
+        done, self._done = self._done, []
+        return done
+
+    def wait(self) -> list[SaveRecord]:
+        if self._inflight is not None:
+            self._finish()
+        return self.poll()
+
+    def set_aside(self, step: int, reason: str) -> pathlib.Path:
+        """Move a damaged step out of the list (kept for inspection, at most one per step)."""
+        dest = self.directory / f"{step}.damaged"
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(self.step_dir(step), dest)
+        (dest / "REASON.txt").write_text(reason + "\n")
+        return dest
