@@ -14,14 +14,21 @@ def everyone(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
-def common_steps(steps: list[int], width: int = 8) -> list[int]:
-    """The steps (of the newest `width` each process holds) that every process holds, oldest first."""
-    if jax.process_count() == 1:
-        return sorted(steps)
+def _gathered(steps: list[int], width: int) -> np.ndarray:
+    """Every process's newest `width` steps, one row per process, padded with -1."""
     from jax.experimental import multihost_utils
     mine = np.full(width, -1, np.int64)
     newest = sorted(steps)[-width:]
     mine[:len(newest)] = newest
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), width)
-    shared = set(every[0].tolist()).intersection(*(set(row.tolist()) for row in every[1:]))
-    return sorted(s for s in shared if s >= 0)
+    return np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), width)
+
+
+def restorable_steps(own: list[int], held_for_next: list[int], width: int = 8) -> list[int]:
+    """The steps every process can restore (oldest first): process j from its own copy, or from the copy that
+    process j-1 holds for it (`held_for_next`: the steps this process keeps for process (i+1) % n)."""
+    if jax.process_count() == 1:
+        return sorted(own)
+    owns, helds = _gathered(own, width), _gathered(held_for_next, width)
+    n = jax.process_count()
+    every = {int(s) for s in owns.reshape(-1)} | {int(s) for s in helds.reshape(-1)}
+    return sorted(s for s in every if s >= 0 and all(s in owns[j] or s in helds[(j - 1) % n] for j in range(n)))

@@ -1,6 +1,6 @@
 """The local tier: frequent checkpoints on node-local storage (checkpoint.local_dir). Each process writes the
 shards it holds as one raw file and a JSON manifest with the same per-array checksums as the persistent tier,
-in a background thread; a step is committed by renaming its folder, so a killed save is never listed.
+in a background thread, and a copy of its neighbour's (peer.py); renaming a step's folder commits it.
 
 Why not Orbax's experimental emergency checkpointer: it needs at least two data-parallel replicas (a run on one
 process, or with every device in one model replica, has none to copy from), writes the persistent tier itself
@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from checkpoint import integrity, plain
+from checkpoint import collective, integrity, peer, plain
 from checkpoint import meta as meta_lib
 from checkpoint.errors import SaveFailed
 from checkpoint.manager import SaveRecord, brief
@@ -41,7 +41,8 @@ def run_folder(local_dir: str | pathlib.Path, workdir: str | pathlib.Path) -> pa
 
 
 def process_folder(root: pathlib.Path, process: int, count: int) -> pathlib.Path:
-    """One folder per process and process count: another count finds none of it (the persistent tier reshards)."""
+    """What process `process` of `count` keeps on its node: own/ (its shards) and peer/ (process (i+1) % n's).
+    Another process count finds none of it, and the persistent tier reshards."""
     return root / f"process_{process}_of_{count}"
 
 
@@ -75,19 +76,26 @@ def _fsynced(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def write_step(folder: pathlib.Path, step: int, shards: list, meta: dict[str, Any]) -> None:
+def layout(shards: list) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
+    """(the manifest's shard entries with their offsets in the data file, the arrays in that order)."""
+    entries, chunks, offset = [], [], 0
+    for name, index, data in shards:
+        data = data if data.flags.c_contiguous else np.ascontiguousarray(data).reshape(data.shape)  # keeps 0-d
+        entries.append({"name": name, "index": index, "dtype": str(data.dtype), "offset": offset,
+                        "shape": list(data.shape)})
+        chunks.append(data)
+        offset += data.nbytes
+    return entries, chunks
+
+
+def write_step(folder: pathlib.Path, step: int, entries: list, chunks: list[np.ndarray], meta: dict[str, Any]) -> None:
     """Write `step` into FOLDER/<step>.tmp, then rename it to FOLDER/<step>: the commit."""
     tmp = folder / f"{step}{TMP}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    entries, offset = [], 0
     with open(tmp / DATA, "wb") as f:
-        for name, index, data in shards:
-            data = data if data.flags.c_contiguous else np.ascontiguousarray(data).reshape(data.shape)  # keeps 0-d
+        for data in chunks:
             data.tofile(f)
-            entries.append({"name": name, "index": index, "dtype": str(data.dtype), "offset": offset,
-                            "shape": list(data.shape)})
-            offset += data.nbytes
         f.flush()
         os.fsync(f.fileno())
     (tmp / MANIFEST).write_text(json.dumps({**meta, "shards": entries}))
@@ -98,17 +106,25 @@ def write_step(folder: pathlib.Path, step: int, shards: list, meta: dict[str, An
     _fsynced(folder)
 
 
-def read_shards(step_dir: pathlib.Path, target: Any) -> tuple[Any, dict[str, Any]]:
-    """The arrays of `target` (ShapeDtypeStructs in their shardings) from this process's shards; raises
-    Unusable. Collective-free: the caller agrees with the other processes before verifying."""
+def read_files(step_dir: pathlib.Path) -> tuple[dict[str, Any], np.ndarray]:
+    """(manifest, the data file's bytes, mapped); raises Unusable."""
     try:
         meta = json.loads((step_dir / MANIFEST).read_text())
-        blob = np.memmap(step_dir / DATA, dtype=np.uint8, mode="r")
-        found = {(e["name"], json.dumps(e["index"])): e for e in meta["shards"]}
+        blob = np.memmap(step_dir / DATA, dtype=np.uint8, mode="r") if (step_dir / DATA).stat().st_size else \
+            np.zeros(0, np.uint8)
+        if not isinstance(meta.get("shards"), list) or not isinstance(meta.get("arrays"), dict):
+            raise ValueError("no shards or arrays listed")
     except Exception as e:  # noqa: BLE001  (missing, truncated, not JSON)
         raise Unusable(f"its manifest or data does not read ({type(e).__name__})") from None
+    return meta, blob
+
+
+def read_shards(meta: dict[str, Any], blob: np.ndarray, target: Any, where: str) -> Any:
+    """The arrays of `target` (ShapeDtypeStructs in their shardings) from this process's shards; raises
+    Unusable. Collective-free: the caller agrees with the other processes before verifying."""
+    found = {(e["name"], json.dumps(e["index"])): e for e in meta["shards"]}
     try:
-        meta_lib.check_compatible(meta, target, str(step_dir))
+        meta_lib.check_compatible(meta, target, where)
     except Exception as e:  # noqa: BLE001
         raise Unusable(str(e)) from None
     flat = {}
@@ -125,7 +141,7 @@ def read_shards(step_dir: pathlib.Path, target: Any) -> tuple[Any, dict[str, Any
             host = np.frombuffer(blob, dtype, count, entry["offset"]).reshape(entry["shape"])
             pieces.append(jax.device_put(host, device))
         flat[name] = jax.make_array_from_single_device_arrays(want.shape, want.sharding, pieces)
-    return plain.nest(flat), meta
+    return plain.nest(flat)
 
 
 def verify(tree: Any, meta: dict[str, Any]) -> None:
@@ -141,18 +157,20 @@ class LocalCheckpoints:
 
     def __init__(self, local_dir: str | pathlib.Path, workdir: str | pathlib.Path, keep: int = KEEP):
         self.root = run_folder(local_dir, workdir)
-        self.directory = process_folder(self.root, jax.process_index(), jax.process_count())
+        node = process_folder(self.root, jax.process_index(), jax.process_count())
+        self.directory, self.peer_dir = node / "own", node / "peer"  # peer: process (i+1) % n's steps
         self.keep = keep
         self._inflight: tuple[int, float, threading.Thread] | None = None  # (step, blocked seconds, writer)
         self._started = self._committed = 0.0  # perf_counter at the save's start and at its commit
         self._error: BaseException | None = None
         self._done: list[SaveRecord] = []
 
-    def steps(self) -> list[int]:
-        """Committed steps, oldest first."""
-        if not self.directory.is_dir():
+    def steps(self, folder: pathlib.Path | None = None) -> list[int]:
+        """Committed steps (of this process's own folder, or `folder`), oldest first."""
+        folder = folder or self.directory
+        if not folder.is_dir():
             return []
-        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and (p / MANIFEST).is_file())
+        return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / MANIFEST).is_file())
 
     def step_dir(self, step: int) -> pathlib.Path:
         return self.directory / str(step)
@@ -167,21 +185,33 @@ class LocalCheckpoints:
         self._started = start
         names, sums = checksums or integrity.device_checksums(tree)
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-        shards = host_shards(tree)
+        entries, chunks = layout(host_shards(tree))
+        # The copy for the neighbour is dispatched here, on the caller's thread, so that every process issues
+        # its collectives in the same order as the train steps'.
+        moved = peer.send(peer.pack({"shards": entries}, chunks), toward=1)[0] if jax.process_count() > 1 else None
         self._error = None
-        thread = threading.Thread(target=self._write, args=(step, shards, shapes, info, (names, sums)),
+        thread = threading.Thread(target=self._write, args=(step, (entries, chunks, moved), shapes, info,
+                                                            (names, sums)),
                                   name=f"local-checkpoint-{step}", daemon=True)
         thread.start()
         blocked = time.perf_counter() - start
         self._inflight = (step, blocked, thread)
         return blocked
 
-    def _write(self, step: int, shards: list, shapes: Any, info: dict[str, Any], checksums: tuple) -> None:
+    def _write(self, step: int, data: tuple, shapes: Any, info: dict[str, Any], checksums: tuple) -> None:
+        """Own shards, then the neighbour's copy (its arrays' meta is the same: the checksums are global)."""
+        entries, chunks, moved = data
         try:
             meta = meta_lib.build(shapes, integrity.to_hex(*checksums), step=step, **info)
-            write_step(self.directory, step, shards, meta)
-            for old in self.steps()[:-self.keep]:
-                shutil.rmtree(self.step_dir(old), ignore_errors=True)
+            write_step(self.directory, step, entries, chunks, meta)
+            if moved is not None:
+                header, blob = peer.unpack(peer.received(moved))
+                size = sum(int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(jax.numpy.dtype(e["dtype"])).itemsize
+                           for e in header["shards"])
+                write_step(self.peer_dir, step, header["shards"], [blob[:size]], meta)
+            for folder in (self.directory, self.peer_dir):
+                for old in self.steps(folder)[:-self.keep]:
+                    shutil.rmtree(folder / str(old), ignore_errors=True)
             self._committed = time.perf_counter()
         except BaseException as e:  # noqa: BLE001  (raised on the caller's thread by the next poll or wait)
             self._error = e
@@ -209,9 +239,42 @@ class LocalCheckpoints:
             self._finish()
         return self.poll()
 
-    def set_aside(self, step: int, reason: str) -> pathlib.Path:
-        """Move a damaged step out of the list (kept for inspection, at most one per step)."""
+    def restorable(self) -> list[int]:
+        """Steps every process can restore, from its own folder or its neighbour's copy (collective)."""
+        return collective.restorable_steps(self.steps(), self.steps(self.peer_dir))
+
+    def fetch(self, step: int) -> tuple[dict[str, Any], np.ndarray]:
+        """(manifest, data) of this process's shards of `step`: its own, or, when some process lacks its own
+        (a replaced node), the copy its neighbour keeps, sent back around the ring. Collective with several
+        processes; raises Unusable after the others' exchange, so that every process meets in it."""
+        own, error = None, None
+        try:
+            own = read_files(self.step_dir(step))
+        except Unusable as e:
+            error = e
+        if jax.process_count() == 1 or collective.everyone(own is not None):
+            if own is None:
+                raise error
+            return own
+        try:
+            meta, blob = read_files(self.peer_dir / str(step))
+            held = peer.pack({**meta, "copied_from": jax.process_index()}, [np.asarray(blob)])
+        except Unusable:
+            held = np.zeros(0, np.uint8)
+        got = peer.received(peer.send(held, toward=-1)[0])  # process p receives what p-1 keeps of it
+        if own is not None:
+            return own
+        meta, blob = peer.unpack(got)
+        if not meta:
+            raise Unusable(f"{error}, and its neighbour keeps no copy of it")
+        return meta, blob
+
+    def set_aside(self, step: int, reason: str) -> pathlib.Path | None:
+        """Move a damaged step out of the list (kept for inspection, at most one per step); None where this
+        process has no copy of its own."""
         dest = self.directory / f"{step}.damaged"
+        if not self.step_dir(step).is_dir():
+            return None
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(self.step_dir(step), dest)
         (dest / "REASON.txt").write_text(reason + "\n")

@@ -144,7 +144,11 @@ def _load_local(local: LocalCheckpoints, step: int, target: Any) -> Restored:
     """One local step, read by every process from its own folder and verified together; raises Unusable."""
     tree, meta, error = None, None, None
     try:
-        tree, meta = local_lib.read_shards(local.step_dir(step), target)
+        meta, blob = local.fetch(step)
+        if meta.get("copied_from") is not None:  # this process's own copy is gone (a replaced node)
+            print(f"local checkpoint {local.step_dir(step)} is missing here; its copy on process "
+                  f"{meta['copied_from']} restores it", flush=True)
+        tree = local_lib.read_shards(meta, blob, target, str(local.step_dir(step)))
     except local_lib.Unusable as e:
         error = str(e)
     if not collective.everyone(error is None):
@@ -159,12 +163,13 @@ def restore_tiers(ckpts: Checkpoints, local: LocalCheckpoints | None, target: An
     persistent one, else (one damaged: set aside, the next tried) the persistent tier as restore_newest does."""
     persistent = ckpts.steps()
     newest = persistent[-1] if persistent else -1
-    candidates = collective.common_steps(local.steps()) if local is not None else []
+    candidates = local.restorable() if local is not None else []
     for step in reversed([s for s in candidates if s > newest]):
         try:
             return _load_local(local, step, target)
         except local_lib.Unusable as e:
             dest = local.set_aside(step, str(e))
-            warn(f"warning: local checkpoint {local.step_dir(step)} is unusable: {e}; moved it to {dest}, "
-                 f"falling back to the next newest step of either tier")
+            moved = f"moved it to {dest}" if dest else "this process holds no copy of its own"
+            warn(f"warning: local checkpoint {local.step_dir(step)} is unusable: {e}; {moved}, falling back to the "
+                 f"next newest step of either tier")
     return restore_newest(ckpts, target, warn)
