@@ -1,10 +1,6 @@
-"""The local tier: frequent checkpoints on node-local storage (checkpoint.local_dir). Each process writes the
-shards it holds as one raw file and a JSON manifest with the same per-array checksums as the persistent tier,
-in a background thread, and a copy of its neighbour's (peer.py); renaming a step's folder commits it.
-
-Why not Orbax's experimental emergency checkpointer: it needs at least two data-parallel replicas (a run on one
-process, or with every device in one model replica, has none to copy from), writes the persistent tier itself
-from replica 0 only, and carries none of this project's checksum meta; the persistent tier stays as it is."""
+"""The local tier: frequent checkpoints on node-local storage (checkpoint.local_dir), each process writing the shards
+it holds as one raw file and a manifest with the persistent tier's checksums, in a background thread, plus a copy of
+its neighbour's (peer.py); renaming a step's folder commits it. Why not Orbax's emergency one: see LocalCheckpoints."""
 from __future__ import annotations
 
 import hashlib
@@ -153,7 +149,12 @@ def verify(tree: Any, meta: dict[str, Any]) -> None:
 
 
 class LocalCheckpoints:
-    """This process's local steps of one run: async saves, one in flight, the newest KEEP kept."""
+    """This process's local steps of one run: async saves, one in flight, the newest KEEP kept.
+
+    Not Orbax's experimental emergency checkpointer, which needs at least two data-parallel replicas (a run on one
+    process, or with one model replica over every device, has none), writes the persistent tier itself from replica
+    0 only (replacing this project's, with its checksums, fallback and resharding restore), and carries no checksums.
+    """
 
     def __init__(self, local_dir: str | pathlib.Path, workdir: str | pathlib.Path, keep: int = KEEP):
         self.root = run_folder(local_dir, workdir)
