@@ -223,7 +223,8 @@ class LocalCheckpoints:
         self._inflight = None
         if self._error is not None:
             error, self._error = self._error, None
-            shutil.rmtree(self.directory / f"{step}{TMP}", ignore_errors=True)
+            for folder in (self.directory, self.peer_dir):
+                shutil.rmtree(folder / f"{step}{TMP}", ignore_errors=True)
             raise SaveFailed(f"local save of {self.step_dir(step)} failed ({brief(error)}); check the space and "
                              f"permissions of checkpoint.local_dir", step) from error
         self._done.append(SaveRecord(step, blocked, max(self._committed - self._started, blocked)))
