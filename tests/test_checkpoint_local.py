@@ -1,5 +1,5 @@
 """The local tier in one process on small arrays: a bitwise round trip, the newest step across both tiers, a
-damaged or foreign-layout local step set aside for the persistent one, retention and uncommitted saves."""
+damaged or foreign-layout local step set aside for the persistent one, retention, uncommitted and failed saves."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,3 +83,15 @@ def test_a_local_step_of_another_layout_is_skipped(tiers):
     warnings = []
     assert checkpoint.restore_tiers(ckpts, local, _target(_tree(other, 0)), warn=warnings.append) is None
     assert "holds no shard" in warnings[0], warnings
+
+
+def test_a_failed_local_save_is_raised_by_the_next_wait_and_the_next_save_commits(tiers):
+    mesh, _, local = tiers
+    local.directory.parent.mkdir(parents=True)
+    local.directory.write_text("a file where the folder goes: the write fails")
+    local.save(3, _tree(mesh, 3), {})
+    with pytest.raises(checkpoint.SaveFailed, match=r"local save of .*/own/3 failed \(.*\); check the space"):
+        local.wait()
+    local.directory.unlink()
+    local.save(4, _tree(mesh, 4), {})
+    assert [r.step for r in local.wait()] == [4] and local.steps() == [4]
