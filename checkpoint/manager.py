@@ -83,7 +83,7 @@ class SaveRecord:
     save_s: float     # start of the save to its commit, from Orbax's own timestamps
 
 
-def _brief(error: BaseException, limit: int = 160) -> str:
+def brief(error: BaseException, limit: int = 160) -> str:
     """An error in one short line: Orbax's messages run to pages, and their cause comes last, except for
     TensorStore's, whose operating-system cause comes before a page of its spec."""
     text = " ".join(f"{type(error).__name__}: {error}".split())
@@ -159,7 +159,7 @@ class Checkpoints:
                                                                          meta=MetaSave(meta)))
         except Exception as e:  # noqa: BLE001  (the synchronous part: directories, host copies)
             self._discard(step)
-            raise SaveFailed(f"saving checkpoint {self.step_dir(step)} failed ({_brief(e)}); check the space and "
+            raise SaveFailed(f"saving checkpoint {self.step_dir(step)} failed ({brief(e)}); check the space and "
                              f"permissions of {self.directory}", step) from e
         blocked = time.perf_counter() - start
         self._inflight = (step, blocked)
@@ -172,7 +172,7 @@ class Checkpoints:
             self.manager.wait_until_finished()  # joins at once if done; raises the background error
         except Exception as e:  # noqa: BLE001
             self._discard(step)
-            raise SaveFailed(f"background save of checkpoint {self.step_dir(step)} failed ({_brief(e)}); the newest "
+            raise SaveFailed(f"background save of checkpoint {self.step_dir(step)} failed ({brief(e)}); the newest "
                              f"complete checkpoint is intact: check the space and permissions of "
                              f"{self.directory}", step) from e
         if step not in self.manager.all_steps():

@@ -1,7 +1,8 @@
 """Restore the newest intact checkpoint: check its meta against the target arrays, restore straight into
 the target shardings, verify every checksum. A damaged checkpoint is moved aside (kept for inspection,
 so a later save of that step succeeds) and the next older one is tried; when checkpoints exist or were
-set aside but none restores, stop: never start again from step 0 over them."""
+set aside but none restores, stop: never start again from step 0 over them. With a local tier, its newest
+step wins when it is newer than the newest persistent one and verifies."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,11 +13,12 @@ import time
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
-from checkpoint import integrity
+from checkpoint import collective, integrity
+from checkpoint import local as local_lib
 from checkpoint import meta as meta_lib
 from checkpoint.errors import NoRestorableCheckpoint, RestoreFromError
+from checkpoint.local import LocalCheckpoints
 from checkpoint.manager import Checkpoints
 
 SET_ASIDE = "checkpoints.set_aside"  # next to DIR/checkpoints
@@ -28,6 +30,7 @@ class Restored:
     tree: Any              # plain nested dict of arrays in the target shardings
     meta: dict[str, Any]
     where: pathlib.Path    # the step directory it came from
+    tier: str = "persistent"  # or "local" (checkpoint.local_dir)
 
 
 class _Damaged(Exception):
@@ -41,15 +44,6 @@ def set_aside_dir(ckpts: Checkpoints) -> pathlib.Path:
 def set_aside_entries(ckpts: Checkpoints) -> list[pathlib.Path]:
     folder = set_aside_dir(ckpts)
     return sorted(folder.iterdir()) if folder.is_dir() else []
-
-
-def _everyone(ok: bool) -> bool:
-    """True when every process says ok, so all processes take the same branch (and meet in the same
-    collectives) even when only one of them failed to read its slices."""
-    if jax.process_count() == 1:
-        return ok
-    from jax.experimental import multihost_utils
-    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def _move_aside(ckpts: Checkpoints, step: int, reason: str) -> pathlib.Path:
@@ -85,7 +79,7 @@ def _load(ckpts: Checkpoints, step: int, target: Any, params_only: bool) -> tupl
         tree = ckpts.restore_subtree(step, target) if params_only else ckpts.restore_state(step, target)
     except Exception as e:  # noqa: BLE001  (torn or corrupt data files)
         error = f"its arrays do not restore ({type(e).__name__}: {str(e)[:200]})"
-    if not _everyone(error is None):
+    if not collective.everyone(error is None):
         raise _Damaged(error or "another process could not restore its arrays")
     expected = {name: entry["checksum"] for name, entry in meta["arrays"].items()}
     bad = integrity.mismatches(tree, expected)
@@ -144,3 +138,38 @@ def restore_source(source: Checkpoints, step: int, target: Any, params_only: boo
         raise RestoreFromError(f"checkpoint.restore_from={spec!r}: {source.step_dir(step)} is damaged ({e}); "
                                f"name an older step as PATH:STEP") from None
     return Restored(step, tree, meta, source.step_dir(step))
+
+
+def _load_local(local: LocalCheckpoints, step: int, target: Any) -> Restored:
+    """One local step, read by every process from its own folder and verified together; raises Unusable."""
+    tree, meta, error = None, None, None
+    try:
+        meta, blob = local.fetch(step)
+        if meta.get("copied_from") is not None:  # this process's own copy is gone (a replaced node)
+            print(f"local checkpoint {local.step_dir(step)} is missing here; its copy on process "
+                  f"{meta['copied_from']} restores it", flush=True)
+        tree = local_lib.read_shards(meta, blob, target, str(local.step_dir(step)))
+    except local_lib.Unusable as e:
+        error = str(e)
+    if not collective.everyone(error is None):
+        raise local_lib.Unusable(error or "another process could not read its shards")
+    local_lib.verify(tree, meta)
+    return Restored(step, tree, meta, local.step_dir(step), tier="local")
+
+
+def restore_tiers(ckpts: Checkpoints, local: LocalCheckpoints | None, target: Any,
+                  warn: Callable[[str], None] = print) -> Restored | None:
+    """The newest step across both tiers: a local step every process holds and that is newer than the newest
+    persistent one, else (one damaged: set aside, the next tried) the persistent tier as restore_newest does."""
+    persistent = ckpts.steps()
+    newest = persistent[-1] if persistent else -1
+    candidates = local.restorable() if local is not None else []
+    for step in reversed([s for s in candidates if s > newest]):
+        try:
+            return _load_local(local, step, target)
+        except local_lib.Unusable as e:
+            dest = local.set_aside(step, str(e))
+            moved = f"moved it to {dest}" if dest else "this process holds no copy of its own"
+            warn(f"warning: local checkpoint {local.step_dir(step)} is unusable: {e}; {moved}, falling back to the "
+                 f"next newest step of either tier")
+    return restore_newest(ckpts, target, warn)

@@ -116,6 +116,13 @@ def _cases(tmp):
                                                     r"mask, which data.loss_mask=False would ignore .*", [W]),
         "unwritable data.cache_dir": ("train", [*TINY, f"--config.data.cache_dir={blocked}", f"--workdir={W}"],
                                       rf"data.cache_dir={t(str(blocked))}: cannot write there \(.*", [W]),
+        "unwritable checkpoint.local_dir": ("train", [*TINY, f"--config.checkpoint.local_dir={blocked}",
+                                                     "--config.checkpoint.local_every_steps=5", f"--workdir={W}"],
+                                            rf"checkpoint.local_dir={t(str(blocked))}: cannot write there \(.*", [W]),
+        "checkpoint.local_dir without an interval": ("train", [*TINY, f"--config.checkpoint.local_dir={tmp / 'shm'}",
+                                                              f"--workdir={W}"],
+                                                     rf"checkpoint.local_dir='{t(str(tmp / 'shm'))}' and "
+                                                     r"checkpoint.local_every_steps=0: set both .*", [W, tmp / "shm"]),
         "schedule shorter than warmup": ("train", [*TINY, "--config.train.steps=2", f"--workdir={W}"],
                                          t("train.steps=2 (the schedule's length while optimizer.decay_steps=0) is "
                                            "not longer than optimizer.warmup_steps=2; raise train.steps or lower "

@@ -93,19 +93,38 @@ def partial(tmp_path_factory):
     return workdir
 
 
+def local_steps(local_dir) -> list[int]:
+    """The committed steps of a single-process run's local tier (checkpoint.local_dir)."""
+    committed = local_dir.glob("*/process_0_of_1/own/*/manifest.json")
+    return sorted(int(p.parent.name) for p in committed if p.parent.name.isdigit())
+
+
 def test_sigkill_chaos_replays_exactly(tmp_path, reference):
-    workdir, rng = tmp_path / "run", random.Random(7)
+    """Three SIGKILLs, with persistent saves every 8 steps and local ones (checkpoint.local_dir) every step. The
+    first comes once local step 3 has committed, before persistent step 8: the run resumes from its newest local
+    step, not from the start. The others come at random points (mid-step, mid-save or mid-log), and the run ends
+    bit for bit as the uninterrupted one."""
+    workdir, local_dir, rng = tmp_path / "run", tmp_path / "shm", random.Random(7)
+    tiers = ("--config.checkpoint.every_steps=8", f"--config.checkpoint.local_dir={local_dir}",
+             "--config.checkpoint.local_every_steps=1")
+    out, newest_local = workdir.with_suffix(".out"), None
     for kill in range(3):
-        process = start(workdir, "--config.fault_injection.step_delay_s=0.1")
-        out = workdir.with_suffix(".out")
-        wait_for(lambda out=out, kill=kill: len(re.findall(r"from step (\d+)", out.read_text())) > kill, process)
+        process = start(workdir, *tiers, "--config.fault_injection.step_delay_s=0.1")
+        wait_for(lambda kill=kill: len(re.findall(r"from step (\d+)", out.read_text())) > kill, process)
         restored = int(re.findall(r"from step (\d+)", out.read_text())[-1])
-        target = min(restored + rng.randint(1, 4), STEPS - 2)  # two delayed steps left: it cannot finish first
-        wait_for(lambda target=target: last_step(workdir) >= target, process)
-        time.sleep(rng.uniform(0.0, 0.1))  # mid-step, mid-save or mid-log
+        if kill == 0:
+            wait_for(lambda: (local_steps(local_dir) or [0])[-1] >= 3, process)
+        else:
+            target = min(restored + rng.randint(1, 4), STEPS - 2)  # two delayed steps left: it cannot finish first
+            wait_for(lambda target=target: last_step(workdir) >= target, process)
+            time.sleep(rng.uniform(0.0, 0.1))
         process.kill()
         assert process.wait() == -signal.SIGKILL
-    result = train(workdir)
+        newest_local = newest_local or local_steps(local_dir)[-1]
+    assert re.search(rf"from step {newest_local} \(resumed from {local_dir}/run-\w+/process_0_of_1/own/"
+                     rf"{newest_local}, local tier\)", out.read_text()), out.read_text()
+    assert 3 <= newest_local < 8
+    result = train(workdir, *tiers)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_bitwise_equal(workdir, reference)
     goodput = json.loads((workdir / "goodput.json").read_text())

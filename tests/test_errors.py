@@ -17,6 +17,7 @@ NOT_USER_ERRORS = {
     "checkpoint.errors.NoRestorableCheckpoint": exit_codes.NO_CHECKPOINT,
     "checkpoint.errors.SaveFailed": exit_codes.SAVE_FAILED,
     "checkpoint.restore._Damaged": None,  # caught inside checkpoint/restore.py, which tries the next step
+    "checkpoint.local.Unusable": None,  # caught inside checkpoint/restore.py, which tries the next step of either tier
     "train.loop.exit_codes.Stop": None,  # carries its own status
     "train.data.chat.Skip": None,  # caught inside train/data/chat.py, which counts the record it skips
 }

@@ -1,7 +1,8 @@
 """Several processes form one run: two compute what one does, a preemption of one process stops both at the
 same step, a one-process checkpoint continues in two, a lost process makes the launcher start the run again on
 one process (which resumes what two saved), and a stopped (silent) process ends the launch within the heartbeat
-timeout. Five runs in all: one process, three launches of two, and one relaunch of one."""
+timeout, leaving a local tier that a launch of two resumes after one process's copy is gone. Six runs in all: one
+process, four launches of two, and one relaunch of one."""
 import json
 import os
 import re
@@ -104,15 +105,24 @@ def test_one_process_checkpoint_continues_in_two_and_a_lost_process_relaunches_o
     np.testing.assert_allclose([after[s] for s in redone], [before[s] for s in redone], rtol=1e-5)
 
 
-def test_a_stopped_process_ends_the_launch_within_the_heartbeat_bound(tmp_path, single):
+def local_steps(node) -> list[int]:
+    """The committed steps in one folder (own/ or peer/) of a process's local tier."""
+    return sorted(int(p.parent.name) for p in node.glob("*/manifest.json") if p.parent.name.isdigit())
+
+
+def test_a_stopped_process_ends_the_launch_and_a_lost_local_tier_comes_back_from_its_peer(tmp_path, single):
     """Process 1 is stopped (SIGSTOP: alive but silent, as behind a cut network path): the coordination service
     misses its heartbeats, process 0 aborts within --heartbeat_timeout_s, and the launcher wakes the stopped
-    process to end it at once, long before the step watchdog (train.step_timeout_s) or the launcher's grace."""
-    workdir = tmp_path / "run"
+    process to end it at once, long before the step watchdog (train.step_timeout_s) or the launcher's grace.
+    The run kept a local tier, each process with a copy of its neighbour's: with process 1's local folder
+    deleted (its node replaced), two processes restore the newest local step, process 1 from process 0's copy, and
+    verify every checksum."""
+    workdir, local_dir = tmp_path / "run", tmp_path / "shm"
     shutil.copytree(single, workdir)
+    tiers = (f"--config.checkpoint.local_dir={local_dir}", "--config.checkpoint.local_every_steps=1")
     heartbeat, grace = 5, 60  # a stopped process left to the grace period would take over 60 s
     proc = start_cli("train.launch", "--num_processes=2", "--num_cpu_devices=4", f"--grace_s={grace}", "--",
-                     *TRAIN, f"--workdir={workdir}", "--config.train.steps=100000",
+                     *TRAIN, f"--workdir={workdir}", "--config.train.steps=100000", *tiers,
                      "--config.checkpoint.every_steps=0", f"--heartbeat_timeout_s={heartbeat}",
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     wait_for(lambda: helpers.last_step(workdir) >= 6, proc, timeout=180)
@@ -123,3 +133,18 @@ def test_a_stopped_process_ends_the_launch_within_the_heartbeat_bound(tmp_path, 
     assert proc.returncode not in (0, exit_codes.REQUEUE), out[-3000:]
     assert "stopped sending heartbeats" in out, out[-3000:]
     assert took < grace - 15, (took, out[-3000:])
+
+    node0, node1 = (next(local_dir.glob(f"*/process_{i}_of_2")) for i in (0, 1))
+    step = max(set(local_steps(node0 / "own")) & set(local_steps(node0 / "peer")))
+    both = max(set(local_steps(node1 / "own")) & set(local_steps(node0 / "peer")))
+    assert step > 4 and (node0 / "peer" / str(both) / "shards.bin").read_bytes() == \
+        (node1 / "own" / str(both) / "shards.bin").read_bytes()  # process 0 holds process 1's shards
+    shutil.rmtree(node1)
+    # train.steps = the local step: both processes restore and verify it, then have nothing left to train.
+    proc = launch(*TRAIN, f"--workdir={workdir}", f"--config.train.steps={step}", *tiers)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-3000:]
+    assert re.search(rf"already reached train.steps={step} \(resumed from {node0}/own/{step}, local tier\)", out), \
+        out[-3000:]
+    assert re.search(rf"\[p1\] local checkpoint {node1}/own/{step} is missing here; its copy on process 0 "
+                     rf"restores it", out), out[-3000:]

@@ -76,8 +76,8 @@ def base_config() -> ml_collections.ConfigDict:
                   # True: the loss counts only the targets the DATADIR's loss mask keeps (train.prepare --format=chat:
                   # the assistant's tokens), the mean over them across the global batch; must match the DATADIR
                   loss_mask=False)
-    c.checkpoint = dict(every_steps=0, every_minutes=10.0, keep=3, keep_period=0, restore_from="",
-                        restore_params_only=False, mtbf_hours=0.0, max_failed_saves=3,
+    c.checkpoint = dict(every_steps=0, every_minutes=10.0, keep=3, keep_period=0, restore_from="", local_dir="",
+                        restore_params_only=False, mtbf_hours=0.0, max_failed_saves=3, local_every_steps=0,
                         enabled=True)  # False: never write one (benchmarks, smoke runs); still resumes from one
     # The planner (train/planner): plan.auto takes its best layout for the devices at hand (shipped experiments
     # turn it on; a --config.mesh.* override turns it off), keeping what plan.fixed pins: mesh sizes and the
@@ -184,12 +184,25 @@ def _fault_tolerance(config: ml_collections.ConfigDict) -> None:
     if not isinstance(failures, int) or isinstance(failures, bool) or failures < 1:
         raise ConfigError(f"checkpoint.max_failed_saves={failures!r}: use a whole number >= 1 "
                           "(that many failed saves in a row stop the run)")
+    _local_tier(ck)
     if not isinstance(ck.keep, int) or ck.keep < 1:
         raise ConfigError(f"checkpoint.keep={ck.keep!r}: keep at least 1 checkpoint")
     if t.on_nonfinite not in NONFINITE_POLICIES:
         raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r}: use 'stop' (default) or 'skip'")
     if ck.restore_params_only and not ck.restore_from:
         raise ConfigError("checkpoint.restore_params_only=True needs checkpoint.restore_from=PATH[:STEP]")
+
+
+def _local_tier(ck: ml_collections.ConfigDict) -> None:
+    """checkpoint.local_dir and checkpoint.local_every_steps turn the local tier on together."""
+    local_dir, every = ck.get("local_dir", ""), ck.get("local_every_steps", 0)
+    if not isinstance(local_dir, str):
+        raise ConfigError(f"checkpoint.local_dir={local_dir!r}: give a directory path, or '' for no local tier")
+    if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+        raise ConfigError(f"checkpoint.local_every_steps={every!r}: use a whole number of steps >= 0 (0 = off)")
+    if bool(local_dir) != bool(every):
+        raise ConfigError(f"checkpoint.local_dir={local_dir!r} and checkpoint.local_every_steps={every}: set both "
+                          f"(a node-local directory and a step interval) for a local tier, or neither")
 
 
 def _check_model_splits(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str, int]) -> None:

@@ -42,6 +42,12 @@ class CheckpointSection:
     restore_params_only: bool
     enabled: bool = True  # False: never write a checkpoint (still resume from one)
     max_failed_saves: int = 3  # this many failed saves in a row stop the run (exit 74); fewer are retried
+    local_dir: str = ""  # the local tier's node-local directory ("" = no local tier)
+    local_every_steps: int = 0  # its save interval in steps
+
+    @property
+    def local(self) -> bool:
+        return bool(self.enabled and self.local_dir and self.local_every_steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +110,7 @@ def from_config(config: Any) -> tuple[TrainSection, CheckpointSection, FaultSect
     checkpoint = CheckpointSection(int(ck.every_steps), float(ck.every_minutes), float(ck.get("mtbf_hours", 0.0)),
                                    int(ck.keep), int(ck.keep_period), str(ck.restore_from),
                                    bool(ck.restore_params_only), bool(ck.get("enabled", True)),
-                                   int(ck.get("max_failed_saves", 3)))
+                                   int(ck.get("max_failed_saves", 3)), str(ck.get("local_dir", "")),
+                                   int(ck.get("local_every_steps", 0)))
     faults = FaultSection(int(fi.nan_at_step), int(fi.hang_at_step), float(fi.hang_s), float(fi.step_delay_s))
     return train, checkpoint, faults

@@ -164,14 +164,17 @@ class ProfileStop(Action):
 
 
 class CheckpointSave(Action):
-    """Step-based, time-based or SIGUSR1 (agreed), preemption and final saves of a state whose metrics were read."""
+    """Step-based, time-based or SIGUSR1 (agreed), preemption and final saves of a state whose metrics were read;
+    a step-based local-tier save when no persistent one is due."""
 
     def due(self, info: StepInfo) -> bool:
         d = info.decision
-        return self.s.saver.policy.step_due(info.step) or d.time_save or d.stop or info.step == self.s.plan.steps
+        return self.s.saver.step_due(info.step) or d.time_save or d.stop or info.step == self.s.plan.steps
 
     def run(self, info: StepInfo) -> Update:
-        self.s.saver.save(info.step, info.state, self.s.rng)
+        d = info.decision  # preemption and the final step save persistently: the node may go with its local tier
+        persistent = self.s.saver.policy.step_due(info.step) or d.time_save or d.stop or info.step == self.s.plan.steps
+        self.s.saver.save(info.step, info.state, self.s.rng, persistent=persistent)
         self.s.dog.kick(f"checkpoint at step {info.step}")
         # The save wish is served; blocked save time is accounted separately, not as step time.
         return Update(decision=dataclasses.replace(info.decision, time_save=False), restart_clock=True)

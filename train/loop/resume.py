@@ -53,6 +53,8 @@ def check_before_compile(trainer: Trainer, workdir: pathlib.Path) -> None:
         _check_restore_from(trainer, workdir, wanted)
     if not ck.enabled:
         return  # nothing will be written: no room needed
+    if ck.local:
+        _check_local_dir(ck.local_dir)
     need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(wanted))
     free = shutil.disk_usage(workdir).free
     if free < need:
@@ -77,6 +79,20 @@ def _check_restore_from(trainer: Trainer, workdir: pathlib.Path, wanted: dict[st
                                   prefix="params/" if ck.restore_params_only else "")
 
 
+def _check_local_dir(local_dir: str) -> None:
+    """The local tier's directory must take a file (created if needed; the probe is removed)."""
+    path = pathlib.Path(local_dir).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{jax.process_index()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"checkpoint.local_dir={local_dir}: cannot write there ({e.strerror}); choose a writable "
+                          f"node-local directory (e.g. /dev/shm/RUN or a local disk), or set it to '' with "
+                          f"checkpoint.local_every_steps=0") from None
+
+
 @dataclasses.dataclass
 class Start:
     state: dict[str, Any]
@@ -87,11 +103,12 @@ class Start:
     seconds: float
 
 
-def start(trainer: Trainer, ckpts: checkpoint.Checkpoints, say: Callable[[str], None]) -> Start:
-    """The state to train from: the run's newest checkpoint, else checkpoint.restore_from, else a fresh one.
-    The settings come from trainer.plan; the raw config only as the record compared with the checkpoint's."""
+def start(trainer: Trainer, ckpts: checkpoint.Checkpoints, say: Callable[[str], None],
+          local: checkpoint.LocalCheckpoints | None = None) -> Start:
+    """The state to train from: the run's newest checkpoint of either tier, else checkpoint.restore_from, else a
+    fresh one. The settings come from trainer.plan; the raw config only as the record compared with the checkpoint's."""
     t0 = time.perf_counter()
-    restored = checkpoint.restore_newest(ckpts, ckpt_format.target(trainer), warn=say)
+    restored = checkpoint.restore_tiers(ckpts, local, ckpt_format.target(trainer), warn=say)
     if restored:
         changes = meta_lib.config_changes(restored.meta.get("config", {}), trainer.config.to_dict())
         if changes:
@@ -100,7 +117,7 @@ def start(trainer: Trainer, ckpts: checkpoint.Checkpoints, say: Callable[[str], 
             _train_with_random_windows(trainer)
         state = ckpt_format.from_tree(trainer, restored.tree, lora_base.for_trainer(trainer))
         return Start(state, restored.tree["rng"], restored.step,
-                     f"resumed from {restored.where}", True, time.perf_counter() - t0)
+                     f"resumed from {restored.where}, {restored.tier} tier", True, time.perf_counter() - t0)
     return _from_elsewhere(trainer, t0)
 
 

@@ -113,10 +113,10 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
             return {"compile_report": run.rep}
         # Restore before compiling: a restore_from checkpoint damaged in its data (found only by reading it) is
         # then a one-line error before the compile, and the restore is needed anyway.
-        ckpts = _open_checkpoints(trainer.plan, path)
-        begin = resume.start(trainer, ckpts, say)
+        ckpts, local = _open_checkpoints(trainer.plan, path)
+        begin = resume.start(trainer, ckpts, say, local)
         run = _compile(trainer, path, goodput, options, {"changes": changed, "plan": planned})
-        return train(run, path, goodput, signals, (ckpts, begin))
+        return train(run, path, goodput, signals, (ckpts, local, begin))
 
 
 @contextlib.contextmanager
@@ -190,18 +190,19 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
 
 
 def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preemption.StopSignals,
-          started: tuple[checkpoint.Checkpoints, resume.Start]) -> dict[str, Any]:
-    """Loop from the restored or initial state (`started`: the run's checkpoints and where it begins); the exit
-    paths (done, preempted, non-finite, failed save) all wait for the save in flight and record goodput."""
+          started: tuple[checkpoint.Checkpoints, checkpoint.LocalCheckpoints | None, resume.Start]) -> dict[str, Any]:
+    """Loop from the restored or initial state (`started`: the run's checkpoints, its local tier if any, and where it
+    begins); the exit paths (done, preempted, non-finite, failed save) all wait for the save in flight and record
+    goodput."""
     trainer, plan = run.trainer, run.trainer.plan
-    ckpts, begin = started
+    ckpts, local, begin = started
     goodput.add("init_s" if begin.origin == "initialized" else "restore_s", begin.seconds)
     if begin.step >= plan.steps:
         say(f"the run in {path} already reached train.steps={plan.steps} ({begin.origin}); nothing to do")
         goodput.flush(exit_codes.OK)
         return {"state": begin.state, "summary": {"workdir": str(path), "step": begin.step}, "compile_report": run.rep}
     log = _open_log(run, path, begin)
-    saver = Saver(ckpts, trainer, log, goodput, last_saved=begin.step if begin.resumed else -1)
+    saver = Saver(ckpts, trainer, log, goodput, last_saved=begin.step if begin.resumed else -1, local=local)
     goodput.add("compile_s", saver.warm_up(begin.state, begin.rng))
     peak = hardware.peak_flops_per_device(plan.model.compute_dtype, run.peak_tflops) * jax.device_count()
     with Watchdog(plan.train.step_timeout_s, exit_codes.WATCHDOG,
@@ -217,13 +218,16 @@ def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preempti
     return {"state": outcome.state, "summary": summary, "compile_report": run.rep}
 
 
-def _open_checkpoints(plan: Plan, path: pathlib.Path) -> checkpoint.Checkpoints:
+def _open_checkpoints(plan: Plan, path: pathlib.Path) -> tuple[checkpoint.Checkpoints,
+                                                                checkpoint.LocalCheckpoints | None]:
+    """The run's persistent checkpoints and its local tier (None without checkpoint.local_dir)."""
     enabled = plan.checkpoint.enabled
     if not enabled:
         say(f"warning: checkpoint.enabled=False: this run writes no checkpoint (an existing one in {path} "
             f"is restored, never overwritten); a crash or preemption loses its progress")
+    local = checkpoint.LocalCheckpoints(plan.checkpoint.local_dir, path) if plan.checkpoint.local else None
     return checkpoint.Checkpoints(path / "checkpoints", keep=plan.checkpoint.keep,
-                                  keep_period=plan.checkpoint.keep_period, read_only=not enabled)
+                                  keep_period=plan.checkpoint.keep_period, read_only=not enabled), local
 
 
 def _open_log(run: Compiled, path: pathlib.Path, begin: resume.Start) -> MetricsLog:
