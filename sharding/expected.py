@@ -124,16 +124,20 @@ def gradient_all_reduces(x: Layout) -> list[Expected]:
 
 def fsdp_gathers(x: Layout) -> list[Expected]:
     """FSDP on each batch axis that splits weights: gathered forward and backward (lookup tables forward
-    only; once per step under a pipeline), gradients reduce-scattered. Experts held apart are neither."""
+    only; once per step under a pipeline), gradients reduce-scattered. Experts held apart are neither; experts
+    split over `expert` too are gathered once without rematerialization: the all-to-all region takes them whole
+    over `fsdp` and keeps that copy for its backward."""
     expert_axes = set(x.rules.get("experts", ()))
+    apart = {a for a in expert_axes if x.sizes.get(a, 1) > 1}
     out = []
     for axis in x.batch_axes:
         gathered = gathers = 0.0
         for leaf, spec, is_lookup in zip(x.leaves, x.specs, x.lookup):
             if axis in spec_axes(spec) and axis not in expert_axes:
                 full = _shard_bytes(leaf, spec, x.sizes, drop=axis)
+                once = x.pipelined or is_lookup or (x.cfg.remat == "none" and bool(apart & set(spec_axes(spec))))
                 gathered += full
-                gathers += full if (x.pipelined or is_lookup) else 2 * full
+                gathers += full if once else 2 * full
         if gathered:
             purpose = "weight all-gather (once per step, pipeline)" if x.pipelined else \
                 "weight all-gather (forward + backward)"

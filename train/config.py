@@ -218,9 +218,6 @@ def _check_experts(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str,
     if "tensor" in rules.get("seq", ()):
         raise ConfigError(f"sharding.sequence_parallel=True with model.n_experts={model.n_experts}: the expert layers "
                           f"take whole sequences; set sharding.sequence_parallel=False")
-    if mesh_sizes.get("expert", 1) > 1 and mesh_sizes.get("fsdp", 1) > 1:
-        raise ConfigError(f"mesh.fsdp={mesh_sizes['fsdp']} with mesh.expert={mesh_sizes['expert']}: expert parallelism "
-                          f"does not shard the experts over fsdp yet; use mesh.data in place of mesh.fsdp")
     if mesh_sizes.get("expert", 1) > 1 and ("expert" not in rules.get("batch", ())
                                             or rules.get("experts", ()) != ("expert",)):
         raise ConfigError("mesh.expert > 1 needs sharding rules batch -> (..., 'expert') and experts -> ('expert',), "

@@ -77,8 +77,6 @@ def _experts(cfg: models.ModelConfig, sizes: Mapping[str, int]) -> str | None:
     for axis in ("pipeline", "context"):
         if sizes[axis] > 1:
             return f"experts on {axis} unsupported"
-    if sizes["expert"] > 1 and sizes["fsdp"] > 1:
-        return "expert with fsdp unsupported"
     return None
 
 
