@@ -15,8 +15,9 @@ and again in the backward; the embedding and head, replicated on every stage, ha
 over the stages, as the audit counts.
 Sequence parallelism (Megatron, `seq -> tensor`): each forward all-reduce becomes a reduce-scatter and an
 all-gather of the next block's input; the backward mirrors both and gathers each matmul input again for its
-weight gradient (the gathered copy is not kept). Context parallelism: the ring passes every layer's K and V
-blocks c-1 hops forward, their gradients c-1 hops back, and the weight gradients are summed over `context`.
+weight gradient (the gathered copy is not kept); pipelined, the stage messages are split over `tensor` too.
+Context parallelism: the ring passes every layer's K and V blocks c-1 hops forward, their gradients c-1 hops
+back, and the weight gradients are summed over `context`.
 Expert parallelism (sharding/experts.py): per mixture-of-experts layer, the dispatch and combine all-to-alls of
 the device's [rows, experts, capacity, d_model] buffers over `expert`, mirrored in the backward pass (and repeated
 when rematerialization recomputes the layer); under `tensor` the experts' MLP all-reduces move such buffers in
@@ -193,21 +194,21 @@ def _activation_all_reduces(cfg: Any, chunks: int, stages: int) -> float:
     return ((per_layer + t.forward_per_layer) * cfg.n_layers - dead + top) / stages
 
 
-def _sequence_parallel(cfg: Any, act: float) -> list[Expected]:
-    """Megatron sequence parallelism's activation traffic over `tensor`, `act` bytes a unit. Per layer and
-    forward all-reduce of tensor parallelism: a reduce-scatter and an all-gather forward; backward an
-    all-gather (of the reduce-scatter's gradient), a reduce-scatter (the all-gather's) and an all-gather of
-    the matmul input again for the weight gradient; full remat recomputes the attention's reduce-scatter (the
-    MLP's output is dead there) and its gathers serve the backward. The top mirrors it: the embedding lookup
-    reduce-scatters forward and gathers its gradient back, the head gathers its input and reduce-scatters
-    that gradient."""
+def _sequence_parallel(cfg: Any, act: float, chunks: int, stages: int) -> list[Expected]:
+    """Megatron sequence parallelism's activation traffic over `tensor`, `act` bytes a unit. Each activation
+    all-reduce tensor parallelism would do (`_activation_all_reduces`, pipelined or not) becomes a reduce-scatter
+    and an all-gather: forward, the scatter of a block's output and the gather of the next matmul input;
+    backward, the gather of the scatter's gradient and the scatter of the gather's. The backward also gathers
+    each forward all-gather's input again for its weight gradient (the gathered copy is not kept), except the
+    attention's under full remat, whose recompute gathers it for the backward. The top mirrors it: the
+    embedding lookup reduce-scatters forward and gathers its gradient back, the head gathers its input and
+    reduce-scatters that gradient. Pipelined, each backward cell's recomputed forward counts like the forward."""
     t = models.family_of(cfg).tensor_traffic
-    top = t.embed_forward + t.head_backward
-    scatters = 2 * t.forward_per_layer + t.recomputed_by_full_remat * (cfg.remat == "full")
-    return [Expected("activation reduce-scatter (sequence parallel)", "reduce_scatter", "tensor",
-                     (scatters * cfg.n_layers + top) * act),
+    units = _activation_all_reduces(cfg, chunks, stages)
+    again = (t.forward_per_layer - t.recomputed_by_full_remat * (cfg.remat == "full")) * cfg.n_layers
+    return [Expected("activation reduce-scatter (sequence parallel)", "reduce_scatter", "tensor", units * act),
             Expected("activation all-gather (sequence parallel)", "all_gather", "tensor",
-                     (3 * t.forward_per_layer * cfg.n_layers + top) * act)]
+                     (units + again / (stages if chunks else 1)) * act)]
 
 
 def tensor_activations(x: Layout) -> list[Expected]:
@@ -217,9 +218,9 @@ def tensor_activations(x: Layout) -> list[Expected]:
         return []
     cfg = x.cfg
     act = x.rows * (cfg.seq_len // x.sizes.get("context", 1)) * cfg.d_model * x.itemsize  # one device's rows
-    if "tensor" in x.rules.get("seq", ()):
-        return _sequence_parallel(cfg, act)
     chunks = x.sizes["pipeline"] * x.pipeline.get("virtual_stages", 1) if x.pipelined else 0
+    if "tensor" in x.rules.get("seq", ()):
+        return _sequence_parallel(cfg, act, chunks, x.sizes.get("pipeline", 1))
     nbytes = _activation_all_reduces(cfg, chunks, x.sizes.get("pipeline", 1)) * act
     if x.experts is not None:
         nbytes += x.experts.layers * 2 * (_expert_buffer_bytes(x) - act)
@@ -258,7 +259,8 @@ def stage_sends(x: Layout) -> list[Expected]:
     if not x.pipelined:
         return []
     micro = x.rows // x.pipeline["microbatches"]
-    act = micro * x.cfg.seq_len * x.cfg.d_model * x.itemsize
+    split = x.sizes.get("tensor", 1) if "tensor" in x.rules.get("seq", ()) else 1  # sequence parallel messages
+    act = micro * x.cfg.seq_len // split * x.cfg.d_model * x.itemsize
     schedule = x.schedule()
     plans = (schedule_buffers.activation_buffers(schedule), schedule_buffers.gradient_buffers(schedule))
     channels = sum(channel != schedule_buffers.SELF for plan in plans for channel in plan.writes)

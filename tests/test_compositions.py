@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from sharding import pipeline as pipeline_lib
 from tests.helpers import grads_and_run, reference_config, rel_norm, single_device_reference
 from tests.test_moe import moe_config
 from train.planner import audit as audit_lib
@@ -14,10 +15,12 @@ from train.planner import compile_report as report
 from train.trainer import Trainer
 
 # (mesh, sequence parallelism). Three axes at a time, so that one compiled program holds several pairs: context x
-# data, context x fsdp, context x tensor + sequence parallelism, tensor + sequence parallelism x data and x fsdp.
+# data, context x fsdp, context x tensor + sequence parallelism, tensor + sequence parallelism x data and x fsdp,
+# and sequence parallelism inside a pipeline.
 DENSE = [
     ({"data": 2, "context": 2, "tensor": 2}, True),
     ({"fsdp": 2, "context": 2, "tensor": 2}, True),
+    ({"pipeline": 2, "data": 2, "tensor": 2}, True),
 ]
 
 
@@ -27,13 +30,20 @@ def _id(value) -> str:
     return "sp" if value else "-"
 
 
+@functools.lru_cache(maxsize=None)
+def dense_trainer(layout: tuple, sequence_parallel: bool) -> Trainer:
+    config = reference_config(**dict(layout))
+    config.sharding.sequence_parallel = sequence_parallel
+    return Trainer.build(config, num_devices=math.prod(n for _, n in layout))
+
+
 @pytest.mark.parametrize("mesh,sequence_parallel", DENSE, ids=_id)
 def test_dense_composition_matches_single_device(mesh, sequence_parallel):
     ref_losses, ref_grads = single_device_reference(5)
-    config = reference_config(**mesh)
-    config.sharding.sequence_parallel = sequence_parallel
-    trainer = Trainer.build(config, num_devices=math.prod(mesh.values()))
+    trainer = dense_trainer(tuple(mesh.items()), sequence_parallel)
     grads, losses, _ = grads_and_run(trainer, 5)
+    if trainer.layer_order is not None:  # a pipeline's in-memory stack is in device-chunk order
+        grads = pipeline_lib.to_logical(grads, trainer.layer_order)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     assert rel_norm(grads, ref_grads) < 1e-5
 
@@ -86,3 +96,13 @@ def test_audit_of_experts_over_fsdp():
         ("expert dispatch and combine", ("expert",)), ("gradient all-reduce", ("data",)),
         ("gradient all-reduce", ("data", "expert")), ("gradient reduce-scatter", ("fsdp",)),
         ("weight all-gather (forward + backward)", ("fsdp",))]
+
+
+def test_audit_of_sequence_parallelism_in_a_pipeline():
+    """Stage messages split over `tensor` like the residual stream, and each backward cell's recomputed forward
+    scatters and gathers as the forward does."""
+    rows = _audit(dense_trainer(tuple(DENSE[2][0].items()), True))
+    assert sorted(r["purpose"] for r in rows) == [
+        "activation all-gather (sequence parallel)", "activation reduce-scatter (sequence parallel)",
+        "embedding/head gradient all-reduce (on every stage)", "gradient all-reduce",
+        "stage activations and gradients"]

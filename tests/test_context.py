@@ -90,8 +90,6 @@ BAD = {
                           "sharding.sequence_parallel=True needs mesh.tensor > 1"),
     "sp_without_tensor_rules": (_bad({"tensor": 8}, sharding__sequence_parallel=True, sharding__strategy="fsdp",
                                      sharding__rules={"mlp": "tensor"}), "needs a tensor-parallel strategy"),
-    "sp_with_pipeline": (_bad({"pipeline": 2, "tensor": 4}, sharding__sequence_parallel=True),
-                         "sharding.sequence_parallel=True with mesh.pipeline=2 is not supported"),
     "context_with_pipeline": (_bad({"pipeline": 2, "context": 4}), "mesh.context=4 with mesh.pipeline=2"),
     "context_seq_len": (_bad({"context": 8}, model__seq_len=72),
                         "model.seq_len=72 is not divisible by 2 x mesh.context=8"),
