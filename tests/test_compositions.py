@@ -9,6 +9,8 @@ import pytest
 
 from sharding import pipeline as pipeline_lib
 from tests.helpers import grads_and_run, reference_config, rel_norm, single_device_reference
+from tests.test_documents import _config as documents_config
+from tests.test_documents import _datadir
 from tests.test_moe import moe_config
 from train.planner import audit as audit_lib
 from train.planner import compile_report as report
@@ -106,3 +108,20 @@ def test_audit_of_sequence_parallelism_in_a_pipeline():
         "activation all-gather (sequence parallel)", "activation reduce-scatter (sequence parallel)",
         "embedding/head gradient all-reduce (on every stage)", "gradient all-reduce",
         "stage activations and gradients"]
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory) -> dict:
+    """Packed documents (an EOS about every 9 tokens) on one device: the DATADIR, 3 losses, first gradients."""
+    path = _datadir(tmp_path_factory.mktemp("documents") / "data")
+    grads, losses, _ = grads_and_run(Trainer.build(documents_config(path), num_devices=1), 3)
+    return {"path": path, "grads": grads, "losses": losses}
+
+
+@pytest.mark.parametrize("mesh", [{"context": 4, "data": 2}], ids=_id)
+def test_packed_documents_in_ring_attention_match_single_device(mesh, documents):
+    """Every hop of a 4-device ring masks the other documents' keys (a block may hold none of a query's)."""
+    trainer = Trainer.build(documents_config(documents["path"], **mesh), num_devices=math.prod(mesh.values()))
+    grads, losses, _ = grads_and_run(trainer, 3)
+    np.testing.assert_allclose(losses, documents["losses"], rtol=1e-4)
+    assert rel_norm(grads, documents["grads"]) < 1e-5

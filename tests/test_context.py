@@ -9,7 +9,6 @@ import pytest
 from mesh.errors import UserError
 from sharding.context import zigzag_order
 from tests.helpers import grads_and_run, reference_config, rel_norm, single_device_reference, tiny_config
-from tests.test_documents import _datadir
 from train.loop import runner as loop
 from train.planner import audit as audit_lib
 from train.planner import compile_report as report
@@ -97,14 +96,9 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(BAD) + ["context_documents"])
+@pytest.mark.parametrize("name", sorted(BAD))
 def test_unsupported_combination_is_one_line_before_compiling(name, tmp_path, monkeypatch):
-    if name == "context_documents":
-        config = _bad({"context": 8}, data__source="tokens", data__path=str(_datadir(tmp_path / "data")),
-                      data__document_mask=True)
-        fragment = "data.document_mask=True with mesh.context=8 is not supported"
-    else:
-        config, fragment = BAD[name]
+    config, fragment = BAD[name]
     monkeypatch.setattr(loop.Trainer, "compile", lambda self: pytest.fail("compiled a bad config"))
     with pytest.raises(UserError) as info:
         loop.run(config, str(tmp_path / "run"))

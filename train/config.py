@@ -272,9 +272,6 @@ def _long_sequences(config: ml_collections.ConfigDict, model: models.ModelConfig
         if model.seq_len % (2 * context):
             raise ConfigError(f"model.seq_len={model.seq_len} is not divisible by 2 x mesh.context={context} (the "
                               f"zigzag layout cuts every row into 2 x context chunks); change one of them")
-        if config.data.get("document_mask", False):
-            raise ConfigError(f"data.document_mask=True with mesh.context={context} is not supported (ring attention "
-                              f"takes no document segments yet); set data.document_mask=False or mesh.context=1")
         if "context" not in rules.get("seq", ()):
             raise ConfigError(f"mesh.context={context} needs the rule seq -> context; remove the override of "
                               f"sharding.rules.seq")
