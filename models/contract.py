@@ -43,6 +43,12 @@ class Hooks:
         overrides it with a ring over its sequence shards."""
         return attention.attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL)
 
+    def whole_rows(self, x_BxLxD: jax.Array) -> jax.Array:
+        """`x` with every row's sequence whole on each device but for context parallelism's split (a mixture of
+        experts routes each row's tokens together): a layout that splits the sequence otherwise (sequence
+        parallelism) gathers it here; the others leave `x` as it is."""
+        return x_BxLxD
+
     def moe_experts(self, x_BxExCxD: jax.Array, experts: Params, expert_fn: Callable) -> jax.Array:
         """Run every expert on its slots of every row (models/moe.py): `expert_fn(experts, x_ExNxD) -> y_ExNxD`
         on the buffers regrouped per expert. A mesh splitting the experts overrides this with all-to-alls."""

@@ -112,6 +112,7 @@ def moe_mlp(router_DxE: jax.Array, experts: Params, h_BxLxD: jax.Array, cfg: Any
             expert_fn: Callable) -> tuple[jax.Array, dict]:
     """The mixture on normed inputs: (output [B,L,D], this layer's router statistics over the whole batch).
     `expert_fn(experts, x_ExNxD) -> y_ExNxD` is the family's MLP applied per expert."""
+    h_BxLxD = constrain.whole_rows(h_BxLxD)
     B, L, D = h_BxLxD.shape
     E, cap = cfg.n_experts, capacity(cfg, L)
     logits, probs, top_e, top_w = route(router_DxE, h_BxLxD, cfg)
@@ -126,7 +127,7 @@ def moe_mlp(router_DxE: jax.Array, experts: Params, h_BxLxD: jax.Array, cfg: Any
              "moe_load_balance_loss": E * jnp.sum(load_E * jnp.mean(probs, axis=(0, 1))),
              "moe_dropped_fraction": 1.0 - jnp.mean(kept.astype(jnp.float32)), "moe_load": load_E,
              "topk_margin": topk_margin(jax.lax.stop_gradient(logits), top_e)}
-    return constrain(y_BxLxD, ("batch", "seq", "embed")), stats
+    return constrain(constrain.whole_rows(y_BxLxD), ("batch", "seq", "embed")), stats
 
 
 def run_groups(layers: Params, x_BxLxD: jax.Array, cfg: Any, constrain: Constrain, dense_block: Callable,

@@ -213,17 +213,23 @@ def _sequence_parallel(cfg: Any, act: float, chunks: int, stages: int) -> list[E
 
 def tensor_activations(x: Layout) -> list[Expected]:
     """Megatron tensor parallelism's activation all-reduces (or sequence parallelism's scatters and gathers);
-    under experts, the experts' MLP all-reduces (forward, backward) move their buffers, not activations."""
+    under experts, the experts' MLP all-reduces (forward, backward; scatters under sequence parallelism) move
+    their buffers, not activations."""
     if x.sizes.get("tensor", 1) == 1 or not any("tensor" in spec_axes(s) for s in x.specs):
         return []
     cfg = x.cfg
     act = x.rows * (cfg.seq_len // x.sizes.get("context", 1)) * cfg.d_model * x.itemsize  # one device's rows
     chunks = x.sizes["pipeline"] * x.pipeline.get("virtual_stages", 1) if x.pipelined else 0
+    buffers = 0.0 if x.experts is None else x.experts.layers * 2 * (_expert_buffer_bytes(x) - act)
     if "tensor" in x.rules.get("seq", ()):
-        return _sequence_parallel(cfg, act, chunks, x.sizes.get("pipeline", 1))
-    nbytes = _activation_all_reduces(cfg, chunks, x.sizes.get("pipeline", 1)) * act
-    if x.experts is not None:
-        nbytes += x.experts.layers * 2 * (_expert_buffer_bytes(x) - act)
+        scatters, gathers = _sequence_parallel(cfg, act, chunks, x.sizes.get("pipeline", 1))
+        if x.experts is None:
+            return [scatters, gathers]
+        # A mixture's MLP reductions scatter its buffers; its weight gradients read the kept buffers, so its
+        # input is not gathered again (models/moe.py takes whole rows in and gives whole rows back).
+        return [dataclasses.replace(scatters, bytes=scatters.bytes + buffers),
+                dataclasses.replace(gathers, bytes=gathers.bytes - x.experts.layers * act)]
+    nbytes = _activation_all_reduces(cfg, chunks, x.sizes.get("pipeline", 1)) * act + buffers
     return [Expected("activation all-reduce (Megatron)", "all_reduce", "tensor", nbytes)]
 
 

@@ -168,6 +168,12 @@ class ActivationSharding(Hooks):
         return context.ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.mesh, q_spec, kv_spec,
                                       segment_ids_BxL, seg_spec)
 
+    def whole_rows(self, x_BxLxD: jax.Array) -> jax.Array:
+        """Under sequence parallelism, gather the rows' sequence over `tensor` (as before any MLP); else as is."""
+        if "tensor" not in self.rules.get("seq", ()):
+            return x_BxLxD
+        return self(x_BxLxD, ("batch", "seq_context", "embed"))
+
     def moe_experts(self, x_BxExCxD: jax.Array, experts: Any, expert_fn) -> jax.Array:
         """Experts split over `expert`: all-to-all dispatch and combine (sharding/experts.py)."""
         if self.sizes.get(experts_lib.AXIS, 1) == 1:

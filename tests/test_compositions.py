@@ -51,7 +51,7 @@ def test_dense_composition_matches_single_device(mesh, sequence_parallel):
 
 
 # Mixtures of experts, held to moe-tiny on one device (test_moe's seed keeps the routing away from ties).
-MOE = [{"expert": 2, "fsdp": 2, "data": 2}]
+MOE = [({"expert": 2, "fsdp": 2, "data": 2}, False), ({"expert": 2, "data": 2, "tensor": 2}, True)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,15 +64,16 @@ def moe_reference() -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def moe_trainer(layout: tuple) -> Trainer:
-    mesh = dict(layout)
-    return Trainer.build(moe_config(**mesh), num_devices=math.prod(mesh.values()))
+def moe_trainer(layout: tuple, sequence_parallel: bool) -> Trainer:
+    config = moe_config(**dict(layout))
+    config.sharding.sequence_parallel = sequence_parallel
+    return Trainer.build(config, num_devices=math.prod(n for _, n in layout))
 
 
-@pytest.mark.parametrize("mesh", MOE, ids=_id)
-def test_moe_composition_matches_single_device(mesh):
+@pytest.mark.parametrize("mesh,sequence_parallel", MOE, ids=_id)
+def test_moe_composition_matches_single_device(mesh, sequence_parallel):
     ref = moe_reference()
-    trainer = moe_trainer(tuple(mesh.items()))
+    trainer = moe_trainer(tuple(mesh.items()), sequence_parallel)
     grads, losses, _ = grads_and_run(trainer, 5, jax.device_put(ref["state"], trainer.layout.state))
     np.testing.assert_allclose(losses, ref["losses"], rtol=1e-4)
     assert rel_norm(grads, ref["grads"]) < 1e-5
@@ -93,7 +94,7 @@ def _audit(trainer: Trainer) -> list[dict]:
 def test_audit_of_experts_over_fsdp():
     """The experts split over `expert` and stored split over `fsdp` are gathered once per step (the all-to-all
     region keeps the gathered copy for its backward)."""
-    rows = _audit(moe_trainer(tuple(MOE[0].items())))
+    rows = _audit(moe_trainer(tuple(MOE[0][0].items()), False))
     assert sorted((r["purpose"], tuple(r["axes"])) for r in rows) == [
         ("expert dispatch and combine", ("expert",)), ("gradient all-reduce", ("data",)),
         ("gradient all-reduce", ("data", "expert")), ("gradient reduce-scatter", ("fsdp",)),
@@ -125,3 +126,12 @@ def test_packed_documents_in_ring_attention_match_single_device(mesh, documents)
     grads, losses, _ = grads_and_run(trainer, 3)
     np.testing.assert_allclose(losses, documents["losses"], rtol=1e-4)
     assert rel_norm(grads, documents["grads"]) < 1e-5
+
+
+def test_audit_of_experts_under_sequence_parallelism():
+    """The mixture takes whole rows in and gives whole rows back: its MLP reductions scatter its buffers and its
+    input is not gathered again for the weight gradients."""
+    rows = _audit(moe_trainer(tuple(MOE[1][0].items()), True))
+    assert sorted(r["purpose"] for r in rows) == [
+        "activation all-gather (sequence parallel)", "activation reduce-scatter (sequence parallel)",
+        "expert dispatch and combine", "gradient all-reduce", "gradient all-reduce"]

@@ -215,9 +215,6 @@ def _check_experts(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str,
             raise ConfigError(f"mesh.{axis}={mesh_sizes[axis]} with model.n_experts={model.n_experts}: a mixture of "
                               f"experts does not run on a {axis} axis yet; set mesh.{axis}=1 (use mesh.expert, data, "
                               f"fsdp or tensor)")
-    if "tensor" in rules.get("seq", ()):
-        raise ConfigError(f"sharding.sequence_parallel=True with model.n_experts={model.n_experts}: the expert layers "
-                          f"take whole sequences; set sharding.sequence_parallel=False")
     if mesh_sizes.get("expert", 1) > 1 and ("expert" not in rules.get("batch", ())
                                             or rules.get("experts", ()) != ("expert",)):
         raise ConfigError("mesh.expert > 1 needs sharding rules batch -> (..., 'expert') and experts -> ('expert',), "
