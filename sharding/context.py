@@ -27,6 +27,23 @@ def zigzag_order(length: int, ways: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * ways - 1 - i]]) for i in range(ways)])
 
 
+def from_zigzag(x_BxLx: jax.Array, ways: int) -> jax.Array:
+    """The sequence (dimension 1) of a zigzag layout back in order, by slices: device i's chunks i and 2c-1-i
+    are the i-th of the first half and the i-th from the end of the second."""
+    B, L = x_BxLx.shape[:2]
+    pairs = x_BxLx.reshape(B, ways, 2, L // (2 * ways), *x_BxLx.shape[2:])
+    first, second = pairs[:, :, 0], jnp.flip(pairs[:, :, 1], axis=1)
+    return jnp.concatenate([first, second], axis=1).reshape(x_BxLx.shape)
+
+
+def to_zigzag(x_BxLx: jax.Array, ways: int) -> jax.Array:
+    """The inverse of `from_zigzag`: a sequence in order laid out zigzag."""
+    B, L = x_BxLx.shape[:2]
+    chunks = x_BxLx.reshape(B, 2 * ways, L // (2 * ways), *x_BxLx.shape[2:])
+    pairs = jnp.stack([chunks[:, :ways], jnp.flip(chunks[:, ways:], axis=1)], axis=2)
+    return pairs.reshape(x_BxLx.shape)
+
+
 def _ring(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways: int,
           seg_BxW: jax.Array | None = None) -> jax.Array:
     """One device's causal attention over the whole sequence (in shard_map: L is its 2 chunks). With packed

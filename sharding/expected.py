@@ -21,7 +21,9 @@ back, and the weight gradients are summed over `context`.
 Expert parallelism (sharding/experts.py): per mixture-of-experts layer, the dispatch and combine all-to-alls of
 the device's [rows, experts, capacity, d_model] buffers over `expert`, mirrored in the backward pass (and repeated
 when rematerialization recomputes the layer); under `tensor` the experts' MLP all-reduces move such buffers in
-place of the dense MLP's [rows, seq, d_model] activations.
+place of the dense MLP's [rows, seq, d_model] activations. Under context parallelism a mixture's layers take
+their rows split over `context` in place of the sequence (an all-to-all each way, mirrored backward), and the
+gradients of its experts are summed over the batch axes and `context` at once.
 Audit part (what the layout must communicate); train/planner/audit.py maps the parts of `--audit`.
 """
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Layout:
     sizes: Mapping[str, int]
     global_batch: int
     pipeline: Mapping[str, int] | None
+    routed: tuple[bool, ...] = ()  # per leaf: a mixture's expert weight (logical axis `experts`)
 
     @property
     def family(self) -> models.Family:
@@ -96,6 +99,12 @@ class Layout:
         return self.family.expert_buffers(self.cfg)
 
 
+def _rows_over_context(x: Layout) -> bool:
+    """A mixture under context parallelism: its layers split the rows over `context` in place of the sequence
+    (Hooks.whole_rows), so it routes whole rows in their order."""
+    return x.experts is not None and x.sizes.get("context", 1) > 1
+
+
 def _shard_bytes(leaf, spec: P, sizes: Mapping[str, int], drop: str | None = None) -> float:
     """Bytes of one device's piece of `leaf` under `spec`, optionally as if `drop` did not split it."""
     ways = math.prod(sizes[a] for a in spec_axes(spec) if a != drop)
@@ -112,14 +121,16 @@ def gradient_all_reduces(x: Layout) -> list[Expected]:
     (those held on every pipeline stage are summed over `pipeline` too, in `stage_replicated_gradients`);
     context splits the work like the batch, and XLA sums the weight gradients over it on its own."""
     reduced: dict[tuple[str, ...], float] = {}
-    for leaf, spec in zip(x.leaves, x.specs):
+    routed = x.routed if _rows_over_context(x) else (False,) * len(x.leaves)
+    for leaf, spec, joint in zip(x.leaves, x.specs, routed):
         if not (x.pipelined and _on_every_stage(spec)):
-            axes = tuple(a for a in x.batch_axes if a not in spec_axes(spec))
+            axes = tuple(a for a in x.batch_axes if a not in spec_axes(spec)) + ("context",) * joint
             if axes:
+                axes = tuple(a for a in x.sizes if a in axes)
                 reduced[axes] = reduced.get(axes, 0.0) + _shard_bytes(leaf, spec, x.sizes)
-    if x.sizes.get("context", 1) > 1:
-        reduced[("context",)] = sum(_shard_bytes(leaf, spec, x.sizes) for leaf, spec in zip(x.leaves, x.specs)
-                                    if "context" not in spec_axes(spec))
+    if x.sizes.get("context", 1) > 1:  # experts on rows split over context are summed with the batch axes above
+        reduced[("context",)] = sum(_shard_bytes(leaf, spec, x.sizes) for leaf, spec, joint
+                                    in zip(x.leaves, x.specs, routed) if "context" not in spec_axes(spec) and not joint)
     return [Expected("gradient all-reduce", "all_reduce", axes, nbytes) for axes, nbytes in reduced.items()]
 
 
@@ -163,8 +174,10 @@ def stage_replicated_gradients(x: Layout) -> list[Expected]:
 
 
 def _expert_buffer_bytes(x: Layout) -> float:
-    """One device's per-expert token buffers of one MoE layer: [rows, n_experts, capacity, d_model]."""
-    return x.rows * x.experts.experts * x.experts.capacity * x.cfg.d_model * x.itemsize
+    """One device's per-expert token buffers of one MoE layer: [rows, n_experts, capacity, d_model] (its rows
+    split over `context` too under context parallelism)."""
+    rows = x.rows // (x.sizes.get("context", 1) if _rows_over_context(x) else 1)
+    return rows * x.experts.experts * x.experts.capacity * x.cfg.d_model * x.itemsize
 
 
 def _activation_all_reduces(cfg: Any, chunks: int, stages: int) -> float:
@@ -258,6 +271,17 @@ def expert_all_to_alls(x: Layout) -> list[Expected]:
                      x.experts.layers * per_layer * _expert_buffer_bytes(x))]
 
 
+def context_rows(x: Layout) -> list[Expected]:
+    """A mixture under context parallelism trades its input's sequence split for a row split and back, per layer
+    forward and backward (and again when rematerialization recomputes the layer): all-to-alls of the device's
+    [rows, seq / context, d_model] activations."""
+    if not _rows_over_context(x):
+        return []
+    act = x.rows * (x.cfg.seq_len // x.sizes["context"]) * x.cfg.d_model * x.itemsize
+    per_layer = 4 + 2 * (x.cfg.remat != "none")
+    return [Expected("mixture rows over context", "all_to_all", "context", x.experts.layers * per_layer * act)]
+
+
 def stage_sends(x: Layout) -> list[Expected]:
     """The lockstep pipeline sends one activation and one gradient per time slot of its table, on each channel
     that kind uses (a V-shaped table sends both ways; what stays on a device at the V's turn is not sent); idle
@@ -277,7 +301,7 @@ def stage_sends(x: Layout) -> list[Expected]:
 # One rule per kind of parallelism, in the order the table lists them.
 RULES: list[Callable[[Layout], list[Expected]]] = [
     gradient_all_reduces, fsdp_gathers, stage_replicated_gradients, tensor_activations, context_ring,
-    expert_all_to_alls, stage_sends]
+    expert_all_to_alls, context_rows, stage_sends]
 
 
 def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Mapping,
@@ -289,4 +313,7 @@ def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Ma
     lookup = tuple(len(path) == 1 and getattr(path[0], "key", None) in lookup_keys for path in paths)
     specs = tuple(jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P)))
     layout = Layout(cfg, leaves, specs, lookup, rules, sizes, global_batch, pipeline)
+    if _rows_over_context(layout):  # only then: the planner calls this for every layout it searches
+        logical = jax.tree.leaves(models.abstract_params(cfg)[1], is_leaf=lambda x: isinstance(x, P))
+        layout = dataclasses.replace(layout, routed=tuple("experts" in names for names in logical))
     return [row for rule in RULES for row in rule(layout)]

@@ -174,6 +174,20 @@ class ActivationSharding(Hooks):
             return x_BxLxD
         return self(x_BxLxD, ("batch", "seq_context", "embed"))
 
+    def rows_in_order(self, x_BxLxD: jax.Array) -> jax.Array:
+        """Rows split over the batch axes and `context` (an all-to-all from the sequence split), then each row out
+        of the zigzag by slices, which stay local where a gather by the order would not (XLA split it)."""
+        ways, rows = self.sizes.get(context.AXIS, 1), self._context_rows()
+        x_BxLxD = jax.lax.with_sharding_constraint(x_BxLxD, rows)
+        return jax.lax.with_sharding_constraint(context.from_zigzag(x_BxLxD, ways), rows)
+
+    def rows_to_context(self, x_BxLxD: jax.Array) -> jax.Array:
+        ways, rows = self.sizes.get(context.AXIS, 1), self._context_rows()
+        return jax.lax.with_sharding_constraint(context.to_zigzag(x_BxLxD, ways), rows)
+
+    def _context_rows(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(experts_lib.batch_axes(self.rules, self.sizes) + (context.AXIS,)))
+
     def moe_experts(self, x_BxExCxD: jax.Array, experts: Any, expert_fn) -> jax.Array:
         """Experts split over `expert`: all-to-all dispatch and combine (sharding/experts.py)."""
         if self.sizes.get(experts_lib.AXIS, 1) == 1:

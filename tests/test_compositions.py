@@ -51,7 +51,8 @@ def test_dense_composition_matches_single_device(mesh, sequence_parallel):
 
 
 # Mixtures of experts, held to moe-tiny on one device (test_moe's seed keeps the routing away from ties).
-MOE = [({"expert": 2, "fsdp": 2, "data": 2}, False), ({"expert": 2, "data": 2, "tensor": 2}, True)]
+MOE = [({"expert": 2, "fsdp": 2, "data": 2}, False), ({"expert": 2, "data": 2, "tensor": 2}, True),
+       ({"context": 2, "data": 2, "tensor": 2}, False)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,3 +139,13 @@ def test_audit_of_experts_under_sequence_parallelism():
     assert sorted(r["purpose"] for r in rows) == [
         "activation all-gather (sequence parallel)", "activation reduce-scatter (sequence parallel)",
         "expert dispatch and combine", "gradient all-reduce", "gradient all-reduce"]
+
+
+def test_audit_of_experts_under_context_parallelism():
+    """The mixture's rows split over `context` in place of their sequence (all-to-alls), its weights' gradients
+    summed over data x context at once; the ring and Megatron as without experts."""
+    rows = _audit(moe_trainer(tuple(MOE[2][0].items()), False))
+    assert sorted((r["purpose"], tuple(r["axes"])) for r in rows) == [
+        ("activation all-reduce (Megatron)", ("tensor",)), ("gradient all-reduce", ("context",)),
+        ("gradient all-reduce", ("data",)), ("gradient all-reduce", ("data", "context")),
+        ("mixture rows over context", ("context",)), ("ring attention K/V blocks", ("context",))]
