@@ -1,6 +1,6 @@
 """The composition matrix of the README: every pair of parallel axes, two ways each, built by Trainer.build on the
-tiny model (moe-tiny where `expert` is one of the pair; a packed-documents column for each), each with the
-one-line error it gives or the tests that hold a layout with both axes to one device (read from pytest's ids).
+tiny model (moe-tiny with `expert` or `moe`; a packed-documents column for each), each with the one-line error it
+gives or the tests that hold a layout with both axes to one device (read from pytest's ids).
 
     python -m experiments.composition_matrix [--markdown]
 """
@@ -21,7 +21,9 @@ from absl import app, flags
 from mesh import use_cpu_devices
 from mesh.errors import UserError
 
-AXES = ("data", "fsdp", "tensor", "sp", "pipeline", "context", "expert")
+# `sp`: tensor=2 with sequence parallelism; `moe`: the moe-tiny mixture of experts with no `expert` axis.
+AXES = ("data", "fsdp", "tensor", "sp", "pipeline", "context", "expert", "moe")
+SAME = ({"tensor", "sp"}, {"expert", "moe"})  # a variant of the other, listed with every third axis instead
 # Files whose test ids name meshes ("data=2,context=2,tensor=2-sp"): a layout that one of them runs is checked
 # against one device there (test_documents names its meshes in the code, listed below by hand).
 TEST_FILES = ("tests/test_compositions.py", "tests/test_context.py", "tests/test_moe.py", "tests/test_pipeline.py",
@@ -38,8 +40,8 @@ def _config(axes: tuple[str, ...], documents: pathlib.Path | None = None):
     config = get_config()
     config.plan.auto = False
     config.data.source = "synthetic"
-    config.model.preset = "moe-tiny" if "expert" in axes else "tiny"
-    config.mesh.update({"data": 1, **{("tensor" if a == "sp" else a): 2 for a in axes}})
+    config.model.preset = "moe-tiny" if {"expert", "moe"} & set(axes) else "tiny"
+    config.mesh.update({"data": 1, **{("tensor" if a == "sp" else a): 2 for a in axes if a != "moe"}})
     config.sharding.sequence_parallel = "sp" in axes
     if documents is not None:
         config.data.update(source="tokens", path=str(documents), document_mask=True)
@@ -78,6 +80,10 @@ def _layout_of(test_id: str) -> frozenset[str] | None:
     return frozenset(axes | ({"sp"} if "sp" in params.split("-") else set()))
 
 
+def _moe(test_id: str) -> bool:
+    return "moe" in test_id or "expert_layout" in test_id
+
+
 def tested_layouts() -> dict[str, frozenset[str]]:
     """{test id: its layout's axes} of every test in TEST_FILES that holds a named mesh to one device."""
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *TEST_FILES],
@@ -87,12 +93,16 @@ def tested_layouts() -> dict[str, frozenset[str]]:
         if "matches_single_device" in line or "match_single_device" in line:
             layout = _layout_of(line)
             if layout:
-                tests[line.strip().removeprefix("tests/")] = layout
+                tests[line.strip().removeprefix("tests/")] = layout | ({"moe"} if _moe(line) else set())
     return tests
 
 
 def _tested_by(pair: tuple[str, ...], tests: dict[str, frozenset[str]], documents: bool) -> str:
-    names = [t for t, axes in tests.items() if set(pair) <= axes and ("documents" in t) == documents]
+    """The shortest id of a test holding both axes to one device, on the pair's model (dense unless it names one;
+    `moe` without `expert` on a mesh without that axis)."""
+    moe, expert = bool({"expert", "moe"} & set(pair)), "expert" in pair
+    names = [t for t, axes in tests.items() if set(pair) <= axes and ("documents" in t) == documents
+             and ("moe" in axes) == moe and (expert or "expert" not in axes)]
     if documents and tuple(sorted(pair)) in DOCUMENT_TESTS:
         names.append(DOCUMENT_TESTS[tuple(sorted(pair))])
     return min(names, key=len) if names else ""
@@ -103,15 +113,16 @@ def rows(documents: pathlib.Path) -> list[dict]:
     tests = tested_layouts()
     out = []
     for pair in itertools.combinations(AXES, 2):
-        if set(pair) == {"tensor", "sp"}:
-            continue  # sequence parallelism is tensor parallelism's variant, listed with each other axis
+        if set(pair) in SAME:
+            continue
         out.append({"axes": pair, "build": build_outcome(pair), "tested": _tested_by(pair, tests, False),
                     "build_documents": build_outcome(pair, documents),
                     "tested_documents": _tested_by(pair, tests, True)})
-    wider = sorted({axes for axes in tests.values() if len(axes) >= 3}, key=lambda a: (len(a), sorted(a)))
+    wider = sorted({axes for axes in tests.values() if len(axes - {"moe"}) >= 3}, key=lambda a: (len(a), sorted(a)))
     for axes in wider:
         names = [t for t, a in tests.items() if a == axes]
-        out.append({"axes": tuple(a for a in AXES if a in axes), "build": "OK", "tested": min(names, key=len),
+        shown = axes - {"moe"} if "expert" in axes else axes  # the expert axis implies the mixture
+        out.append({"axes": tuple(a for a in AXES if a in shown), "build": "OK", "tested": min(names, key=len),
                     "build_documents": "", "tested_documents": ""})
     return out
 
