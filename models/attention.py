@@ -104,20 +104,37 @@ def attend_cached(q_BxTxHxK: jax.Array, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Arr
 
 
 def attention_block(q_BxQxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
-                    allowed_QxS: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Softmax attention of a block of queries over a block of keys (no mask unless `allowed_QxS`), in float32:
-    (out [B, Q, H, K], log-sum-exp of each query's scores [B, Q, H]), what an online-softmax combine needs
-    (`merge_blocks`). Grouped-query heads: query head g*R + r reads K/V head g."""
+                    allowed_QxS: jax.Array | None = None, empty_rows: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Softmax attention of a block of queries over a block of keys (no mask unless `allowed_QxS`, [Q, S] or
+    per row [B, 1, 1, Q, S]), in float32: (out [B, Q, H, K], log-sum-exp of each query's scores [B, Q, H]), what
+    an online-softmax combine needs (`merge_blocks`). Grouped-query heads: query head g*R + r reads K/V head g.
+    Every query row must keep a key unless `empty_rows`: a row that keeps none (packed documents: a block of
+    another document) then gets out 0 and log-sum-exp -inf, with finite gradients."""
     B, Q, H, K = q_BxQxHxK.shape
     G = k_BxSxGxK.shape[2]
     q = q_BxQxHxK.reshape(B, Q, G, H // G, K).astype(jnp.float32)
     scores = jnp.einsum("bqgrk,bsgk->bgrqs", q, k_BxSxGxK.astype(jnp.float32)) * K ** -0.5
-    if allowed_QxS is not None:  # every query row keeps at least one key (its own position)
+    if allowed_QxS is not None:
         scores = jnp.where(allowed_QxS, scores, -jnp.inf)
-    lse_BxGxRxQ = jax.nn.logsumexp(scores, axis=-1)
-    probs = jnp.exp(scores - lse_BxGxRxQ[..., None])
+    if empty_rows:
+        probs, lse_BxGxRxQ = _probs_of_maybe_empty_rows(scores)
+    else:
+        lse_BxGxRxQ = jax.nn.logsumexp(scores, axis=-1)
+        probs = jnp.exp(scores - lse_BxGxRxQ[..., None])
     out = jnp.einsum("bgrqs,bsgk->bqgrk", probs, v_BxSxGxK.astype(jnp.float32)).reshape(B, Q, H, K)
     return out, jnp.moveaxis(lse_BxGxRxQ, 3, 1).reshape(B, Q, H)
+
+
+def _probs_of_maybe_empty_rows(scores: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Softmax over the last axis and its log-sum-exp, where a row of only -inf gives probabilities 0 and -inf:
+    the shift and the divisor are kept finite there, so no NaN reaches the values or the gradients."""
+    top = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = jnp.exp(scores - top)
+    total = jnp.sum(weights, axis=-1)
+    seen = total > 0
+    safe = jnp.where(seen, total, 1.0)
+    return weights / safe[..., None], jnp.where(seen, jnp.log(safe) + top[..., 0], -jnp.inf)
 
 
 def merge_blocks(out1_BxQxHxK: jax.Array, lse1_BxQxH: jax.Array, out2_BxQxHxK: jax.Array,

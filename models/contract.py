@@ -43,6 +43,21 @@ class Hooks:
         overrides it with a ring over its sequence shards."""
         return attention.attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL)
 
+    def whole_rows(self, x_BxLxD: jax.Array) -> jax.Array:
+        """`x` with every row's sequence whole on each device but for context parallelism's split (a mixture of
+        experts routes each row's tokens together): a layout that splits the sequence otherwise (sequence
+        parallelism) gathers it here; the others leave `x` as it is."""
+        return x_BxLxD
+
+    def rows_in_order(self, x_BxLxD: jax.Array) -> jax.Array:
+        """A context-parallel layout (`context_order` not None) splits the rows over its sequence's devices in
+        place of the sequence and puts each row back in its order, so a mixture of experts sees whole rows."""
+        return x_BxLxD
+
+    def rows_to_context(self, x_BxLxD: jax.Array) -> jax.Array:
+        """The inverse of `rows_in_order`: the layout's sequence order, the rows whole again."""
+        return x_BxLxD
+
     def moe_experts(self, x_BxExCxD: jax.Array, experts: Params, expert_fn: Callable) -> jax.Array:
         """Run every expert on its slots of every row (models/moe.py): `expert_fn(experts, x_ExNxD) -> y_ExNxD`
         on the buffers regrouped per expert. A mesh splitting the experts overrides this with all-to-alls."""

@@ -112,6 +112,13 @@ def moe_mlp(router_DxE: jax.Array, experts: Params, h_BxLxD: jax.Array, cfg: Any
             expert_fn: Callable) -> tuple[jax.Array, dict]:
     """The mixture on normed inputs: (output [B,L,D], this layer's router statistics over the whole batch).
     `expert_fn(experts, x_ExNxD) -> y_ExNxD` is the family's MLP applied per expert."""
+    y_BxLxD, stats = _mixture(router_DxE, experts, constrain.whole_rows(h_BxLxD), cfg, constrain, expert_fn)
+    return constrain(constrain.whole_rows(y_BxLxD), ("batch", "seq", "embed")), stats
+
+
+def _mixture(router_DxE: jax.Array, experts: Params, h_BxLxD: jax.Array, cfg: Any, constrain: Constrain,
+             expert_fn: Callable) -> tuple[jax.Array, dict]:
+    """moe_mlp on whole rows, its output left where the computation puts it."""
     B, L, D = h_BxLxD.shape
     E, cap = cfg.n_experts, capacity(cfg, L)
     logits, probs, top_e, top_w = route(router_DxE, h_BxLxD, cfg)
@@ -126,7 +133,18 @@ def moe_mlp(router_DxE: jax.Array, experts: Params, h_BxLxD: jax.Array, cfg: Any
              "moe_load_balance_loss": E * jnp.sum(load_E * jnp.mean(probs, axis=(0, 1))),
              "moe_dropped_fraction": 1.0 - jnp.mean(kept.astype(jnp.float32)), "moe_load": load_E,
              "topk_margin": topk_margin(jax.lax.stop_gradient(logits), top_e)}
-    return constrain(y_BxLxD, ("batch", "seq", "embed")), stats
+    return y_BxLxD, stats
+
+
+def _mlp_half_on_rows(g: Params, x_BxLxD: jax.Array, cfg: Any, constrain: Constrain,
+                      expert_fn: Callable) -> tuple[jax.Array, dict]:
+    """A context-parallel layout's MoE block after attention: its rows split over `context` in place of their
+    sequence (one all-to-all each way) and the sequence back in its order there, so the norm, the mixture and the
+    residual add see whole rows, route as one device does and drop the same tokens."""
+    x_BxLxD = constrain.rows_in_order(x_BxLxD)
+    y_BxLxD, stats = _mixture(g["router"], g["experts"], rms_norm(x_BxLxD, g["moe"]["mlp_norm"], cfg.norm_eps), cfg,
+                              constrain, expert_fn)
+    return constrain(constrain.rows_to_context(x_BxLxD + y_BxLxD), ("batch", "seq", "embed")), stats
 
 
 def run_groups(layers: Params, x_BxLxD: jax.Array, cfg: Any, constrain: Constrain, dense_block: Callable,
@@ -138,6 +156,8 @@ def run_groups(layers: Params, x_BxLxD: jax.Array, cfg: Any, constrain: Constrai
         if "dense" in g:
             x, _ = jax.lax.scan(lambda x, p: (dense_block(p, x), None), x, g["dense"])
         x = attention_residual(g["moe"], x)
+        if constrain.context_order(x.shape[1]) is not None:
+            return _mlp_half_on_rows(g, x, cfg, constrain, expert_fn)
         y, stats = moe_mlp(g["router"], g["experts"], rms_norm(x, g["moe"]["mlp_norm"], cfg.norm_eps), cfg,
                            constrain, expert_fn)
         return constrain(x + y, ("batch", "seq", "embed")), stats

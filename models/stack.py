@@ -20,9 +20,7 @@ def run_stack(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: An
     x_ExNxD, cfg) -> y_ExNxD` one expert's MLP. Returns (x, aux): 0.0 for a dense stack (it adds nothing to the
     loss), the router's losses and statistics for a mixture (moe.run_groups)."""
     layers = lora.freeze(layers, cfg)
-    segment_ids, positions = documents.segments(inputs_BxL, cfg)
-    if positions is None:  # a context-parallel layout's permuted sequence keeps its global rotary positions
-        positions = constrain.context_order(inputs_BxL.shape[1])
+    segment_ids, positions = _segments(inputs_BxL, cfg, constrain)
 
     def dense(p, x):
         return block(p, x, segment_ids, positions)
@@ -35,6 +33,19 @@ def run_stack(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: An
     body = remat(dense, cfg.remat)
     x_BxLxD, _ = jax.lax.scan(lambda x, p: (body(p, x), None), x_BxLxD, layers)
     return x_BxLxD, None
+
+
+def _segments(inputs_BxL: jax.Array, cfg: Any, constrain: Constrain) -> tuple[jax.Array | None, jax.Array | None]:
+    """Packed documents' (segment ids, positions), in the layout's sequence order. A context-parallel layout's
+    permuted sequence keeps its global rotary positions; its documents are found in the global order (they run
+    along it) and their ids and positions permuted like the inputs."""
+    order = constrain.context_order(inputs_BxL.shape[1])
+    if order is None:
+        return documents.segments(inputs_BxL, cfg)
+    segment_ids, positions = documents.segments(jnp.take(inputs_BxL, jnp.argsort(order), axis=1), cfg)
+    if segment_ids is None:
+        return None, order
+    return jnp.take(segment_ids, order, axis=1), jnp.take(positions, order, axis=1)
 
 
 def layer_aux(x_BxLxD: jax.Array, stats: dict | None) -> tuple[jax.Array, LayerAux]:

@@ -27,12 +27,40 @@ def zigzag_order(length: int, ways: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * ways - 1 - i]]) for i in range(ways)])
 
 
-def _ring(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways: int) -> jax.Array:
-    """One device's causal attention over the whole sequence (in shard_map: L is its 2 chunks)."""
+def from_zigzag(x_BxLx: jax.Array, ways: int) -> jax.Array:
+    """The sequence (dimension 1) of a zigzag layout back in order, by slices: device i's chunks i and 2c-1-i
+    are the i-th of the first half and the i-th from the end of the second."""
+    B, L = x_BxLx.shape[:2]
+    pairs = x_BxLx.reshape(B, ways, 2, L // (2 * ways), *x_BxLx.shape[2:])
+    first, second = pairs[:, :, 0], jnp.flip(pairs[:, :, 1], axis=1)
+    return jnp.concatenate([first, second], axis=1).reshape(x_BxLx.shape)
+
+
+def to_zigzag(x_BxLx: jax.Array, ways: int) -> jax.Array:
+    """The inverse of `from_zigzag`: a sequence in order laid out zigzag."""
+    B, L = x_BxLx.shape[:2]
+    chunks = x_BxLx.reshape(B, 2 * ways, L // (2 * ways), *x_BxLx.shape[2:])
+    pairs = jnp.stack([chunks[:, :ways], jnp.flip(chunks[:, ways:], axis=1)], axis=2)
+    return pairs.reshape(x_BxLx.shape)
+
+
+def _ring(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways: int,
+          seg_BxW: jax.Array | None = None) -> jax.Array:
+    """One device's causal attention over the whole sequence (in shard_map: L is its 2 chunks). With packed
+    documents, `seg_BxW` holds the segment ids of the whole rows (zigzag order, W = ways x L, tiny next to K and
+    V): each device reads the ids of the block it holds from them rather than receiving them with the block,
+    and a query sees only keys of its own document."""
     me = jax.lax.axis_index(AXIS)
     C = q_BxLxHxK.shape[1] // 2
     positions = jnp.asarray(zigzag_order(2 * C * ways, ways)).reshape(ways, 2 * C)[me]  # my chunks' global positions
-    out, lse = attention_block(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions[:, None] >= positions[None, :])
+    allowed = positions[:, None] >= positions[None, :]
+    docs = seg_BxW is not None
+    segment_ids = (lambda device: jax.lax.dynamic_slice_in_dim(seg_BxW, device * 2 * C, 2 * C, axis=1)) if docs \
+        else None
+    if docs:
+        mine = segment_ids(me)
+        allowed = allowed & _same_document(mine, mine)
+    out, lse = attention_block(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, allowed)
     q_top, q_bottom = q_BxLxHxK[:, :C], q_BxLxHxK[:, C:]
     to_next = [(d, (d + 1) % ways) for d in range(ways)]
 
@@ -42,10 +70,14 @@ def _ring(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways
         # The block came from device j = me - step. If j < me, every query of mine sees j's first chunk and none
         # of its second; otherwise only my second chunk's queries see anything, and they see both of j's.
         earlier = (me - step) % ways < me
-        out1, lse1 = attention_block(q_bottom, k[:, :C], v[:, :C])  # my 2nd chunk vs j's 1st: always visible
+        theirs = segment_ids((me - step) % ways) if docs else None
+        mask1 = _same_document(mine[:, C:], theirs[:, :C]) if docs else None
+        out1, lse1 = attention_block(q_bottom, k[:, :C], v[:, :C], mask1, docs)  # my 2nd chunk vs j's 1st
         q2 = jnp.where(earlier, q_top, q_bottom)
         k2, v2 = (jnp.where(earlier, t[:, :C], t[:, C:]) for t in (k, v))
-        out2, lse2 = attention_block(q2, k2, v2)
+        mask2 = _same_document(jnp.where(earlier, mine[:, :C], mine[:, C:]),
+                               jnp.where(earlier, theirs[:, :C], theirs[:, C:])) if docs else None
+        out2, lse2 = attention_block(q2, k2, v2, mask2, docs)
         skipped = jnp.full_like(lse2, -jnp.inf)
         top = merge_blocks(out[:, :C], lse[:, :C], out2, jnp.where(earlier, lse2, skipped))
         bottom = merge_blocks(out[:, C:], lse[:, C:], out1, lse1)
@@ -58,12 +90,23 @@ def _ring(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways
     return out.astype(q_BxLxHxK.dtype)
 
 
+def _same_document(q_seg_BxQ: jax.Array, k_seg_BxS: jax.Array) -> jax.Array:
+    """bool [B, 1, 1, Q, S]: which keys share each query's document (attention_block's per-row mask)."""
+    return (q_seg_BxQ[:, :, None] == k_seg_BxS[:, None, :])[:, None, None]
+
+
 def ring_attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, mesh: jax.sharding.Mesh,
-                   q_spec: P, kv_spec: P) -> jax.Array:
+                   q_spec: P, kv_spec: P, seg_BxW: jax.Array | None = None, seg_spec: P | None = None) -> jax.Array:
     """Causal attention of zigzag-ordered q, k, v whose sequence dimension is split over `context` alone
-    (`q_spec`/`kv_spec`: their layouts; every mesh axis is manual inside, so batch and heads stay local)."""
+    (`q_spec`/`kv_spec`: their layouts; every mesh axis is manual inside, so batch and heads stay local); packed
+    documents' segment ids `seg_BxW`, whole rows in the zigzag order laid out as `seg_spec` (the sequence not
+    split), keep each query within its document."""
     assert tuple(np.atleast_1d(q_spec[1])) == (AXIS,) and tuple(np.atleast_1d(kv_spec[1])) == (AXIS,), \
         (q_spec, kv_spec)
     ways = mesh.shape[AXIS]
-    return jax.shard_map(lambda q, k, v: _ring(q, k, v, ways), mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec),
-                         out_specs=q_spec, check_vma=True)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+    if seg_BxW is None:
+        return jax.shard_map(lambda q, k, v: _ring(q, k, v, ways), mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec),
+                             out_specs=q_spec, check_vma=True)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+    return jax.shard_map(lambda q, k, v, s: _ring(q, k, v, ways, s), mesh=mesh,
+                         in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+                         check_vma=True)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, seg_BxW)

@@ -15,12 +15,15 @@ and again in the backward; the embedding and head, replicated on every stage, ha
 over the stages, as the audit counts.
 Sequence parallelism (Megatron, `seq -> tensor`): each forward all-reduce becomes a reduce-scatter and an
 all-gather of the next block's input; the backward mirrors both and gathers each matmul input again for its
-weight gradient (the gathered copy is not kept). Context parallelism: the ring passes every layer's K and V
-blocks c-1 hops forward, their gradients c-1 hops back, and the weight gradients are summed over `context`.
+weight gradient (the gathered copy is not kept); pipelined, the stage messages are split over `tensor` too.
+Context parallelism: the ring passes every layer's K and V blocks c-1 hops forward, their gradients c-1 hops
+back, and the weight gradients are summed over `context`.
 Expert parallelism (sharding/experts.py): per mixture-of-experts layer, the dispatch and combine all-to-alls of
 the device's [rows, experts, capacity, d_model] buffers over `expert`, mirrored in the backward pass (and repeated
 when rematerialization recomputes the layer); under `tensor` the experts' MLP all-reduces move such buffers in
-place of the dense MLP's [rows, seq, d_model] activations.
+place of the dense MLP's [rows, seq, d_model] activations. Under context parallelism a mixture's layers take
+their rows split over `context` in place of the sequence (an all-to-all each way, mirrored backward), and the
+gradients of its experts are summed over the batch axes and `context` at once.
 Audit part (what the layout must communicate); train/planner/audit.py maps the parts of `--audit`.
 """
 from __future__ import annotations
@@ -62,6 +65,7 @@ class Layout:
     sizes: Mapping[str, int]
     global_batch: int
     pipeline: Mapping[str, int] | None
+    routed: tuple[bool, ...] = ()  # per leaf: a mixture's expert weight (logical axis `experts`)
 
     @property
     def family(self) -> models.Family:
@@ -95,6 +99,12 @@ class Layout:
         return self.family.expert_buffers(self.cfg)
 
 
+def _rows_over_context(x: Layout) -> bool:
+    """A mixture under context parallelism: its layers split the rows over `context` in place of the sequence
+    (Hooks.whole_rows), so it routes whole rows in their order."""
+    return x.experts is not None and x.sizes.get("context", 1) > 1
+
+
 def _shard_bytes(leaf, spec: P, sizes: Mapping[str, int], drop: str | None = None) -> float:
     """Bytes of one device's piece of `leaf` under `spec`, optionally as if `drop` did not split it."""
     ways = math.prod(sizes[a] for a in spec_axes(spec) if a != drop)
@@ -111,29 +121,35 @@ def gradient_all_reduces(x: Layout) -> list[Expected]:
     (those held on every pipeline stage are summed over `pipeline` too, in `stage_replicated_gradients`);
     context splits the work like the batch, and XLA sums the weight gradients over it on its own."""
     reduced: dict[tuple[str, ...], float] = {}
-    for leaf, spec in zip(x.leaves, x.specs):
+    routed = x.routed if _rows_over_context(x) else (False,) * len(x.leaves)
+    for leaf, spec, joint in zip(x.leaves, x.specs, routed):
         if not (x.pipelined and _on_every_stage(spec)):
-            axes = tuple(a for a in x.batch_axes if a not in spec_axes(spec))
+            axes = tuple(a for a in x.batch_axes if a not in spec_axes(spec)) + ("context",) * joint
             if axes:
+                axes = tuple(a for a in x.sizes if a in axes)
                 reduced[axes] = reduced.get(axes, 0.0) + _shard_bytes(leaf, spec, x.sizes)
-    if x.sizes.get("context", 1) > 1:
-        reduced[("context",)] = sum(_shard_bytes(leaf, spec, x.sizes) for leaf, spec in zip(x.leaves, x.specs)
-                                    if "context" not in spec_axes(spec))
+    if x.sizes.get("context", 1) > 1:  # experts on rows split over context are summed with the batch axes above
+        reduced[("context",)] = sum(_shard_bytes(leaf, spec, x.sizes) for leaf, spec, joint
+                                    in zip(x.leaves, x.specs, routed) if "context" not in spec_axes(spec) and not joint)
     return [Expected("gradient all-reduce", "all_reduce", axes, nbytes) for axes, nbytes in reduced.items()]
 
 
 def fsdp_gathers(x: Layout) -> list[Expected]:
     """FSDP on each batch axis that splits weights: gathered forward and backward (lookup tables forward
-    only; once per step under a pipeline), gradients reduce-scattered. Experts held apart are neither."""
+    only; once per step under a pipeline), gradients reduce-scattered. Experts held apart are neither; experts
+    split over `expert` too are gathered once without rematerialization: the all-to-all region takes them whole
+    over `fsdp` and keeps that copy for its backward."""
     expert_axes = set(x.rules.get("experts", ()))
+    apart = {a for a in expert_axes if x.sizes.get(a, 1) > 1}
     out = []
     for axis in x.batch_axes:
         gathered = gathers = 0.0
         for leaf, spec, is_lookup in zip(x.leaves, x.specs, x.lookup):
             if axis in spec_axes(spec) and axis not in expert_axes:
                 full = _shard_bytes(leaf, spec, x.sizes, drop=axis)
+                once = x.pipelined or is_lookup or (x.cfg.remat == "none" and bool(apart & set(spec_axes(spec))))
                 gathered += full
-                gathers += full if (x.pipelined or is_lookup) else 2 * full
+                gathers += full if once else 2 * full
         if gathered:
             purpose = "weight all-gather (once per step, pipeline)" if x.pipelined else \
                 "weight all-gather (forward + backward)"
@@ -158,8 +174,10 @@ def stage_replicated_gradients(x: Layout) -> list[Expected]:
 
 
 def _expert_buffer_bytes(x: Layout) -> float:
-    """One device's per-expert token buffers of one MoE layer: [rows, n_experts, capacity, d_model]."""
-    return x.rows * x.experts.experts * x.experts.capacity * x.cfg.d_model * x.itemsize
+    """One device's per-expert token buffers of one MoE layer: [rows, n_experts, capacity, d_model] (its rows
+    split over `context` too under context parallelism)."""
+    rows = x.rows // (x.sizes.get("context", 1) if _rows_over_context(x) else 1)
+    return rows * x.experts.experts * x.experts.capacity * x.cfg.d_model * x.itemsize
 
 
 def _activation_all_reduces(cfg: Any, chunks: int, stages: int) -> float:
@@ -189,36 +207,42 @@ def _activation_all_reduces(cfg: Any, chunks: int, stages: int) -> float:
     return ((per_layer + t.forward_per_layer) * cfg.n_layers - dead + top) / stages
 
 
-def _sequence_parallel(cfg: Any, act: float) -> list[Expected]:
-    """Megatron sequence parallelism's activation traffic over `tensor`, `act` bytes a unit. Per layer and
-    forward all-reduce of tensor parallelism: a reduce-scatter and an all-gather forward; backward an
-    all-gather (of the reduce-scatter's gradient), a reduce-scatter (the all-gather's) and an all-gather of
-    the matmul input again for the weight gradient; full remat recomputes the attention's reduce-scatter (the
-    MLP's output is dead there) and its gathers serve the backward. The top mirrors it: the embedding lookup
-    reduce-scatters forward and gathers its gradient back, the head gathers its input and reduce-scatters
-    that gradient."""
+def _sequence_parallel(cfg: Any, act: float, chunks: int, stages: int) -> list[Expected]:
+    """Megatron sequence parallelism's activation traffic over `tensor`, `act` bytes a unit. Each activation
+    all-reduce tensor parallelism would do (`_activation_all_reduces`, pipelined or not) becomes a reduce-scatter
+    and an all-gather: forward, the scatter of a block's output and the gather of the next matmul input;
+    backward, the gather of the scatter's gradient and the scatter of the gather's. The backward also gathers
+    each forward all-gather's input again for its weight gradient (the gathered copy is not kept), except the
+    attention's under full remat, whose recompute gathers it for the backward. The top mirrors it: the
+    embedding lookup reduce-scatters forward and gathers its gradient back, the head gathers its input and
+    reduce-scatters that gradient. Pipelined, each backward cell's recomputed forward counts like the forward."""
     t = models.family_of(cfg).tensor_traffic
-    top = t.embed_forward + t.head_backward
-    scatters = 2 * t.forward_per_layer + t.recomputed_by_full_remat * (cfg.remat == "full")
-    return [Expected("activation reduce-scatter (sequence parallel)", "reduce_scatter", "tensor",
-                     (scatters * cfg.n_layers + top) * act),
+    units = _activation_all_reduces(cfg, chunks, stages)
+    again = (t.forward_per_layer - t.recomputed_by_full_remat * (cfg.remat == "full")) * cfg.n_layers
+    return [Expected("activation reduce-scatter (sequence parallel)", "reduce_scatter", "tensor", units * act),
             Expected("activation all-gather (sequence parallel)", "all_gather", "tensor",
-                     (3 * t.forward_per_layer * cfg.n_layers + top) * act)]
+                     (units + again / (stages if chunks else 1)) * act)]
 
 
 def tensor_activations(x: Layout) -> list[Expected]:
     """Megatron tensor parallelism's activation all-reduces (or sequence parallelism's scatters and gathers);
-    under experts, the experts' MLP all-reduces (forward, backward) move their buffers, not activations."""
+    under experts, the experts' MLP all-reduces (forward, backward; scatters under sequence parallelism) move
+    their buffers, not activations."""
     if x.sizes.get("tensor", 1) == 1 or not any("tensor" in spec_axes(s) for s in x.specs):
         return []
     cfg = x.cfg
     act = x.rows * (cfg.seq_len // x.sizes.get("context", 1)) * cfg.d_model * x.itemsize  # one device's rows
-    if "tensor" in x.rules.get("seq", ()):
-        return _sequence_parallel(cfg, act)
     chunks = x.sizes["pipeline"] * x.pipeline.get("virtual_stages", 1) if x.pipelined else 0
-    nbytes = _activation_all_reduces(cfg, chunks, x.sizes.get("pipeline", 1)) * act
-    if x.experts is not None:
-        nbytes += x.experts.layers * 2 * (_expert_buffer_bytes(x) - act)
+    buffers = 0.0 if x.experts is None else x.experts.layers * 2 * (_expert_buffer_bytes(x) - act)
+    if "tensor" in x.rules.get("seq", ()):
+        scatters, gathers = _sequence_parallel(cfg, act, chunks, x.sizes.get("pipeline", 1))
+        if x.experts is None:
+            return [scatters, gathers]
+        # A mixture's MLP reductions scatter its buffers; its weight gradients read the kept buffers, so its
+        # input is not gathered again (models/moe.py takes whole rows in and gives whole rows back).
+        return [dataclasses.replace(scatters, bytes=scatters.bytes + buffers),
+                dataclasses.replace(gathers, bytes=gathers.bytes - x.experts.layers * act)]
+    nbytes = _activation_all_reduces(cfg, chunks, x.sizes.get("pipeline", 1)) * act + buffers
     return [Expected("activation all-reduce (Megatron)", "all_reduce", "tensor", nbytes)]
 
 
@@ -247,6 +271,17 @@ def expert_all_to_alls(x: Layout) -> list[Expected]:
                      x.experts.layers * per_layer * _expert_buffer_bytes(x))]
 
 
+def context_rows(x: Layout) -> list[Expected]:
+    """A mixture under context parallelism trades its input's sequence split for a row split and back, per layer
+    forward and backward (and again when rematerialization recomputes the layer): all-to-alls of the device's
+    [rows, seq / context, d_model] activations."""
+    if not _rows_over_context(x):
+        return []
+    act = x.rows * (x.cfg.seq_len // x.sizes["context"]) * x.cfg.d_model * x.itemsize
+    per_layer = 4 + 2 * (x.cfg.remat != "none")
+    return [Expected("mixture rows over context", "all_to_all", "context", x.experts.layers * per_layer * act)]
+
+
 def stage_sends(x: Layout) -> list[Expected]:
     """The lockstep pipeline sends one activation and one gradient per time slot of its table, on each channel
     that kind uses (a V-shaped table sends both ways; what stays on a device at the V's turn is not sent); idle
@@ -254,7 +289,8 @@ def stage_sends(x: Layout) -> list[Expected]:
     if not x.pipelined:
         return []
     micro = x.rows // x.pipeline["microbatches"]
-    act = micro * x.cfg.seq_len * x.cfg.d_model * x.itemsize
+    split = x.sizes.get("tensor", 1) if "tensor" in x.rules.get("seq", ()) else 1  # sequence parallel messages
+    act = micro * x.cfg.seq_len // split * x.cfg.d_model * x.itemsize
     schedule = x.schedule()
     plans = (schedule_buffers.activation_buffers(schedule), schedule_buffers.gradient_buffers(schedule))
     channels = sum(channel != schedule_buffers.SELF for plan in plans for channel in plan.writes)
@@ -265,7 +301,7 @@ def stage_sends(x: Layout) -> list[Expected]:
 # One rule per kind of parallelism, in the order the table lists them.
 RULES: list[Callable[[Layout], list[Expected]]] = [
     gradient_all_reduces, fsdp_gathers, stage_replicated_gradients, tensor_activations, context_ring,
-    expert_all_to_alls, stage_sends]
+    expert_all_to_alls, context_rows, stage_sends]
 
 
 def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Mapping,
@@ -277,4 +313,7 @@ def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Ma
     lookup = tuple(len(path) == 1 and getattr(path[0], "key", None) in lookup_keys for path in paths)
     specs = tuple(jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P)))
     layout = Layout(cfg, leaves, specs, lookup, rules, sizes, global_batch, pipeline)
+    if _rows_over_context(layout):  # only then: the planner calls this for every layout it searches
+        logical = jax.tree.leaves(models.abstract_params(cfg)[1], is_leaf=lambda x: isinstance(x, P))
+        layout = dataclasses.replace(layout, routed=tuple("experts" in names for names in logical))
     return [row for rule in RULES for row in rule(layout)]

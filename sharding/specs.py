@@ -154,15 +154,39 @@ class ActivationSharding(Hooks):
         return None if ways == 1 else jnp.asarray(context.zigzag_order(length, ways))
 
     def causal_attention(self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL=None):
-        """With mesh.context > 1, ring attention (XLA blocks; train/config.py rejects cuDNN and packed
-        documents there); else the model's own kernel."""
+        """With mesh.context > 1, ring attention (XLA blocks; train/config.py rejects cuDNN there), packed
+        documents' segment ids riding the ring with the keys; else the model's own kernel."""
         if self.sizes.get(context.AXIS, 1) == 1:
             return super().causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL)
-        assert segment_ids_BxL is None and implementation == "xla", implementation
+        assert implementation == "xla", implementation
         names = P("batch", "seq", "heads", "kv")
         q_spec = mesh_spec(names, self.rules, q_BxLxHxK.shape, self.sizes)
         kv_spec = mesh_spec(names, self.rules, k_BxLxGxK.shape, self.sizes)
-        return context.ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.mesh, q_spec, kv_spec)
+        # Whole rows of ids on every context device: each reads the ids of the block it holds (no ring traffic).
+        seg_spec = None if segment_ids_BxL is None else \
+            mesh_spec(P("batch", None), self.rules, segment_ids_BxL.shape, self.sizes)
+        return context.ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.mesh, q_spec, kv_spec,
+                                      segment_ids_BxL, seg_spec)
+
+    def whole_rows(self, x_BxLxD: jax.Array) -> jax.Array:
+        """Under sequence parallelism, gather the rows' sequence over `tensor` (as before any MLP); else as is."""
+        if "tensor" not in self.rules.get("seq", ()):
+            return x_BxLxD
+        return self(x_BxLxD, ("batch", "seq_context", "embed"))
+
+    def rows_in_order(self, x_BxLxD: jax.Array) -> jax.Array:
+        """Rows split over the batch axes and `context` (an all-to-all from the sequence split), then each row out
+        of the zigzag by slices, which stay local where a gather by the order would not (XLA split it)."""
+        ways, rows = self.sizes.get(context.AXIS, 1), self._context_rows()
+        x_BxLxD = jax.lax.with_sharding_constraint(x_BxLxD, rows)
+        return jax.lax.with_sharding_constraint(context.from_zigzag(x_BxLxD, ways), rows)
+
+    def rows_to_context(self, x_BxLxD: jax.Array) -> jax.Array:
+        ways, rows = self.sizes.get(context.AXIS, 1), self._context_rows()
+        return jax.lax.with_sharding_constraint(context.to_zigzag(x_BxLxD, ways), rows)
+
+    def _context_rows(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(experts_lib.batch_axes(self.rules, self.sizes) + (context.AXIS,)))
 
     def moe_experts(self, x_BxExCxD: jax.Array, experts: Any, expert_fn) -> jax.Array:
         """Experts split over `expert`: all-to-all dispatch and combine (sharding/experts.py)."""

@@ -9,7 +9,6 @@ import pytest
 from mesh.errors import UserError
 from sharding.context import zigzag_order
 from tests.helpers import grads_and_run, reference_config, rel_norm, single_device_reference, tiny_config
-from tests.test_documents import _datadir
 from train.loop import runner as loop
 from train.planner import audit as audit_lib
 from train.planner import compile_report as report
@@ -90,8 +89,6 @@ BAD = {
                           "sharding.sequence_parallel=True needs mesh.tensor > 1"),
     "sp_without_tensor_rules": (_bad({"tensor": 8}, sharding__sequence_parallel=True, sharding__strategy="fsdp",
                                      sharding__rules={"mlp": "tensor"}), "needs a tensor-parallel strategy"),
-    "sp_with_pipeline": (_bad({"pipeline": 2, "tensor": 4}, sharding__sequence_parallel=True),
-                         "sharding.sequence_parallel=True with mesh.pipeline=2 is not supported"),
     "context_with_pipeline": (_bad({"pipeline": 2, "context": 4}), "mesh.context=4 with mesh.pipeline=2"),
     "context_seq_len": (_bad({"context": 8}, model__seq_len=72),
                         "model.seq_len=72 is not divisible by 2 x mesh.context=8"),
@@ -99,14 +96,9 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(BAD) + ["context_documents"])
+@pytest.mark.parametrize("name", sorted(BAD))
 def test_unsupported_combination_is_one_line_before_compiling(name, tmp_path, monkeypatch):
-    if name == "context_documents":
-        config = _bad({"context": 8}, data__source="tokens", data__path=str(_datadir(tmp_path / "data")),
-                      data__document_mask=True)
-        fragment = "data.document_mask=True with mesh.context=8 is not supported"
-    else:
-        config, fragment = BAD[name]
+    config, fragment = BAD[name]
     monkeypatch.setattr(loop.Trainer, "compile", lambda self: pytest.fail("compiled a bad config"))
     with pytest.raises(UserError) as info:
         loop.run(config, str(tmp_path / "run"))

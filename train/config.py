@@ -218,22 +218,25 @@ def _check_model_splits(model: models.ModelConfig, rules: dict, mesh_sizes: dict
                                   f"`{logical}`); change mesh.* or the model")
 
 
-def _check_experts(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str, int]) -> None:
-    """The layouts a mixture of experts supports (README, "Mixture of experts"): data, fsdp, expert and tensor;
-    the `expert` axis must split both the batch and the experts, as every built-in strategy does."""
+def _check_experts(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str, int], rows: int) -> None:
+    """The layouts a mixture of experts supports (README, "Mixture of experts"): data, fsdp, expert, tensor and
+    context; the `expert` axis must split both the batch and the experts, as every built-in strategy does.
+    `rows`: the rows of one update (the batch over train.grad_accum_steps)."""
     if not models.is_moe(model):
         return
-    for axis in ("pipeline", "context"):
-        if mesh_sizes.get(axis, 1) > 1:
-            raise ConfigError(f"mesh.{axis}={mesh_sizes[axis]} with model.n_experts={model.n_experts}: a mixture of "
-                              f"experts does not run on a {axis} axis yet; set mesh.{axis}=1 (use mesh.expert, data, "
-                              f"fsdp or tensor)")
-    if "tensor" in rules.get("seq", ()):
-        raise ConfigError(f"sharding.sequence_parallel=True with model.n_experts={model.n_experts}: the expert layers "
-                          f"take whole sequences; set sharding.sequence_parallel=False")
-    if mesh_sizes.get("expert", 1) > 1 and mesh_sizes.get("fsdp", 1) > 1:
-        raise ConfigError(f"mesh.fsdp={mesh_sizes['fsdp']} with mesh.expert={mesh_sizes['expert']}: expert parallelism "
-                          f"does not shard the experts over fsdp yet; use mesh.data in place of mesh.fsdp")
+    if mesh_sizes.get("pipeline", 1) > 1:
+        raise ConfigError(f"mesh.pipeline={mesh_sizes['pipeline']} with model.n_experts={model.n_experts}: a mixture "
+                          f"of experts does not run on a pipeline axis yet; set mesh.pipeline=1 (use mesh.expert, "
+                          f"data, fsdp, tensor or context)")
+    context, expert = mesh_sizes.get("context", 1), mesh_sizes.get("expert", 1)
+    if context > 1 and expert > 1:
+        raise ConfigError(f"mesh.context={context} with mesh.expert={expert}: expert parallelism does not take rows "
+                          f"split over context yet; set mesh.expert=1 (the experts then split like any weight)")
+    replicas = math.prod(mesh_sizes[a] for a in rules.get("batch", ()) if a in mesh_sizes)
+    if context > 1 and (rows // replicas) % context:
+        raise ConfigError(f"mesh.context={context} with model.n_experts={model.n_experts}: the mixture splits each "
+                          f"device's {rows // replicas} rows over context; make them a multiple of {context} "
+                          f"(train.global_batch_size)")
     if mesh_sizes.get("expert", 1) > 1 and ("expert" not in rules.get("batch", ())
                                             or rules.get("experts", ()) != ("expert",)):
         raise ConfigError("mesh.expert > 1 needs sharding rules batch -> (..., 'expert') and experts -> ('expert',), "
@@ -281,17 +284,13 @@ def _long_sequences(config: ml_collections.ConfigDict, model: models.ModelConfig
     if sp and "tensor" not in rules.get("heads", ()):
         raise ConfigError(f"sharding.sequence_parallel=True needs a tensor-parallel strategy (`heads` on `tensor`), "
                           f"not sharding.strategy={config.sharding.strategy!r}; use tensor_parallel or fsdp_tensor")
-    if (sp or context > 1) and mesh_sizes["pipeline"] > 1:
-        what = "sharding.sequence_parallel=True" if sp else f"mesh.context={context}"
-        raise ConfigError(f"{what} with mesh.pipeline={mesh_sizes['pipeline']} is not supported; "
-                          f"set mesh.pipeline=1 or drop the sequence split")
+    if context > 1 and mesh_sizes["pipeline"] > 1:
+        raise ConfigError(f"mesh.context={context} with mesh.pipeline={mesh_sizes['pipeline']} is not supported; "
+                          f"set mesh.pipeline=1 or mesh.context=1")
     if context > 1:
         if model.seq_len % (2 * context):
             raise ConfigError(f"model.seq_len={model.seq_len} is not divisible by 2 x mesh.context={context} (the "
                               f"zigzag layout cuts every row into 2 x context chunks); change one of them")
-        if config.data.get("document_mask", False):
-            raise ConfigError(f"data.document_mask=True with mesh.context={context} is not supported (ring attention "
-                              f"takes no document segments yet); set data.document_mask=False or mesh.context=1")
         if "context" not in rules.get("seq", ()):
             raise ConfigError(f"mesh.context={context} needs the rule seq -> context; remove the override of "
                               f"sharding.rules.seq")
@@ -326,7 +325,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str |
     rules = sharding_rules.resolve(config.sharding.strategy, config.sharding.rules.to_dict(), mesh_sizes)
     rules = _long_sequences(config, model, mesh_sizes, rules)
     _check_model_splits(model, rules, mesh_sizes)
-    _check_experts(model, rules, mesh_sizes)
+    _check_experts(model, rules, mesh_sizes, config.train.global_batch_size // config.train.grad_accum_steps)
     t = config.train
     _positive(t, "train", ("steps", "global_batch_size", "log_every", "grad_accum_steps"))
     _positive(t, "train", ("eval_every", "eval_batches"), allow_zero=("eval_every", "eval_batches"))

@@ -37,8 +37,8 @@ def replicas(sizes: Mapping[str, int]) -> int:
 
 def skip_reason(cfg: models.ModelConfig, sizes: Mapping[str, int], global_batch: int) -> str | None:
     """Why the model cannot run on `sizes` (a short phrase), or None when it can."""
-    for reason in (_batch(sizes, global_batch), _widths(cfg, sizes), _sequence(cfg, sizes), _experts(cfg, sizes),
-                   _weights(cfg, tuple(sizes.items()))):
+    for reason in (_batch(sizes, global_batch), _widths(cfg, sizes), _sequence(cfg, sizes),
+                   _experts(cfg, sizes, global_batch), _weights(cfg, tuple(sizes.items()))):
         if reason:
             return reason
     return None
@@ -71,14 +71,15 @@ def _sequence(cfg: models.ModelConfig, sizes: Mapping[str, int]) -> str | None:
     return None
 
 
-def _experts(cfg: models.ModelConfig, sizes: Mapping[str, int]) -> str | None:
+def _experts(cfg: models.ModelConfig, sizes: Mapping[str, int], global_batch: int) -> str | None:
     if not has_experts(cfg):
         return "expert axis on a dense model" if sizes["expert"] > 1 else None
-    for axis in ("pipeline", "context"):
-        if sizes[axis] > 1:
-            return f"experts on {axis} unsupported"
-    if sizes["expert"] > 1 and sizes["fsdp"] > 1:
-        return "expert with fsdp unsupported"
+    if sizes["pipeline"] > 1:
+        return "experts on pipeline unsupported"
+    if sizes["context"] > 1 and sizes["expert"] > 1:
+        return "expert with context unsupported"
+    if sizes["context"] > 1 and (global_batch // replicas(sizes)) % sizes["context"]:
+        return f"rows not divisible by context={sizes['context']} for the experts"
     return None
 
 

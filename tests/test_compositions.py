@@ -1,0 +1,151 @@
+"""The composition matrix: layouts that combine parallel axes compute what one device computes (losses within
+1e-4, first-step gradients within 1e-5), one compiled program per layout."""
+import functools
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from sharding import pipeline as pipeline_lib
+from tests.helpers import grads_and_run, reference_config, rel_norm, single_device_reference, step_with_grads
+from tests.test_documents import _config as documents_config
+from tests.test_documents import _datadir
+from tests.test_moe import moe_config
+from train.planner import audit as audit_lib
+from train.planner import compile_report as report
+from train.trainer import Trainer
+
+# (mesh, sequence parallelism). Three axes at a time, so that one compiled program holds several pairs: context x
+# data, context x fsdp, context x tensor + sequence parallelism, tensor + sequence parallelism x data and x fsdp,
+# and sequence parallelism inside a pipeline.
+DENSE = [
+    ({"data": 2, "context": 2, "tensor": 2}, True),
+    ({"fsdp": 2, "context": 2, "tensor": 2}, True),
+    ({"pipeline": 2, "data": 2, "tensor": 2}, True),
+]
+
+
+def _id(value) -> str:
+    if isinstance(value, dict):
+        return ",".join(f"{k}={n}" for k, n in value.items())
+    return "sp" if value else "-"
+
+
+@functools.lru_cache(maxsize=None)
+def dense_trainer(layout: tuple, sequence_parallel: bool) -> Trainer:
+    config = reference_config(**dict(layout))
+    config.sharding.sequence_parallel = sequence_parallel
+    return Trainer.build(config, num_devices=math.prod(n for _, n in layout))
+
+
+@pytest.mark.parametrize("mesh,sequence_parallel", DENSE, ids=_id)
+def test_dense_composition_matches_single_device(mesh, sequence_parallel):
+    ref_losses, ref_grads = single_device_reference(5)
+    trainer = dense_trainer(tuple(mesh.items()), sequence_parallel)
+    grads, losses, _ = grads_and_run(trainer, 5)
+    if trainer.layer_order is not None:  # a pipeline's in-memory stack is in device-chunk order
+        grads = pipeline_lib.to_logical(grads, trainer.layer_order)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    assert rel_norm(grads, ref_grads) < 1e-5
+
+
+# Mixtures of experts, held to moe-tiny on one device (test_moe's seed keeps the routing away from ties).
+MOE = [({"expert": 2, "fsdp": 2, "data": 2}, False), ({"expert": 2, "data": 2, "tensor": 2}, True),
+       ({"context": 2, "data": 2, "tensor": 2}, False)]
+
+
+@functools.lru_cache(maxsize=None)
+def moe_reference() -> dict:
+    """moe-tiny on one device: its initial state, first-step gradients and 5 losses (test_moe's program)."""
+    trainer = Trainer.build(moe_config(), num_devices=1)
+    state = jax.device_get(trainer.init_state())
+    grads, losses, _ = grads_and_run(trainer, 5, state)
+    return {"state": state, "grads": grads, "losses": losses}
+
+
+@functools.lru_cache(maxsize=None)
+def moe_trainer(layout: tuple, sequence_parallel: bool) -> Trainer:
+    config = moe_config(**dict(layout))
+    config.sharding.sequence_parallel = sequence_parallel
+    return Trainer.build(config, num_devices=math.prod(n for _, n in layout))
+
+
+@pytest.mark.parametrize("mesh,sequence_parallel", MOE, ids=_id)
+def test_moe_composition_matches_single_device(mesh, sequence_parallel):
+    ref = moe_reference()
+    trainer = moe_trainer(tuple(mesh.items()), sequence_parallel)
+    grads, losses, _ = grads_and_run(trainer, 5, jax.device_put(ref["state"], trainer.layout.state))
+    np.testing.assert_allclose(losses, ref["losses"], rtol=1e-4)
+    assert rel_norm(grads, ref["grads"]) < 1e-5
+
+
+def _audit(trainer: Trainer) -> list[dict]:
+    """The audit's rows (the scalars' row aside), each checked at 1.00 within 5%. It reads the step that returns
+    its gradients too, which the equivalence test of the layout has just compiled (a persistent-cache hit, where
+    the production step would be a second compile); the production step pins the gradients to the parameters'
+    layout as this one does, so their collectives are the same."""
+    step = step_with_grads(trainer)
+    compiled = step.lower(trainer.layout.abstract_state, trainer.abstract_batch()).compile()
+    result = audit_lib.audit(trainer, report.build(trainer.plan, trainer.mesh, compiled), "", topology="dgx-h100",
+                             hosts=16, mfu=0.4)
+    rows = [r for r in result["rows"] if r["purpose"] != "scalars (loss, norms)"]
+    for row in rows:
+        assert abs(row["ratio"] - 1) <= 0.05, row
+    return rows
+
+
+def test_audit_of_experts_over_fsdp():
+    """The experts split over `expert` and stored split over `fsdp` are gathered once per step (the all-to-all
+    region keeps the gathered copy for its backward)."""
+    rows = _audit(moe_trainer(tuple(MOE[0][0].items()), False))
+    assert sorted((r["purpose"], tuple(r["axes"])) for r in rows) == [
+        ("expert dispatch and combine", ("expert",)), ("gradient all-reduce", ("data",)),
+        ("gradient all-reduce", ("data", "expert")), ("gradient reduce-scatter", ("fsdp",)),
+        ("weight all-gather (forward + backward)", ("fsdp",))]
+
+
+def test_audit_of_sequence_parallelism_in_a_pipeline():
+    """Stage messages split over `tensor` like the residual stream, and each backward cell's recomputed forward
+    scatters and gathers as the forward does."""
+    rows = _audit(dense_trainer(tuple(DENSE[2][0].items()), True))
+    assert sorted(r["purpose"] for r in rows) == [
+        "activation all-gather (sequence parallel)", "activation reduce-scatter (sequence parallel)",
+        "embedding/head gradient all-reduce (on every stage)", "gradient all-reduce",
+        "stage activations and gradients"]
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory) -> dict:
+    """Packed documents (an EOS about every 9 tokens) on one device: the DATADIR, 3 losses, first gradients."""
+    path = _datadir(tmp_path_factory.mktemp("documents") / "data")
+    grads, losses, _ = grads_and_run(Trainer.build(documents_config(path), num_devices=1), 3)
+    return {"path": path, "grads": grads, "losses": losses}
+
+
+@pytest.mark.parametrize("mesh", [{"context": 4, "data": 2}], ids=_id)
+def test_packed_documents_in_ring_attention_match_single_device(mesh, documents):
+    """Every hop of a 4-device ring masks the other documents' keys (a block may hold none of a query's)."""
+    trainer = Trainer.build(documents_config(documents["path"], **mesh), num_devices=math.prod(mesh.values()))
+    grads, losses, _ = grads_and_run(trainer, 3)
+    np.testing.assert_allclose(losses, documents["losses"], rtol=1e-4)
+    assert rel_norm(grads, documents["grads"]) < 1e-5
+
+
+def test_audit_of_experts_under_sequence_parallelism():
+    """The mixture takes whole rows in and gives whole rows back: its MLP reductions scatter its buffers and its
+    input is not gathered again for the weight gradients."""
+    rows = _audit(moe_trainer(tuple(MOE[1][0].items()), True))
+    assert sorted(r["purpose"] for r in rows) == [
+        "activation all-gather (sequence parallel)", "activation reduce-scatter (sequence parallel)",
+        "expert dispatch and combine", "gradient all-reduce", "gradient all-reduce"]
+
+
+def test_audit_of_experts_under_context_parallelism():
+    """The mixture's rows split over `context` in place of their sequence (all-to-alls), its weights' gradients
+    summed over data x context at once; the ring and Megatron as without experts."""
+    rows = _audit(moe_trainer(tuple(MOE[2][0].items()), False))
+    assert sorted((r["purpose"], tuple(r["axes"])) for r in rows) == [
+        ("activation all-reduce (Megatron)", ("tensor",)), ("gradient all-reduce", ("context",)),
+        ("gradient all-reduce", ("data",)), ("gradient all-reduce", ("data", "context")),
+        ("mixture rows over context", ("context",)), ("ring attention K/V blocks", ("context",))]
