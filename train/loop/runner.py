@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
 import checkpoint
 from mesh.errors import UserError
@@ -113,6 +114,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
             return {"compile_report": run.rep}
         # Restore before compiling: a restore_from checkpoint damaged in its data (found only by reading it) is
         # then a one-line error before the compile, and the restore is needed anyway.
+        if jax.process_count() > 1:  # all have looked for checkpoints/ before one creates it (Orbax syncs there)
+            multihost_utils.sync_global_devices("workdir checked")
         ckpts, local = _open_checkpoints(trainer.plan, path)
         begin = resume.start(trainer, ckpts, say, local)
         run = _compile(trainer, path, goodput, options, {"changes": changed, "plan": planned})
