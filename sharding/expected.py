@@ -29,6 +29,7 @@ Audit part (what the layout must communicate); train/planner/audit.py maps the p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Mapping
 
@@ -79,11 +80,15 @@ class Layout:
     def pipelined(self) -> bool:
         return bool(self.pipeline) and self.sizes.get("pipeline", 1) > 1
 
-    def schedule(self) -> schedules.Schedule:
-        """The pipeline's table (when pipelined)."""
+    def schedule_key(self) -> tuple[str, int, int, int]:
+        """(schedule name, stages, microbatches, virtual stages) of the pipeline (when pipelined)."""
         m, v = self.pipeline["microbatches"], self.pipeline.get("virtual_stages", 1)
         name = self.pipeline.get("schedule") or ("interleaved" if v > 1 else "gpipe")
-        return schedules.build(name, self.sizes["pipeline"], m, v)
+        return name, self.sizes["pipeline"], m, v
+
+    def schedule(self) -> schedules.Schedule:
+        """The pipeline's table (when pipelined)."""
+        return schedules.build(*self.schedule_key())
 
     @property
     def rows(self) -> int:
@@ -291,11 +296,18 @@ def stage_sends(x: Layout) -> list[Expected]:
     micro = x.rows // x.pipeline["microbatches"]
     split = x.sizes.get("tensor", 1) if "tensor" in x.rules.get("seq", ()) else 1  # sequence parallel messages
     act = micro * x.cfg.seq_len // split * x.cfg.d_model * x.itemsize
-    schedule = x.schedule()
+    return [Expected("stage activations and gradients", "collective_permute", "pipeline",
+                     _messages_per_step(*x.schedule_key()) * act)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _messages_per_step(name: str, p: int, m: int, v: int) -> int:
+    """Messages one device sends per step: every slot of the table, on each channel a kind uses. Cached: the
+    planner asks for the same few schedules for every layout it searches."""
+    schedule = schedules.build(name, p, m, v)
     plans = (schedule_buffers.activation_buffers(schedule), schedule_buffers.gradient_buffers(schedule))
     channels = sum(channel != schedule_buffers.SELF for plan in plans for channel in plan.writes)
-    return [Expected("stage activations and gradients", "collective_permute", "pipeline",
-                     channels * schedule.num_slots * act)]
+    return channels * schedule.num_slots
 
 
 # One rule per kind of parallelism, in the order the table lists them.

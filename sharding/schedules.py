@@ -7,6 +7,7 @@ input, sent upstream at once) and WEIGHT_GRAD (W, the gradient of its weights, w
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -76,8 +77,15 @@ def chunk_map(p: int, v: int, v_shape: bool = False) -> np.ndarray:
     run back up, k = c*p + p-1-d, so device d holds chunks d and 2p-1-d (v=2): the turn at the last device
     and the first device's pair (the first chunk's embedding and the last chunk's loss) stay on one device.
     """
+    return _chunk_map(p, v, bool(v_shape))
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_map(p: int, v: int, v_shape: bool) -> np.ndarray:
     d, c = np.meshgrid(np.arange(p), np.arange(v), indexing="ij")
-    return np.where(v_shape & (c % 2 == 1), c * p + p - 1 - d, c * p + d)
+    placed = np.where(v_shape & (c % 2 == 1), c * p + p - 1 - d, c * p + d)
+    placed.flags.writeable = False  # shared by every caller
+    return placed
 
 
 def check_config(name: str, p: int, m: int, v: int = 1) -> None:
