@@ -86,7 +86,7 @@ def test_one_process_checkpoint_continues_in_two_and_a_lost_process_relaunches_o
     workdir, steps = tmp_path / "run", 14
     shutil.copytree(single, workdir)
     proc = start_cli("train.launch", "--num_processes=2", "--num_cpu_devices=4", "--max_restarts=1",
-                     "--min_processes=1", "--restart_backoff_s=0", "--grace_s=5", "--", *TRAIN,
+                     "--min_processes=1", "--restart_backoff_s=0", "--grace_s=2", "--", *TRAIN,
                      f"--workdir={workdir}", "--config.checkpoint.every_steps=4", f"--config.train.steps={steps}",
                      "--config.fault_injection.step_delay_s=0.3", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     wait_for(lambda: max(committed(workdir)) > 4 and helpers.last_step(workdir) > max(committed(workdir)), proc,

@@ -225,20 +225,6 @@ def test_bad_plan_input_is_a_user_error():
         search.check_fits(search.search(cfg, 8, small, {}), small)
 
 
-def test_plan_auto_trains_on_the_printed_layout(tmp_path):
-    """The shipped experiments leave the layout to the planner: the run trains the printed choice and records it
-    with the runner-up in config.json."""
-    done = run_cli("--config=experiments/tiny.py", f"--workdir={tmp_path / 'run'}", "--config.data.source=synthetic",
-                   "--config.train.steps=4", "--config.train.eval_every=0")
-    assert done.returncode == 0, done.stderr[-2000:]
-    chosen = next(l for l in done.stdout.splitlines() if l.startswith("plan.auto:"))
-    assert any(l.startswith("plan.auto runner-up:") for l in done.stdout.splitlines())
-    mesh = json.loads((tmp_path / "run" / "compile_report.json").read_text())["mesh"]
-    assert chosen.split(": ", 1)[1].split(" | ")[0] == " x ".join(f"{a}={s}" for a, s in mesh.items() if s > 1)
-    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["plan"]
-    assert recorded["devices"] == 8 and recorded["chosen"]["mesh"] == mesh and recorded["runner_up"]["fits"]
-
-
 def test_a_mesh_override_pins_the_layout_unless_plan_auto_is_given():
     config = tiny_experiment()
     assert config.plan.auto

@@ -27,13 +27,21 @@ def test_compile_only_writes_the_report_and_nothing_else(tmp_path):
 
 
 def test_training_run_learns_and_writes_its_outputs(tmp_path):
+    """The shipped experiment as a user runs it: the planner lays it out (plan.auto), the run trains the printed
+    choice and records it with the runner-up in config.json, learns, and writes every output."""
     workdir = tmp_path / "run"
     relative = os.path.relpath(workdir, ROOT)  # as `make train` passes it; Orbax itself wants absolute paths
     result = run_cli("--config=experiments/tiny.py", f"--workdir={relative}", "--config.train.steps=50",
                      "--config.model.d_model=64", "--config.model.n_layers=4",  # half the tiny model: twice as fast
-                     "--config.train.log_every=10", "--config.train.eval_every=25", "--config.mesh.data=4",
-                     "--config.mesh.tensor=2", "--config.train.profile_steps=3:4")
+                     "--config.train.log_every=10", "--config.train.eval_every=25",
+                     "--config.train.profile_steps=3:4")
     assert result.returncode == 0, result.stderr[-2000:]
+    chosen = next(l for l in result.stdout.splitlines() if l.startswith("plan.auto:"))
+    assert any(l.startswith("plan.auto runner-up:") for l in result.stdout.splitlines())
+    mesh = json.loads((workdir / "compile_report.json").read_text())["mesh"]
+    assert chosen.split(": ", 1)[1].split(" | ")[0] == " x ".join(f"{a}={s}" for a, s in mesh.items() if s > 1)
+    planned = json.loads((workdir / "config.json").read_text())["plan"]
+    assert planned["devices"] == 8 and planned["chosen"]["mesh"] == mesh and planned["runner_up"]["fits"]
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
