@@ -4,7 +4,7 @@ from its last checkpoint. Prints the measured goodput (productive step time over
 (recomputed) per failure and the restart time, beside checkpoint/cadence.py's prediction for the measured save
 cost, step time, restart time and MTBF.
 
-    python -m experiments.chaos_goodput [--mtbf_s=30 --minutes=5 --every_steps=40 --step_delay_s=0 --seed=0]
+    python -m experiments.chaos_goodput [--mtbf_s=30 --minutes=5 --every_steps=40 --local_every_steps=0 --seed=0]
     python -m experiments.chaos_goodput --smoke        # 40 s, a couple of failures: proves the script runs
 
 The run is the tiny model on 8 virtual devices (experiments/tiny.py, data=8), restarted by the launcher with no
@@ -38,6 +38,9 @@ def _launch(workdir: pathlib.Path, args) -> subprocess.Popen:
              "--config.train.eval_every=0", "--config.train.log_every=1", "--config.checkpoint.every_minutes=0",
              f"--config.checkpoint.every_steps={args.every_steps}", "--config.checkpoint.keep=2",
              f"--config.fault_injection.step_delay_s={args.step_delay_s}"]
+    if args.local_every_steps:  # the local tier beside the persistent one, in node-local memory
+        train += [f"--config.checkpoint.local_dir={workdir.parent / 'local'}",
+                  f"--config.checkpoint.local_every_steps={args.local_every_steps}"]
     launcher = [sys.executable, "-m", "train.launch", "--num_processes=1", "--num_cpu_devices=8",
                 "--max_restarts=100000", "--restart_backoff_s=0", "--grace_s=10", "--", *train]
     return subprocess.Popen(launcher, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -79,7 +82,7 @@ def _restart_s(attempts: list[dict], kills: list[float]) -> float:
 
 def _measure(record: dict, kills: list[float], wall_s: float, args) -> dict:
     attempts = [a for a in record["attempts"] if a.get("last_step")]  # an attempt killed before a step: restart
-    k = args.every_steps
+    k = args.local_every_steps or args.every_steps  # saves of either tier: local ones at the local cadence
     saves = max(1, sum(a["last_step"] // k - (a["first_step"] - 1) // k for a in attempts))
     step_s = (sum(a["productive_s"] + a["recomputed_s"] for a in attempts)
               / max(1, sum(a["last_step"] - a["first_step"] + 1 for a in attempts)))
@@ -87,7 +90,7 @@ def _measure(record: dict, kills: list[float], wall_s: float, args) -> dict:
     save_s = sum(a["checkpoint_blocked_s"] for a in attempts) / saves
     productive = sum(a["productive_s"] for a in attempts)
     lost = sum(a["recomputed_steps"] for a in attempts)
-    tau = args.every_steps * step_s
+    tau = (args.local_every_steps or args.every_steps) * step_s  # work between saves of either tier
     parts = {p: sum(a[p] for a in record["attempts"]) for p in ("productive_s", "recomputed_s", "startup_s",
                                                                  "compile_s", "restore_s", "checkpoint_blocked_s")}
     parts["unrecorded_s"] = wall_s - sum(a["wall_s"] for a in record["attempts"])  # gaps, attempts killed early
@@ -111,11 +114,12 @@ def run(args) -> dict:
 
 
 def table(rows: list[dict], args) -> str:
-    lines = ["| MTBF s | minutes | every steps | failures | step s | save blocked s | restart s | steps lost / failure "
-             "| measured goodput | predicted (Daly) | difference |",
+    lines = ["| MTBF s | minutes | every steps (local) | failures | step s | save blocked s | restart s "
+             "| steps lost / failure | measured goodput | predicted (Daly) | difference |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {args.mtbf_s:g} | {args.minutes:g} | {args.every_steps} | {r['failures']} | "
+        lines.append(f"| {args.mtbf_s:g} | {args.minutes:g} | {args.every_steps} ({args.local_every_steps or '-'}) | "
+                     f"{r['failures']} | "
                      f"{r['step_s']:.3f} | {r['save_blocked_s']:.3f} | {r['restart_s']:.1f} | "
                      f"{r['steps_lost_per_failure']:.1f} | {100 * r['measured_goodput']:.1f}% | "
                      f"{100 * r['predicted_goodput']:.1f}% | "
@@ -129,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=5.0, help="wall time of the experiment")
     p.add_argument("--every_steps", type=int, default=40, help="steps between persistent checkpoints")
     p.add_argument("--step_delay_s", type=float, default=0.0, help="added to every step (a bigger model's cost)")
+    p.add_argument("--local_every_steps", type=int, default=0, help="also save the local tier this often (0: off)")
     p.add_argument("--seed", type=int, default=0, help="seed of the failure times")
     p.add_argument("--json", default="", help="also write the figures to this file")
     p.add_argument("--smoke", action="store_true", help="40 s with failures every 12 s on average")
