@@ -1,7 +1,6 @@
-"""Every `python -m train.*` tool fails on a bad command line the way it fails on a bad setting: one line, exit 2."""
-import pytest
-
-from tests.helpers import run_cli
+"""Every `python -m train.*` tool fails on a bad command line the way it fails on a bad setting: one line, exit 2.
+Each table runs its command lines in forked children of one warm interpreter (tests/forked.py)."""
+from tests.forked import run_many
 from train.loop import exit_codes
 
 CASES = {
@@ -23,14 +22,21 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_command_line_error_is_one_line_and_exit_2(name, tmp_path):
-    args, expected = CASES[name]
-    args = [a.replace("W", str(tmp_path / "run")) if a.startswith("--workdir") else a for a in args]
-    result = run_cli(*args, timeout=120)
-    assert result.returncode == exit_codes.USER_ERROR, result.stderr[-2000:]
-    assert result.stderr.strip() == expected
-    assert not (tmp_path / "run").exists()
+def _failures(cases: dict[str, tuple[str, list[str], str]], tmp_path) -> list[str]:
+    """Run every (module, args, expected stderr) case; the ones that did not fail as expected, described."""
+    workdirs = {name: tmp_path / name.replace(" ", "_").replace(":", "") for name in cases}
+    lines = [(module, [a.replace("W", str(workdirs[name])) if a.startswith("--workdir") else a for a in args])
+             for name, (module, args, _) in cases.items()]
+    failures = []
+    for (name, (_, _, expected)), (status, _out, err) in zip(cases.items(), run_many(lines)):
+        if status != exit_codes.USER_ERROR or err.strip() != expected or workdirs[name].exists():
+            failures.append(f"{name}: status {status}, stderr {err.strip()[-600:]!r}")
+    return failures
+
+
+def test_command_line_error_is_one_line_and_exit_2(tmp_path):
+    failures = _failures({name: ("train", args, expected) for name, (args, expected) in CASES.items()}, tmp_path)
+    assert not failures, "\n".join(failures)
 
 
 TOOL_CASES = {  # each fails while parsing flags, before any work: cheap subprocesses
@@ -45,11 +51,6 @@ TOOL_CASES = {  # each fails while parsing flags, before any work: cheap subproc
 }
 
 
-@pytest.mark.parametrize("name", sorted(TOOL_CASES))
-def test_every_tool_fails_on_its_command_line_in_one_line(name, tmp_path):
-    module, args, expected = TOOL_CASES[name]
-    args = [a.replace("W", str(tmp_path / "run")) if a.startswith("--workdir") else a for a in args]
-    result = run_cli(*args, module=module, timeout=120)
-    assert result.returncode == exit_codes.USER_ERROR, result.stderr[-2000:]
-    assert result.stderr.strip() == expected
-    assert not (tmp_path / "run").exists()
+def test_every_tool_fails_on_its_command_line_in_one_line(tmp_path):
+    failures = _failures(TOOL_CASES, tmp_path)
+    assert not failures, "\n".join(failures)

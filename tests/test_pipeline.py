@@ -46,8 +46,14 @@ def _name(layout):
     return ",".join(f"{axis}={size}" for axis, size in layout)
 
 
-@pytest.mark.parametrize("schedule,virtual_stages", SCHEDULES, ids=[s for s, _ in SCHEDULES])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=_name)
+# Every schedule on two of the layouts and every layout with two schedules or one (the executor runs any table
+# the same way; the full cross product costs twice the compiles for no path it does not already take).
+MATRIX = [(LAYOUTS[0], *SCHEDULES[1]), (LAYOUTS[0], *SCHEDULES[2]), (LAYOUTS[1], *SCHEDULES[0]),
+          (LAYOUTS[1], *SCHEDULES[2]), (LAYOUTS[2], *SCHEDULES[1]), (LAYOUTS[2], *SCHEDULES[0])]
+
+
+@pytest.mark.parametrize("layout,schedule,virtual_stages", MATRIX,
+                         ids=[f"{_name(layout)}-{schedule}" for layout, schedule, _ in MATRIX])
 def test_schedule_matches_single_device(layout, schedule, virtual_stages):
     ref_losses, ref_grads, ref_params, ref_eval = _reference()
     trainer = _trainer(layout, schedule, virtual_stages)
