@@ -16,9 +16,9 @@ from train.trainer import Trainer
 
 LAYOUTS = [  # (mesh, sequence parallelism); each runs on as many devices as its axes multiply to
     ({"context": 2}, False),
-    ({"context": 4}, False),
+    ({"context": 4, "data": 2}, False),
     ({"context": 2, "tensor": 2}, False),
-    ({"tensor": 4}, True),
+    ({"tensor": 4, "data": 2}, True),
 ]
 
 
