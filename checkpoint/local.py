@@ -18,7 +18,7 @@ import numpy as np
 from checkpoint import collective, integrity, peer, plain
 from checkpoint import meta as meta_lib
 from checkpoint.errors import SaveFailed
-from checkpoint.manager import SaveRecord, brief
+from checkpoint.manager import OneSaveInFlight, SaveRecord, brief
 
 KEEP = 2  # the newest committed steps kept: one to restore while the next is written, one more if it is damaged
 MANIFEST, DATA = "manifest.json", "shards.bin"
@@ -148,7 +148,7 @@ def verify(tree: Any, meta: dict[str, Any]) -> None:
         raise Unusable(f"checksum mismatch in {bad[0]}{more}")
 
 
-class LocalCheckpoints:
+class LocalCheckpoints(OneSaveInFlight):
     """This process's local steps of one run: async saves, one in flight, the newest KEEP kept.
 
     Not Orbax's experimental emergency checkpointer, which needs at least two data-parallel replicas (a run on one
@@ -229,17 +229,8 @@ class LocalCheckpoints:
                              f"permissions of checkpoint.local_dir", step) from error
         self._done.append(SaveRecord(step, blocked, max(self._committed - self._started, blocked)))
 
-    def poll(self) -> list[SaveRecord]:
-        """Non-blocking: records of saves committed since the last call; raises SaveFailed if one failed."""
-        if self._inflight is not None and not self._inflight[2].is_alive():
-            self._finish()
-        done, self._done = self._done, []
-        return done
-
-    def wait(self) -> list[SaveRecord]:
-        if self._inflight is not None:
-            self._finish()
-        return self.poll()
+    def _writing(self) -> bool:
+        return self._inflight[2].is_alive()
 
     def restorable(self) -> list[int]:
         """Steps every process can restore, from its own folder or its neighbour's copy (collective)."""

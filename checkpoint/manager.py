@@ -108,7 +108,34 @@ def _retention(keep: int, keep_period: int) -> policies.PreservationPolicy:
     return policies.AnyPreservationPolicy([latest, policies.EveryNSteps(keep_period)]) if keep_period else latest
 
 
-class Checkpoints:
+class OneSaveInFlight:
+    """poll() and wait() over at most one asynchronous save in flight (`_inflight`, None when idle): a tier says
+    whether its save is still writing (`_writing`) and how one is finished (`_finish`: join, record into `_done`,
+    or raise SaveFailed)."""
+    _inflight: Any
+    _done: list[SaveRecord]
+
+    def _writing(self) -> bool:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+    def poll(self) -> list[SaveRecord]:
+        """Non-blocking: records of saves committed since the last call; raises SaveFailed if one failed."""
+        if self._inflight is not None and not self._writing():
+            self._finish()
+        done, self._done = self._done, []
+        return done
+
+    def wait(self) -> list[SaveRecord]:
+        """Like poll(), but first blocks until the save in flight has committed."""
+        if self._inflight is not None:
+            self._finish()
+        return self.poll()
+
+
+class Checkpoints(OneSaveInFlight):
     """The checkpoints of one run directory (`read_only` for another run's, as with restore_from)."""
 
     def __init__(self, directory: str | pathlib.Path, *, keep: int = 3, keep_period: int = 0,
@@ -199,18 +226,8 @@ class Checkpoints:
                 for leftover in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
                     shutil.rmtree(leftover, ignore_errors=True)
 
-    def poll(self) -> list[SaveRecord]:
-        """Non-blocking: records of saves committed since the last call; raises SaveFailed if one failed."""
-        if self._inflight is not None and not self.manager.is_saving_in_progress():
-            self._finish()
-        done, self._done = self._done, []
-        return done
-
-    def wait(self) -> list[SaveRecord]:
-        """Like poll(), but first blocks until the save in flight has committed."""
-        if self._inflight is not None:
-            self._finish()
-        return self.poll()
+    def _writing(self) -> bool:
+        return self.manager.is_saving_in_progress()
 
     def read_meta(self, step: int) -> dict[str, Any]:
         return self.manager.restore(step, args=ocp.args.Composite(meta=MetaRestore()))["meta"]

@@ -28,3 +28,13 @@ def check_writable(flag: str, path: str, what: str = "file", parents: bool = Fal
             target.exists() and not os.access(target, os.W_OK)):
         raise UserError(f"{flag}={path}: cannot write there ({parent} is not a writable directory); "
                         f"choose a writable path")
+
+
+def probe_directory(path: pathlib.Path, tag: str) -> None:
+    """Create `path` if needed and write and remove a probe file in it (named by `tag`, so processes sharing it do
+    not collide): the test that a directory really takes files, which permission bits alone do not prove on
+    read-only mounts or full disks. Raises OSError; the caller names the setting."""
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / f".write-test-{tag}"
+    probe.write_text("ok")
+    probe.unlink()

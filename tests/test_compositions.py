@@ -32,10 +32,15 @@ def _id(value) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def dense_trainer(layout: tuple, sequence_parallel: bool) -> Trainer:
-    config = reference_config(**dict(layout))
+def _trainer(make_config, layout: tuple, sequence_parallel: bool) -> Trainer:
+    """One trainer (and so one compiled program) per model and layout, shared by the equivalence and audit tests."""
+    config = make_config(**dict(layout))
     config.sharding.sequence_parallel = sequence_parallel
     return Trainer.build(config, num_devices=math.prod(n for _, n in layout))
+
+
+def dense_trainer(layout: tuple, sequence_parallel: bool) -> Trainer:
+    return _trainer(reference_config, layout, sequence_parallel)
 
 
 @pytest.mark.parametrize("mesh,sequence_parallel", DENSE, ids=_id)
@@ -63,11 +68,8 @@ def moe_reference() -> dict:
     return {"state": state, "grads": grads, "losses": losses}
 
 
-@functools.lru_cache(maxsize=None)
 def moe_trainer(layout: tuple, sequence_parallel: bool) -> Trainer:
-    config = moe_config(**dict(layout))
-    config.sharding.sequence_parallel = sequence_parallel
-    return Trainer.build(config, num_devices=math.prod(n for _, n in layout))
+    return _trainer(moe_config, layout, sequence_parallel)
 
 
 @pytest.mark.parametrize("mesh,sequence_parallel", MOE, ids=_id)

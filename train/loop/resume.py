@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import checkpoint
 from checkpoint import format as ckpt_format
 from checkpoint import meta as meta_lib
+from mesh.errors import probe_directory
 from train.config import ConfigError
 from train.hf import restore as hf_import
 from train.lora import base as lora_base
@@ -81,12 +82,8 @@ def _check_restore_from(trainer: Trainer, workdir: pathlib.Path, wanted: dict[st
 
 def _check_local_dir(local_dir: str) -> None:
     """The local tier's directory must take a file (created if needed; the probe is removed)."""
-    path = pathlib.Path(local_dir).expanduser()
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{jax.process_index()}"
-        probe.write_text("ok")
-        probe.unlink()
+        probe_directory(pathlib.Path(local_dir).expanduser(), str(jax.process_index()))
     except OSError as e:
         raise ConfigError(f"checkpoint.local_dir={local_dir}: cannot write there ({e.strerror}); choose a writable "
                           f"node-local directory (e.g. /dev/shm/RUN or a local disk), or set it to '' with "

@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import checkpoint
-from mesh.errors import UserError
+from mesh.errors import UserError, probe_directory
 from train.config import ConfigError, Plan
 from train.data import loader as data_lib
 from train.loop import actions as actions_lib
@@ -43,10 +43,7 @@ from train.trainer import Trainer
 def prepare_workdir(workdir: str) -> pathlib.Path:
     path = pathlib.Path(workdir).expanduser()
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
+        probe_directory(path, str(os.getpid()))
     except OSError as e:
         raise ConfigError(f"--workdir={workdir}: cannot write there ({e.strerror}); "
                           "choose a writable directory") from None
