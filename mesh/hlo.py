@@ -313,7 +313,9 @@ def collectives(hlo_text: str, mesh) -> list[dict]:
     XLA's numbering contradicts JAX's), branches: how many the conditional has, count: executions of
     the conditional per step}, [] outside any conditional, None when reached along several paths;
     exact: trips_known and branch == [] (count is then exact); scalar: an all-reduce of single elements
-    (loss, norms); name: the HLO instruction name.
+    (loss, norms); name: the HLO instruction name; op_name: JAX's name for it (its name stack, '' if XLA
+    dropped it); senders: how many devices send (a permute's pairs, which may leave devices out; for the
+    other collectives every device).
     """
     comps, entry = _parse(hlo_text)
     count, trips_known = _executions(comps, entry)
@@ -339,7 +341,8 @@ def collectives(hlo_text: str, mesh) -> list[dict]:
                         "trips_known": trips_known[comp], "branch": branch[comp],
                         "exact": trips_known[comp] and branch[comp] == [],
                         "scalar": op == "all_reduce" and all(math.prod(d) == 1 for _, d in leaves),
-                        "name": name})
+                        "name": name, "op_name": _op_name(attrs),
+                        "senders": len(groups) if op == "collective_permute" else n})
     return out
 
 

@@ -7,9 +7,10 @@ the backward pass; their gradients are reduce-scattered once.
 Megatron tensor parallelism: per block, the family's activation all-reduces (models.TensorTraffic: for GPT and
 Llama one after attention and one after the MLP), each mirrored in the backward pass, plus the embedding
 (forward) and the head's input gradient (backward); full rematerialization repeats the attention one.
-Pipeline (sharding/pipeline.py): the lockstep executor sends one activation and one gradient per time slot of the
-schedule's table (2(vm+p-1) slots, 3m+p-1 for ZB-H1), each way a V-shaped one sends; each backward cell (B and W
-too) recomputes its forward; FSDP weights are gathered once per step (pipeline.FSDP_GATHER), not in the forward
+Pipeline (sharding/pipeline.py): every forward of a model chunk but the last sends its activation on, every
+backward of a chunk but the first (its B when split) its input gradient back, and nothing else travels (idle
+cells send nothing; at a V's turn the message stays on its device); each backward cell (B and W too) recomputes
+its forward; FSDP weights are gathered once per step (pipeline.FSDP_GATHER), not in the forward
 and again in the backward; the embedding and head, replicated on every stage, have their gradients summed over
 `pipeline` too. Stages differ (only the first embeds, only the last runs the head), so per device means the mean
 over the stages, as the audit counts.
@@ -288,26 +289,28 @@ def context_rows(x: Layout) -> list[Expected]:
 
 
 def stage_sends(x: Layout) -> list[Expected]:
-    """The lockstep pipeline sends one activation and one gradient per time slot of its table, on each channel
-    that kind uses (a V-shaped table sends both ways; what stays on a device at the V's turn is not sent); idle
-    cells send zeros, since SPMD collectives run on every device every slot."""
+    """The pipeline's messages: only cells with something to send send it (sharding.pipeline.send_patterns), so a
+    step moves each microbatch's activation and gradient once across each stage boundary, whatever the schedule's
+    idle slots; per device, the mean over the stages."""
     if not x.pipelined:
         return []
     micro = x.rows // x.pipeline["microbatches"]
     split = x.sizes.get("tensor", 1) if "tensor" in x.rules.get("seq", ()) else 1  # sequence parallel messages
     act = micro * x.cfg.seq_len // split * x.cfg.d_model * x.itemsize
     return [Expected("stage activations and gradients", "collective_permute", "pipeline",
-                     _messages_per_step(*x.schedule_key()) * act)]
+                     messages_per_step(*x.schedule_key()) * act)]
 
 
 @functools.lru_cache(maxsize=1024)
-def _messages_per_step(name: str, p: int, m: int, v: int) -> int:
-    """Messages one device sends per step: every slot of the table, on each channel a kind uses. Cached: the
-    planner asks for the same few schedules for every layout it searches."""
+def messages_per_step(name: str, p: int, m: int, v: int) -> float:
+    """Messages one device sends per step, the mean over the stages: the messages the buffer plans receive from
+    another stage (what stays on a device at a V's turn is not sent). Cached: the planner asks for the same few
+    schedules for every layout it searches."""
     schedule = schedules.build(name, p, m, v)
     plans = (schedule_buffers.activation_buffers(schedule), schedule_buffers.gradient_buffers(schedule))
-    channels = sum(channel != schedule_buffers.SELF for plan in plans for channel in plan.writes)
-    return channels * schedule.num_slots
+    received = sum(int((write >= 0).sum()) for plan in plans for channel, write in plan.writes.items()
+                   if channel != schedule_buffers.SELF)
+    return received / p
 
 
 # One rule per kind of parallelism, in the order the table lists them.

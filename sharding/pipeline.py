@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -145,6 +146,41 @@ def branch_slot_counts(schedule: schedules.Schedule, train: bool = True) -> np.n
     return np.stack([np.bincount(column, minlength=n) for column in branch.T])
 
 
+def send_patterns(program: dict[str, np.ndarray], stages_: int) -> dict[str, tuple[np.ndarray, list[tuple]]]:
+    """Per channel (a write field of the slot program that receives from another stage): int32 [slots] the
+    pattern each slot takes, and per pattern the (source, target) stage pairs that carry a real message.
+
+    A device receives on a channel in slot t exactly when the field's entry is not the scratch one; its source
+    is d-1 for the fields fed by the previous stage (act_write, grad_write_next) and d+1 for the others (modulo
+    p: only interleaving's ring wraps). The table is the same on every device, so the index is too, and a
+    lax.switch on it sends only its pattern's pairs: no collective, and no traffic, from cells with nothing
+    to send. A channel that never carries a message (evaluation's gradients) is left out.
+    """
+    scratch = {"act": program["sizes"][0] - 1, "grad": program["sizes"][1] - 1}
+    out = {}
+    for key in [k for k in program if "_write" in k and not k.endswith("_self")]:
+        step = -1 if key in ("act_write", "grad_write_next") else 1
+        receives = program[key] != scratch[key.split("_")[0]]  # bool [slots, p]
+        per_slot = [tuple(((int(d) + step) % stages_, int(d)) for d in np.nonzero(row)[0]) for row in receives]
+        distinct = sorted(set(per_slot))  # sorted: the empty pattern (if any) first, the same numbering every build
+        if distinct != [()]:
+            out[key] = (np.array([distinct.index(k) for k in per_slot], np.int32), distinct)
+    return out
+
+
+def send_slot_counts(schedule: schedules.Schedule, train: bool = True) -> dict[str, np.ndarray]:
+    """Per channel: int [patterns] in how many slots its send switch takes each branch (send_patterns); the
+    same on every device, so an audit can weigh each permute by how often its pattern runs."""
+    patterns = send_patterns(slot_program(schedule, train), schedule.stages)
+    return {key: np.bincount(index, minlength=len(pairs)) for key, (index, pairs) in patterns.items()}
+
+
+def send_channel(op_name: str) -> str | None:
+    """The channel whose send switch an HLO instruction (by its JAX op_name) sits in, or None."""
+    found = re.search(r"/send_(\w+)/", op_name)
+    return found.group(1) if found else None
+
+
 def has_split_backward(schedule: schedules.Schedule) -> bool:
     """Whether the table runs backwards as B and W cells (zero-bubble schedules), so the executor needs them."""
     return bool(np.isin(schedule.table[:, :, schedules.KIND], (schedules.INPUT_GRAD, schedules.WEIGHT_GRAD)).any())
@@ -177,7 +213,8 @@ class StageProgram:
     microbatches; its stage's layers as v chunks. Each slot it runs its table cell, then `ppermute` carries
     the activation to the next stage (d+1) and the input gradient to the previous one (d-1), on a ring when
     interleaved (chunk c on device p-1 feeds chunk c+1 on device 0), and both ways when V-shaped (ZB-V: the
-    second chunk runs back up the stages; at the V's turn a message stays on its device). Received messages
+    second chunk runs back up the stages; at the V's turn a message stays on its device); only the pairs
+    whose sender has a message send (send_patterns). Received messages
     wait in fixed-size buffers (schedule_buffers) until their backward, so 1F1B keeps at most p inputs per stage
     whatever m.
     The cells themselves (embedding first, head and loss last, backward by vjp) are in pipeline_stages.
@@ -211,19 +248,18 @@ class StageProgram:
         self.constrain = AutoAxesHints(auto_rules, sizes)
 
         self.program = slot_program(schedule, train)
+        self.sends = send_patterns(self.program, p)
         self.split = train and has_split_backward(schedule)
         self.act_entries, self.grad_entries = (int(n) for n in self.program.pop("sizes"))
         self.count_targets = models.target_counter(cfg)
-        ring = v > 1 and not schedule.v_shape  # only interleaving sends from the last stage back to the first
-        self.to_next = [(d, (d + 1) % p) for d in range(p if ring else p - 1)]
-        self.to_prev = [((d + 1) % p, d) for d in range(p if ring else p - 1)]
 
     def region(self, params: Any, tokens: jax.Array) -> Any:
         """The body of the shard_map: gather the stage, scan the slot program, reduce loss and gradients."""
         device = self.device(params, tokens)
         carry = self.initial_carry(device, tokens)
-        carry, _ = jax.lax.scan(functools.partial(self.slot, device), carry,
-                                {k: jnp.asarray(a) for k, a in self.program.items()})
+        rows = ({k: jnp.asarray(a) for k, a in self.program.items()},
+                {k: jnp.asarray(index) for k, (index, _) in self.sends.items()})
+        carry, _ = jax.lax.scan(functools.partial(self.slot, device), carry, rows)
         loss = jax.lax.psum(carry["loss"], self.manual) / self.replicas
         if not self.train:
             return loss
@@ -261,8 +297,10 @@ class StageProgram:
         return stages.make_varying(carry, self.manual)
 
     def slot(self, device: DeviceOperands, carry: dict[str, Any],
-             row: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
-        """One time slot (one row of the slot program): run this device's cell, send, store what arrived."""
+             rows: tuple[dict[str, jax.Array], dict[str, jax.Array]]) -> tuple[dict[str, Any], None]:
+        """One time slot (a row of the slot program and of each channel's send pattern): run this device's
+        cell, send, store what arrived."""
+        row, patterns = rows
         cell = {k: a[device.d] for k, a in row.items()}
         chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, cell["chunk"], 0, keepdims=False), device.stack)
         ops = (chunk, device.top, device.micro[cell["mb"]], carry["acts"][cell["act_read"]],
@@ -271,26 +309,31 @@ class StageProgram:
         weighted = loss / self.m if device.weight is None else loss * device.weight(device.micro[cell["mb"]])
         new = dict(carry, loss=carry["loss"] + weighted)
         # Send, then store what arrived (schedule_buffers' order), so an entry freed in this slot is reusable.
-        new["acts"] = self.deliver(carry["acts"], y, cell, "act_write", self.to_next, self.to_prev)
+        kinds = {"act": ("acts", y), "grad": ("grads", g_x)} if self.train else {"act": ("acts", y)}
+        arrived = {}
+        for key, (_, pairs) in self.sends.items():
+            with jax.named_scope(f"send_{key}"):  # send_channel reads it back from the compiled program
+                arrived[key] = jax.lax.switch(patterns[key], [functools.partial(_send, p) for p in pairs],
+                                              kinds[key.split("_")[0]][1])
+        for kind, (buffer, message) in kinds.items():
+            new[buffer] = self.store(carry[buffer], message, arrived, cell, f"{kind}_write")
         if self.train:
             # Every cell returns chunk and top gradients (zeros unless it is a backward), since switch
             # branches share one output type; the add costs one pass over the chunk's gradient, small next
             # to the chunk's matmuls on a microbatch.
-            new["grads"] = self.deliver(carry["grads"], g_x, cell, "grad_write", self.to_prev, self.to_next)
             new["g_stack"] = jax.tree.map(lambda acc, g: _add_at(acc, g, cell["chunk"]), carry["g_stack"], g_chunk)
             new["g_top"] = jax.tree.map(jnp.add, carry["g_top"], g_top)
         return new, None
 
-    def deliver(self, buffer: jax.Array, message: jax.Array, cell: dict[str, jax.Array], key: str,
-                own: list, other: list) -> jax.Array:
-        """Send `message` the kind's own way (activations to the next stage, gradients to the previous one) and
-        store what arrives at `cell[key]`; a V-shaped table also sends it the other way (`key`_prev or _next)
-        and keeps it where the V turns (`key`_self)."""
-        buffer = _store(buffer, jax.lax.ppermute(message, PIPELINE, own), cell[key])
-        for channel, pairs in (("prev" if key == "act_write" else "next", other), ("self", None)):
-            if f"{key}_{channel}" in cell:
-                arrived = message if pairs is None else jax.lax.ppermute(message, PIPELINE, pairs)
-                buffer = _store(buffer, arrived, cell[f"{key}_{channel}"])
+    @staticmethod
+    def store(buffer: jax.Array, message: jax.Array, arrived: dict[str, jax.Array], cell: dict[str, jax.Array],
+              key: str) -> jax.Array:
+        """Store what arrived on the kind's channels at `cell[key...]`: its own way first (activations from
+        the previous stage, gradients from the next one), then a V-shaped table's other way (`key`_prev or
+        _next) and what stays where the V turns (`key`_self, never sent)."""
+        for field in (key, f"{key}_{'prev' if key == 'act_write' else 'next'}", f"{key}_self"):
+            if field in arrived or (field.endswith("_self") and field in cell):
+                buffer = _store(buffer, arrived.get(field, message), cell[field])
         return buffer
 
     def gather(self, x: jax.Array, spec: P) -> jax.Array:
@@ -351,6 +394,12 @@ def _microbatch_weight(count_targets: Callable, tokens: jax.Array, batch_axes: t
     local = count_targets(tokens)
     per_replica = (jax.lax.psum(local, batch_axes) if batch_axes else local) / replicas
     return lambda micro_tokens: count_targets(micro_tokens) / jnp.maximum(per_replica, 1.0)
+
+
+def _send(pairs: tuple[tuple[int, int], ...], message: jax.Array) -> jax.Array:
+    """One branch of a channel's send switch: the message over its pattern's pairs. With no pair it runs no
+    collective; a device no pair targets gets zeros (as from ppermute), stored in its scratch entry."""
+    return jax.lax.ppermute(message, PIPELINE, pairs) if pairs else jnp.zeros_like(message)
 
 
 def _store(buffer: jax.Array, message: jax.Array, entry: jax.Array) -> jax.Array:

@@ -2,8 +2,11 @@
 import functools
 import math
 
+import numpy as np
 import pytest
 
+from sharding import expected as expected_lib
+from sharding import schedules
 from sharding.expected import Expected
 from tests.helpers import run_python, tiny_config
 from train.planner import audit as audit_lib
@@ -22,7 +25,12 @@ LAYOUTS = {
 
 def _audit(strategy, mesh, pipeline=None):
     """The audit of one layout; each is built and compiled once per test process (tests only read it)."""
-    return _audit_once(strategy, tuple(mesh.items()), tuple((pipeline or {}).items()))
+    return _audit_once(strategy, tuple(mesh.items()), tuple((pipeline or {}).items()))[0]
+
+
+def _plan(strategy, mesh, pipeline=None):
+    """The resolved plan of the layout `_audit` compiled."""
+    return _audit_once(strategy, tuple(mesh.items()), tuple((pipeline or {}).items()))[1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,7 +41,22 @@ def _audit_once(strategy, mesh, pipeline):
     trainer = Trainer.build(config)
     compiled, log = audit_lib.compile_logged(trainer.compile)
     rep = report.build(trainer.plan, trainer.mesh, compiled)
-    return audit_lib.audit(trainer, rep, log, topology="dgx-h100", hosts=16, mfu=0.4)
+    return audit_lib.audit(trainer, rep, log, topology="dgx-h100", hosts=16, mfu=0.4), trainer.plan
+
+
+def _real_sends(schedule) -> int:
+    """Messages one step sends between stages, counted from the table alone: each forward of a model chunk but
+    the last sends its activation, each backward (B when split) of a chunk but the first its input gradient,
+    unless the neighbouring chunk runs on the same device (a V's turn)."""
+    kind, chunk = schedule.table[..., schedules.KIND], np.maximum(schedule.table[..., schedules.CHUNK], 0)
+    d = np.broadcast_to(np.arange(schedule.stages), kind.shape)
+    k = schedule.chunk_map[d, chunk]
+    device_of = np.empty(schedule.num_chunks, int)
+    device_of[schedule.chunk_map] = np.arange(schedule.stages)[:, None]
+    last = schedule.num_chunks - 1
+    acts = (kind == schedules.FORWARD) & (k < last) & (device_of[np.minimum(k + 1, last)] != d)
+    grads = np.isin(kind, schedules.GIVES_INPUT_GRAD) & (k > 0) & (device_of[np.maximum(k - 1, 0)] != d)
+    return int(acts.sum() + grads.sum())
 
 
 @pytest.mark.parametrize("strategy", sorted(LAYOUTS))
@@ -68,6 +91,28 @@ def test_pipelined_audit_is_exact(schedule, virtual_stages):
         assert row["exact"], row
         assert row["ratio"] is None or abs(row["ratio"] - 1) <= 0.05, row
     assert result["involuntary_rematerializations"] == 0
+    # Idle cells send nothing: the stage sends are the table's real messages (mean per device), and the compiled
+    # permutes, weighed by how many slots take their pattern, move exactly those bytes.
+    plan = _plan("fsdp_tensor", mesh, {"schedule": schedule, "virtual_stages": virtual_stages})
+    pipe = plan.pipeline
+    rows_per_replica = plan.global_batch // plan.mesh_sizes["data"]
+    message = rows_per_replica // pipe.microbatches * plan.model.seq_len * plan.model.d_model * np.dtype(
+        plan.model.compute_dtype).itemsize
+    sends = rows["stage activations and gradients"]
+    assert sends["expected_bytes"] == _real_sends(pipe.build()) / pipe.stages * message, sends
+    assert sends["found_bytes"] == pytest.approx(sends["expected_bytes"], rel=1e-9), sends
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 4, 1), ("interleaved", 4, 8, 2), ("zb_h1", 4, 8, 1),
+                                         ("zb_v", 4, 8, 2)])
+def test_expected_stage_sends_are_the_real_messages(name, p, m, v):
+    """Per device, the mean over the stages of the messages the table really sends: each microbatch crosses
+    each boundary between devices once each way (1F1B on p=4, m=4: 24 messages, 6 per device, where one per
+    slot and channel made 28 per device)."""
+    schedule = schedules.build(name, p, m, v)
+    boundaries = schedule.num_chunks - 1 - schedule.v_shape  # a V's turn stays on its device
+    assert _real_sends(schedule) == 2 * m * boundaries
+    assert expected_lib.messages_per_step(name, p, m, v) == _real_sends(schedule) / p
 
 
 def test_projection_puts_data_across_hosts_and_tensor_inside():
@@ -111,15 +156,24 @@ def test_unexpected_collectives_are_flagged():
 
 def test_branch_records_count_by_the_mean_stage():
     """Slot switch of 3 branches over 10 slots: stage 0 runs branch 1 in 4 slots, stage 1 in none, so a
-    collective there runs 2 times per device on average; a record of another conditional keeps its bound."""
+    collective there runs 2 times per device on average; a record of another conditional keeps its bound; a
+    send switch's permute counts by its pattern's slots and senders."""
     switch = {"conditional": "c", "index": 1, "branches": 3, "count": 10}
     other = dict(switch, conditional="d", branches=2)
     records = [{"op": "all_reduce", "axes": ["tensor"], "bytes": 100, "count": 10, "scalar": False, "exact": False,
                 "trips_known": True, "branch": [switch]},
                {"op": "all_reduce", "axes": ["data"], "bytes": 8, "count": 10, "scalar": False, "exact": False,
                 "trips_known": True, "branch": [other]}]
-    weighed = audit_lib.weigh_branches(records, [[6, 4, 0], [10, 0, 0]], slots=10)
-    assert (weighed[0]["count"], weighed[0]["exact"]) == (2.0, True) and weighed[1] == records[1]
+    # A permute of the activations' send switch (its op_name names the channel): pattern 1 runs in 4 of the 10
+    # slots and sends from 2 of the 8 devices, so 10 * 4/10 * 2/8 = 1 execution per device; the slot switch's
+    # weighing leaves it alone though its switch has as many branches.
+    send = {"op": "collective_permute", "axes": ["pipeline"], "bytes": 100, "count": 10, "scalar": False,
+            "exact": False, "trips_known": True, "branch": [dict(switch, conditional="s")], "senders": 2,
+            "op_name": "jit(step)/shard_map/send_act_write/cond/branch_1_fun/ppermute"}
+    weighed = audit_lib.weigh_branches(records + [send], [[6, 4, 0], [10, 0, 0]], slots=10)
+    assert (weighed[0]["count"], weighed[0]["exact"]) == (2.0, True) and weighed[1:] == records[1:] + [send]
+    sent = audit_lib.weigh_sends(weighed, {"act_write": [5, 4, 1]}, slots=10, devices=8)
+    assert sent[:2] == weighed[:2] and (sent[2]["count"], sent[2]["exact"]) == (1.0, True)
     expected = [Expected("activation", "all_reduce", "tensor", 200.0), Expected("grads", "all_reduce", "data", 80.0)]
     rows = {r["purpose"]: r for r in audit_lib.attribute(weighed, expected, {"data": 2, "tensor": 2})}
     assert rows["activation"]["exact"] and rows["activation"]["ratio"] == 1.0

@@ -81,9 +81,32 @@ def weigh_branches(records: list[dict], slot_counts, slots: int) -> list[dict]:
     out = []
     for r in records:
         outer = (r.get("branch") or [None])[0]
-        if (outer and len(r["branch"]) == 1 and outer["index"] is not None and outer["count"] % slots == 0
-                and outer["branches"] == slot_counts.shape[1]):
+        sends = pipeline_lib.send_channel(r.get("op_name", ""))  # a send switch's permute: weigh_sends
+        if (not sends and outer and len(r["branch"]) == 1 and outer["index"] is not None
+                and outer["count"] % slots == 0 and outer["branches"] == slot_counts.shape[1]):
             r = dict(r, count=r["count"] * float(share[outer["index"]]), exact=r.get("trips_known", True))
+        out.append(r)
+    return out
+
+
+def weigh_sends(records: list[dict], send_counts: dict, slots: int, devices: int) -> list[dict]:
+    """Permutes of the pipeline's send switches counted as the devices really send them.
+
+    Each channel's switch (sharding.pipeline.send_patterns, named after the channel in the op_name) takes its
+    branch i in `send_counts[channel][i]` of the `slots` trips, and that branch's permute sends from `senders`
+    of the mesh's `devices` (its pairs); a record's count becomes its count per trip times both shares: the mean
+    over the devices of what each sends, as weigh_branches counts the cells' collectives. A record that cannot
+    be placed (nested deeper, an index XLA renumbered) keeps its upper bound and its row says so.
+    """
+    out = []
+    for r in records:
+        channel = pipeline_lib.send_channel(r.get("op_name", ""))
+        outer = (r.get("branch") or [None])[0]
+        taken = send_counts.get(channel)
+        if (taken is not None and r["op"] == "collective_permute" and outer and len(r["branch"]) == 1
+                and outer["index"] is not None and outer["count"] % slots == 0 and outer["branches"] == len(taken)):
+            share = taken[outer["index"]] / slots * r["senders"] / devices
+            r = dict(r, count=r["count"] * float(share), exact=r.get("trips_known", True))
         out.append(r)
     return out
 
@@ -180,6 +203,8 @@ def audit(trainer, report: dict, xla_log: str, topology: str, hosts: int, mfu: f
     if plan.pipeline:
         schedule = plan.pipeline.build()
         records = weigh_branches(records, pipeline_lib.branch_slot_counts(schedule), schedule.num_slots)
+        records = weigh_sends(records, pipeline_lib.send_slot_counts(schedule), schedule.num_slots,
+                              math.prod(plan.mesh_sizes.values()))
     rows = attribute(records, expected, plan.mesh_sizes)
     remats = xla_log.count(REMAT_WARNING)
     result = {"rows": rows, "involuntary_rematerializations": remats}
