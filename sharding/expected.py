@@ -313,6 +313,15 @@ def messages_per_step(name: str, p: int, m: int, v: int) -> float:
     return received / p
 
 
+@functools.lru_cache(maxsize=1024)
+def sends_per_step(name: str, p: int, m: int, v: int) -> int:
+    """Permutes a step issues: per channel, the slots in which some stage sends on it (the others run none)."""
+    schedule = schedules.build(name, p, m, v)
+    plans = (schedule_buffers.activation_buffers(schedule), schedule_buffers.gradient_buffers(schedule))
+    return sum(int((write >= 0).any(axis=1).sum()) for plan in plans for channel, write in plan.writes.items()
+               if channel != schedule_buffers.SELF)
+
+
 # One rule per kind of parallelism, in the order the table lists them.
 RULES: list[Callable[[Layout], list[Expected]]] = [
     gradient_all_reduces, fsdp_gathers, stage_replicated_gradients, tensor_activations, context_ring,

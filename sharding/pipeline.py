@@ -313,7 +313,7 @@ class StageProgram:
         arrived = {}
         for key, (_, pairs) in self.sends.items():
             with jax.named_scope(f"send_{key}"):  # send_channel reads it back from the compiled program
-                arrived[key] = jax.lax.switch(patterns[key], [functools.partial(_send, p) for p in pairs],
+                arrived[key] = jax.lax.switch(patterns[key], [functools.partial(_send, pattern) for pattern in pairs],
                                               kinds[key.split("_")[0]][1])
         for kind, (buffer, message) in kinds.items():
             new[buffer] = self.store(carry[buffer], message, arrived, cell, f"{kind}_write")

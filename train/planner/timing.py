@@ -19,7 +19,7 @@ import models
 from mesh import cost, layout, placement
 from mesh import topology as topology_lib
 from sharding import schedules
-from sharding.expected import expected_traffic
+from sharding.expected import expected_traffic, sends_per_step
 from train.planner import memory, memory_bound
 from train.planner.candidate import Candidate
 
@@ -87,6 +87,8 @@ def _count(e, cfg: models.ModelConfig, c: Candidate, layers_per_device: int) -> 
         return layers_per_device * (1 if c.sizes["pipeline"] > 1 else accum)
     if e.op == "all_reduce" and e.axes == ("tensor",):
         return max(1, round(4 * layers_per_device * c.microbatches * accum))
+    if e.op == "collective_permute" and e.axes == ("pipeline",):  # idle slots send nothing
+        return sends_per_step(c.schedule, c.sizes["pipeline"], c.microbatches, c.virtual_stages) * accum
     if e.op == "collective_permute":
         return 4 * (c.virtual_stages * c.microbatches + c.sizes["pipeline"] - 1) * accum
     return 1  # gradients: XLA combines them into one all-reduce
@@ -100,7 +102,8 @@ def communication(cfg: models.ModelConfig, c: Candidate, global_batch: int, topo
     for a combined record); True splits it into the number of collectives the step issues."""
     abstract, specs, rules = memory.layout_specs(cfg, c.mesh)
     sizes = c.sizes
-    pipe = {"microbatches": c.microbatches, "virtual_stages": c.virtual_stages} if sizes["pipeline"] > 1 else None
+    pipe = ({"schedule": c.schedule, "microbatches": c.microbatches, "virtual_stages": c.virtual_stages}
+            if sizes["pipeline"] > 1 else None)
     rows = expected_traffic(cfg, abstract, specs, rules, sizes, global_batch, pipe)
     key = _key(topo)
     layers = cfg.n_layers // sizes["pipeline"]
