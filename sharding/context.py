@@ -9,6 +9,8 @@ that half is computed.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,12 +46,14 @@ def to_zigzag(x_BxLx: jax.Array, ways: int) -> jax.Array:
     return pairs.reshape(x_BxLx.shape)
 
 
-def _ring(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways: int,
-          seg_BxW: jax.Array | None = None) -> jax.Array:
-    """One device's causal attention over the whole sequence (in shard_map: L is its 2 chunks). With packed
+def ring(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways: int,
+         seg_BxW: jax.Array | None = None, gathered: bool = False) -> jax.Array:
+    """One device's causal attention over the whole sequence, inside a shard_map manual over `context` (L is the
+    device's 2 chunks; `ring_attention` builds that region, a pipeline's region is already one). With packed
     documents, `seg_BxW` holds the segment ids of the whole rows (zigzag order, W = ways x L, tiny next to K and
     V): each device reads the ids of the block it holds from them rather than receiving them with the block,
-    and a query sees only keys of its own document."""
+    and a query sees only keys of its own document. `gathered`: the blocks come from one all-gather of K and V
+    rather than hop by hop (`_next_block`); the same blocks in the same order, so the same result."""
     me = jax.lax.axis_index(AXIS)
     C = q_BxLxHxK.shape[1] // 2
     positions = jnp.asarray(zigzag_order(2 * C * ways, ways)).reshape(ways, 2 * C)[me]  # my chunks' global positions
@@ -62,11 +66,11 @@ def _ring(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways
         allowed = allowed & _same_document(mine, mine)
     out, lse = attention_block(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, allowed)
     q_top, q_bottom = q_BxLxHxK[:, :C], q_BxLxHxK[:, C:]
-    to_next = [(d, (d + 1) % ways) for d in range(ways)]
+    next_block = _next_block(k_BxLxGxK, v_BxLxGxK, ways, gathered)
 
     def hop(carry, step):
         k, v, out, lse = carry
-        k, v = jax.lax.ppermute(k, AXIS, to_next), jax.lax.ppermute(v, AXIS, to_next)
+        k, v = next_block(k, v, step)
         # The block came from device j = me - step. If j < me, every query of mine sees j's first chunk and none
         # of its second; otherwise only my second chunk's queries see anything, and they see both of j's.
         earlier = (me - step) % ways < me
@@ -90,6 +94,21 @@ def _ring(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways
     return out.astype(q_BxLxHxK.dtype)
 
 
+def _next_block(k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways: int, gathered: bool) -> Callable:
+    """(k, v, step) -> the K and V blocks of device me - step: passed on one hop from the previous device (the
+    ring), or read from the blocks of every device all-gathered once. The gathered form serves regions whose
+    devices do not all run the attention at once (a pipeline's cells, one stage at a time): a collective permute
+    waits for every device its pairs name, over every stage, where an all-gather waits only for its group. It
+    moves the same bytes (c-1 blocks in, and their gradients reduce-scattered back) and holds all c blocks."""
+    if not gathered:
+        to_next = [(d, (d + 1) % ways) for d in range(ways)]
+        return lambda k, v, step: (jax.lax.ppermute(k, AXIS, to_next), jax.lax.ppermute(v, AXIS, to_next))
+    me, L = jax.lax.axis_index(AXIS), k_BxLxGxK.shape[1]
+    k_BxWxGxK, v_BxWxGxK = (jax.lax.all_gather(a, AXIS, axis=1, tiled=True) for a in (k_BxLxGxK, v_BxLxGxK))
+    return lambda k, v, step: tuple(jax.lax.dynamic_slice_in_dim(a, ((me - step) % ways) * L, L, axis=1)
+                                    for a in (k_BxWxGxK, v_BxWxGxK))
+
+
 def _same_document(q_seg_BxQ: jax.Array, k_seg_BxS: jax.Array) -> jax.Array:
     """bool [B, 1, 1, Q, S]: which keys share each query's document (attention_block's per-row mask)."""
     return (q_seg_BxQ[:, :, None] == k_seg_BxS[:, None, :])[:, None, None]
@@ -105,8 +124,8 @@ def ring_attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Ar
         (q_spec, kv_spec)
     ways = mesh.shape[AXIS]
     if seg_BxW is None:
-        return jax.shard_map(lambda q, k, v: _ring(q, k, v, ways), mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec),
+        return jax.shard_map(lambda q, k, v: ring(q, k, v, ways), mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec),
                              out_specs=q_spec, check_vma=True)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
-    return jax.shard_map(lambda q, k, v, s: _ring(q, k, v, ways, s), mesh=mesh,
+    return jax.shard_map(lambda q, k, v, s: ring(q, k, v, ways, s), mesh=mesh,
                          in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
                          check_vma=True)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, seg_BxW)

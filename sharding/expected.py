@@ -18,7 +18,9 @@ Sequence parallelism (Megatron, `seq -> tensor`): each forward all-reduce become
 all-gather of the next block's input; the backward mirrors both and gathers each matmul input again for its
 weight gradient (the gathered copy is not kept); pipelined, the stage messages are split over `tensor` too.
 Context parallelism: the ring passes every layer's K and V blocks c-1 hops forward, their gradients c-1 hops
-back, and the weight gradients are summed over `context`.
+back, and the weight gradients are summed over `context`; pipelined, the blocks are all-gathered in each cell
+(their gradients reduce-scattered), the stage messages are split over `context`, and the gradients are summed
+over the batch axes and `context` in one all-reduce.
 Expert parallelism (sharding/experts.py): per mixture-of-experts layer, the dispatch and combine all-to-alls of
 the device's [rows, experts, capacity, d_model] buffers over `expert`, mirrored in the backward pass (and repeated
 when rematerialization recomputes the layer); under `tensor` the experts' MLP all-reduces move such buffers in
@@ -131,13 +133,20 @@ def gradient_all_reduces(x: Layout) -> list[Expected]:
     for leaf, spec, joint in zip(x.leaves, x.specs, routed):
         if not (x.pipelined and _on_every_stage(spec)):
             axes = tuple(a for a in x.batch_axes if a not in spec_axes(spec)) + ("context",) * joint
+            axes += _context_in_pipeline(x, spec)
             if axes:
                 axes = tuple(a for a in x.sizes if a in axes)
                 reduced[axes] = reduced.get(axes, 0.0) + _shard_bytes(leaf, spec, x.sizes)
-    if x.sizes.get("context", 1) > 1:  # experts on rows split over context are summed with the batch axes above
+    if x.sizes.get("context", 1) > 1 and not x.pipelined:  # experts on rows over context: summed above
         reduced[("context",)] = sum(_shard_bytes(leaf, spec, x.sizes) for leaf, spec, joint
                                     in zip(x.leaves, x.specs, routed) if "context" not in spec_axes(spec) and not joint)
     return [Expected("gradient all-reduce", "all_reduce", axes, nbytes) for axes, nbytes in reduced.items()]
+
+
+def _context_in_pipeline(x: Layout, spec: P) -> tuple[str, ...]:
+    """("context",) when a pipeline sums a weight's gradients over `context` with the batch axes, in one all-reduce
+    (sharding/pipeline.py, where `context` is manual like them); else ()."""
+    return ("context",) if x.pipelined and x.sizes.get("context", 1) > 1 and "context" not in spec_axes(spec) else ()
 
 
 def fsdp_gathers(x: Layout) -> list[Expected]:
@@ -173,7 +182,8 @@ def stage_replicated_gradients(x: Layout) -> list[Expected]:
     by_axes: dict[tuple[str, ...], float] = {}
     for leaf, spec in zip(x.leaves, x.specs):
         if _on_every_stage(spec):
-            axes = tuple(a for a in x.sizes if a == "pipeline" or (a in x.batch_axes and a not in spec_axes(spec)))
+            axes = tuple(a for a in x.sizes if a == "pipeline" or (a in x.batch_axes and a not in spec_axes(spec))
+                         or a in _context_in_pipeline(x, spec))
             by_axes[axes] = by_axes.get(axes, 0.0) + _shard_bytes(leaf, spec, x.sizes)
     return [Expected("embedding/head gradient all-reduce (on every stage)", "all_reduce", axes, nbytes)
             for axes, nbytes in by_axes.items()]
@@ -254,7 +264,9 @@ def tensor_activations(x: Layout) -> list[Expected]:
 
 def context_ring(x: Layout) -> list[Expected]:
     """Ring attention passes every layer's K and V blocks c-1 hops forward and their gradients c-1 hops back
-    (again under full remat's recompute)."""
+    (again under full remat's recompute). In a pipeline's cells the blocks are all-gathered instead and their
+    gradients reduce-scattered (sharding/context.py, _next_block), by every cell that runs a chunk's forward: the
+    forward cell, and each backward cell (B and W for a split backward) that recomputes it, full remat again."""
     context = x.sizes.get("context", 1)
     if context == 1:
         return []
@@ -262,9 +274,21 @@ def context_ring(x: Layout) -> list[Expected]:
     heads_ways = math.prod(x.sizes[a] for a in x.rules.get("heads", ()) if x.sizes.get(a, 1) > 1)
     kv_heads = x.family.kv_heads(cfg) // heads_ways
     block = x.rows * (cfg.seq_len // context) * kv_heads * cfg.head_dim * x.itemsize
+    if x.pipelined:
+        backwards = 1 + _split_backward(x.schedule())
+        forwards = 1 + backwards * (1 + (cfg.remat == "full"))
+        whole = 2 * context * cfg.n_layers * block / x.sizes["pipeline"]  # K and V of the stage's layers, gathered
+        return [Expected("context K/V all-gather", "all_gather", "context", forwards * whole),
+                Expected("context K/V gradient reduce-scatter", "reduce_scatter", "context", backwards * whole)]
     passes = 2 + (cfg.remat == "full")  # forward, backward (the gradients going back), full remat's recompute
     return [Expected("ring attention K/V blocks", "collective_permute", "context",
                      passes * 2 * (context - 1) * cfg.n_layers * block)]
+
+
+def _split_backward(schedule: schedules.Schedule) -> bool:
+    """Whether the table splits backwards into B and W cells (each recomputes the chunk's forward)."""
+    kinds = schedule.table[:, :, schedules.KIND]
+    return bool(((kinds == schedules.INPUT_GRAD) | (kinds == schedules.WEIGHT_GRAD)).any())
 
 
 def expert_all_to_alls(x: Layout) -> list[Expected]:
@@ -296,6 +320,7 @@ def stage_sends(x: Layout) -> list[Expected]:
         return []
     micro = x.rows // x.pipeline["microbatches"]
     split = x.sizes.get("tensor", 1) if "tensor" in x.rules.get("seq", ()) else 1  # sequence parallel messages
+    split *= x.sizes.get("context", 1)  # each device sends its slice of the rows' sequence
     act = micro * x.cfg.seq_len // split * x.cfg.d_model * x.itemsize
     return [Expected("stage activations and gradients", "collective_permute", "pipeline",
                      messages_per_step(*x.schedule_key()) * act)]

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import models
 from mesh.layout import axis_sizes
+from sharding import context as context_lib
 from sharding import pipeline_stages as stages
 from sharding import schedule_buffers, schedules
 from sharding import specs as sharding_specs
@@ -69,23 +70,39 @@ def from_logical(tree: Any, order: np.ndarray) -> Any:
 # ----------------------------------------------------------------------------- the region's axes
 
 class AutoAxesHints(models.contract.Hooks):
-    """Inside the pipeline's shard_map: activation hints for the automatic (tensor) axes only."""
+    """Inside the pipeline's shard_map: activation hints for the automatic (tensor) axes only, and with `context`
+    manual there (`context` > 1 ways), each device's slice of the zigzag sequence and the ring over them."""
 
-    def __init__(self, rules, sizes):
-        self.rules, self.sizes = rules, sizes
+    def __init__(self, rules, sizes, context: int = 1):
+        self.rules, self.sizes, self.context = rules, sizes, context
 
     def __call__(self, x, names):
         return jax.lax.with_sharding_constraint(x, sharding_specs.mesh_spec(P(*names), self.rules, x.shape, self.sizes))
 
+    def context_order(self, length: int) -> jax.Array | None:
+        """int32 [length]: the global positions of this device's `length` tokens (its two zigzag chunks)."""
+        if self.context == 1:
+            return None
+        order_CxL = jnp.asarray(context_lib.zigzag_order(length * self.context, self.context)).reshape(self.context,
+                                                                                                      length)
+        return order_CxL[jax.lax.axis_index(context_lib.AXIS)]
+
+    def causal_attention(self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL=None):
+        if self.context == 1:
+            return super().causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL)
+        assert implementation == "xla" and segment_ids_BxL is None, implementation  # train/config.py rejects them
+        return context_lib.ring(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.context, gathered=True)
+
 
 def manual_axes(rules: Rules, mesh_sizes: Mapping[str, int]) -> tuple[str, ...]:
-    """`pipeline` and the axes that split the batch (data, fsdp): the pipeline region handles these by
+    """`pipeline`, the axes that split the batch (data, fsdp) and `context`: the pipeline region handles these by
     hand. The batch axes must be manual: left automatic, XLA gathered the whole batch onto every stage at
-    the region's entry. Everything else (tensor) stays automatic, so XLA's partitioner places Megatron's
-    tensor-parallel collectives inside each stage's computation, as in the unpipelined model; only the FSDP
-    gather and reduce-scatter run with tensor manual too (_on_local_shards), on each tensor shard."""
+    the region's entry. `context` splits the work like them: automatic, XLA summed the weight gradients over it in
+    every backward cell, where by hand they are summed once per step. Everything else (tensor) stays automatic,
+    so XLA's partitioner places Megatron's tensor-parallel collectives inside each stage's computation, as in
+    the unpipelined model; only the FSDP gather and reduce-scatter run with tensor manual too (_on_local_shards)."""
     batch = [a for a in rules.get("batch", ()) if mesh_sizes.get(a, 1) > 1 and a != PIPELINE]
-    return (PIPELINE, *batch)
+    return (PIPELINE, *batch) + ((context_lib.AXIS,) * (mesh_sizes.get(context_lib.AXIS, 1) > 1))
 
 
 def _only(spec: P, axes: tuple[str, ...], drop: tuple[str, ...] = ()) -> P:
@@ -236,7 +253,7 @@ class StageProgram:
         assert p * v >= 2 and cfg.n_layers % (p * v) == 0, (cfg.n_layers, p, v)
         self.cfg, self.train, self.v, self.m = cfg, train, v, schedule.microbatches
         self.manual = manual = manual_axes(rules, sizes)
-        self.batch_axes = manual[1:]
+        self.batch_axes = manual[1:]  # and `context`: each device's loss is the mean of its rows' slices
         self.replicas = math.prod(sizes[a] for a in self.batch_axes)
 
         abstract, logical = models.abstract_params(cfg)
@@ -245,13 +262,16 @@ class StageProgram:
         self.batch_in = _only(sharding_specs.mesh_spec(P("batch", None), rules, None, sizes), manual)
         auto_rules = {k: tuple(a for a in axes if a not in manual) for k, axes in rules.items()}
         self.automatic = tuple(a for a in mesh.axis_names if a not in manual and sizes[a] > 1)
-        self.constrain = AutoAxesHints(auto_rules, sizes)
+        self.context = sizes.get(context_lib.AXIS, 1)
+        self.constrain = AutoAxesHints(auto_rules, sizes, self.context)
 
         self.program = slot_program(schedule, train)
         self.sends = send_patterns(self.program, p)
         self.split = train and has_split_backward(schedule)
         self.act_entries, self.grad_entries = (int(n) for n in self.program.pop("sizes"))
         self.count_targets = models.target_counter(cfg)
+        # Counted targets weigh whole rows, not a device's slice of them: train/config.py rejects the pair.
+        assert self.context == 1 or self.count_targets is None, "packed documents or a loss mask under context"
 
     def region(self, params: Any, tokens: jax.Array) -> Any:
         """The body of the shard_map: gather the stage, scan the slot program, reduce loss and gradients."""
@@ -280,7 +300,7 @@ class StageProgram:
         weight = (None if self.count_targets is None
                   else _microbatch_weight(self.count_targets, tokens, self.batch_axes, self.replicas))
         cells = stages.branches(self.cfg, self.constrain, self.manual, 1.0 / m if weight is None else weight,
-                                self.split)
+                                self.split, self.context)
         assert len(cells) == stages.num_branches(self.split), len(cells)  # branch_slot_counts, the audit index these
         return DeviceOperands(d, stack, top, micro, weight, cells)
 
@@ -288,7 +308,7 @@ class StageProgram:
         """The scan's carry: the two message buffers [entries, b, seq, D], the loss and, when training, the
         gradient accumulators of the stage's chunks and of the top parameters."""
         dt = jnp.dtype(self.cfg.compute_dtype)
-        act_shape = (tokens.shape[0] // self.m, tokens.shape[1] - 1, self.cfg.d_model)
+        act_shape = (tokens.shape[0] // self.m, (tokens.shape[1] - 1) // self.context, self.cfg.d_model)
         carry = dict(acts=jnp.zeros((self.act_entries, *act_shape), dt),
                      grads=jnp.zeros((self.grad_entries, *act_shape), dt), loss=jnp.zeros((), jnp.float32))
         if self.train:

@@ -53,10 +53,10 @@ LossScale = Union[float, Callable[[jax.Array], jax.Array]]  # 1/m, or a microbat
 
 
 def branches(cfg: Any, constrain: Constrain, manual: tuple[str, ...], loss_scale: LossScale,
-             split: bool = False) -> list[Callable[[Operands], Outputs]]:
+             split: bool = False, context: int = 1) -> list[Callable[[Operands], Outputs]]:
     """The cell programs, indexed by the constants above (see Cells): seven, or eleven with the split backward's.
     The executor picks one per time slot with `lax.switch`, so all of them share one signature."""
-    cells = Cells(cfg, constrain, manual, loss_scale)
+    cells = Cells(cfg, constrain, manual, loss_scale, context)
     whole = [cells.idle, cells.fwd_first, cells.fwd_mid, cells.fwd_last, cells.bwd_first, cells.bwd_mid,
              cells.bwd_last]
     return whole + ([cells.input_mid, cells.input_last, cells.weight_mid, cells.weight_last] if split else [])
@@ -75,10 +75,16 @@ class Cells:
     The first and last cells differentiate with respect to all top parameters, so a head tied to the
     embedding gets its gradient from both ends; a chunk's auxiliary loss (mixture of experts) is added to
     the loss of the cell that runs it, and its backward seeded like the main loss.
+
+    With `context` > 1 ways (manual in the region), every device holds whole rows of tokens and runs its slice of
+    their zigzag order (`constrain.context_order`): x_in and the messages are [b, seq / context, D], the loss
+    the mean over the slice's targets.
     """
 
-    def __init__(self, cfg: Any, constrain: Constrain, manual: tuple[str, ...], loss_scale: LossScale):
+    def __init__(self, cfg: Any, constrain: Constrain, manual: tuple[str, ...], loss_scale: LossScale,
+                 context: int = 1):
         self.cfg, self.constrain, self.manual, self.loss_scale = cfg, constrain, manual, loss_scale
+        self.context = context
         self.cdt = jnp.dtype(cfg.compute_dtype)
         self.family = models.family_of(cfg)
 
@@ -87,21 +93,29 @@ class Cells:
     def zeros(self, tree: Any) -> Any:
         return make_varying(jax.tree.map(jnp.zeros_like, tree), self.manual)
 
+    def rows(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """(inputs, targets, loss mask or None) [b, seq / context] of a microbatch's tokens [b, seq+1]: what this
+        device computes (the whole rows without context parallelism)."""
+        inputs, targets, counted = models.split_row(tokens, self.cfg)
+        if self.context == 1:
+            return inputs, targets, counted
+        order = self.constrain.context_order(inputs.shape[1] // self.context)
+        return tuple(None if a is None else jnp.take(a, order, axis=1) for a in (inputs, targets, counted))
+
     def layers(self, chunk: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(x, aux loss varying like the loss, so its seed has its type)."""
-        y, (aux, _) = self.family.run_layers(chunk, x, models.split_row(tokens, self.cfg)[0], self.cfg, self.constrain)
+        y, (aux, _) = self.family.run_layers(chunk, x, self.rows(tokens)[0], self.cfg, self.constrain)
         return y, make_varying(aux, self.manual)
 
     def first(self, chunk: Any, top: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        inputs = models.split_row(tokens, self.cfg)[0]
-        return self.layers(chunk, self.family.embed(top, inputs, self.cfg, self.constrain), tokens)
+        return self.layers(chunk, self.family.embed(top, self.rows(tokens)[0], self.cfg, self.constrain), tokens)
 
     def mid(self, chunk: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         return self.layers(chunk, x, tokens)
 
     def last(self, chunk: Any, top: Any, x: jax.Array, tokens: jax.Array) -> jax.Array:
         y, aux = self.layers(chunk, x, tokens)
-        _, targets, mask = models.split_row(tokens, self.cfg)
+        _, targets, mask = self.rows(tokens)
         loss, _ = self.family.head_loss(top, y, targets, self.cfg, self.constrain, mask)
         return loss + aux
 

@@ -17,11 +17,13 @@ from train.planner import compile_report as report
 from train.trainer import Trainer
 
 # (mesh, sequence parallelism). Three axes at a time, so that one compiled program holds several pairs: context x
-# fsdp, context x tensor + sequence parallelism, tensor + sequence parallelism x fsdp, and sequence parallelism
-# inside a pipeline (context x data and tensor + sequence parallelism x data: tests/test_context.py's layouts).
+# fsdp, context x tensor + sequence parallelism, tensor + sequence parallelism x fsdp, sequence parallelism
+# inside a pipeline, and context inside a pipeline (context x data and tensor + sequence parallelism x data:
+# tests/test_context.py's layouts).
 DENSE = [
     ({"fsdp": 2, "context": 2, "tensor": 2}, True),
     ({"pipeline": 2, "data": 2, "tensor": 2}, True),
+    ({"pipeline": 2, "context": 2, "data": 2}, False),
 ]
 
 
@@ -150,3 +152,13 @@ def test_audit_of_experts_under_context_parallelism():
         ("activation all-reduce (Megatron)", ("tensor",)), ("gradient all-reduce", ("context",)),
         ("gradient all-reduce", ("data",)), ("gradient all-reduce", ("data", "context")),
         ("mixture rows over context", ("context",)), ("ring attention K/V blocks", ("context",))]
+
+
+def test_audit_of_context_parallelism_in_a_pipeline():
+    """Stage messages split over `context`, K and V all-gathered in every cell that runs a chunk's forward (their
+    gradients reduce-scattered in the backward ones), and the gradients summed over data x context once per step."""
+    rows = _audit(dense_trainer(tuple(DENSE[2][0].items()), False))
+    assert sorted((r["purpose"], tuple(r["axes"])) for r in rows) == [
+        ("context K/V all-gather", ("context",)), ("context K/V gradient reduce-scatter", ("context",)),
+        ("embedding/head gradient all-reduce (on every stage)", ("data", "pipeline", "context")),
+        ("gradient all-reduce", ("data", "context")), ("stage activations and gradients", ("pipeline",))]

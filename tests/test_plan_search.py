@@ -67,6 +67,7 @@ def test_context_is_searched_for_long_sequences_or_when_pinned():
     assert "context" not in search.searched_axes(short) and "context" in search.searched_axes(long)
     ranked = search.search(long, 8, CPU8, {})
     assert any(p.fits and p.candidate.sizes["context"] > 1 for p in ranked)
+    assert any(p.fits and p.candidate.sizes["context"] > 1 and p.candidate.sizes["pipeline"] > 1 for p in ranked)
     pinned = search.search(short, 16, CPU8, {"context": 2})
     assert pinned and all(p.candidate.sizes["context"] == 2 for p in pinned)
 

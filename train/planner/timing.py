@@ -81,6 +81,9 @@ def _key(topo: topology_lib.Topology) -> tuple:
 def _count(e, cfg: models.ModelConfig, c: Candidate, layers_per_device: int) -> int:
     """How many collectives carry a row's bytes (each pays the latency terms once)."""
     accum = c.grad_accum_steps
+    if e.axes == ("context",) and e.op in ("all_gather", "reduce_scatter"):  # K and V in a pipeline's cells
+        cells = 2 + (cfg.remat == "full") if e.op == "all_gather" else 1  # forward, recomputes; the backward
+        return 2 * layers_per_device * c.microbatches * accum * cells
     if e.op == "all_gather":
         return layers_per_device * (1 if c.sizes["pipeline"] > 1 else 2 * accum)
     if e.op == "reduce_scatter":
