@@ -23,11 +23,11 @@ from models.contract import (
 from models.documents import loss_mask, split_row, target_counter
 from models.gpt_config import GPT_PRESETS, GPTConfig
 from models.llama_config import LLAMA_PRESETS, LlamaConfig
-from models.moe import is_moe
+from models.moe import is_moe, on_whole_rows
 
 PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
 
 __all__ = ["FAMILIES", "ExpertBuffers", "GPT_PRESETS", "GPTConfig", "LAYERS", "LLAMA_PRESETS", "LlamaConfig",
            "ModelConfigError", "PRESETS", "Family", "ModelConfig", "TensorTraffic", "abstract_params", "family_of",
            "flops_per_token", "forward", "from_dict", "init_params", "is_moe", "loss", "loss_and_metrics", "loss_mask",
-           "param_count", "register", "split_row", "target_counter", "top_params"]
+           "on_whole_rows", "param_count", "register", "split_row", "target_counter", "top_params"]

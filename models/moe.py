@@ -27,6 +27,13 @@ def is_moe(cfg: Any) -> bool:
     return getattr(cfg, "n_experts", 0) > 0
 
 
+def on_whole_rows(keys: tuple[str, ...]) -> bool:
+    """Whether the layer-stack parameter at `keys` (below `layers`) belongs to an MoE block's second half (norm,
+    router, experts: _mlp_half_on_rows), which a context-parallel layout runs on rows split over `context`, so
+    its gradient is summed over the batch axes and `context` at once."""
+    return keys[:1] in (("router",), ("experts",)) or keys[:2] == ("moe", "mlp_norm")
+
+
 def groups(cfg: Any) -> int:
     return cfg.n_layers // cfg.moe_every
 

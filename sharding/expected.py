@@ -69,7 +69,7 @@ class Layout:
     sizes: Mapping[str, int]
     global_batch: int
     pipeline: Mapping[str, int] | None
-    routed: tuple[bool, ...] = ()  # per leaf: a mixture's expert weight (logical axis `experts`)
+    routed: tuple[bool, ...] = ()  # per leaf: read on rows split over context (models.on_whole_rows)
 
     @property
     def family(self) -> models.Family:
@@ -363,6 +363,7 @@ def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Ma
     specs = tuple(jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P)))
     layout = Layout(cfg, leaves, specs, lookup, rules, sizes, global_batch, pipeline)
     if _rows_over_context(layout):  # only then: the planner calls this for every layout it searches
-        logical = jax.tree.leaves(models.abstract_params(cfg)[1], is_leaf=lambda x: isinstance(x, P))
-        layout = dataclasses.replace(layout, routed=tuple("experts" in names for names in logical))
+        keys = [tuple(str(getattr(k, "key", k)) for k in path) for path in paths]
+        routed = tuple(k[0] == models.LAYERS and models.on_whole_rows(k[1:]) for k in keys)
+        layout = dataclasses.replace(layout, routed=routed)
     return [row for rule in RULES for row in rule(layout)]

@@ -1,6 +1,7 @@
 """Expert parallelism: the experts of a mixture-of-experts block split over the `expert` mesh axis, each device's
 per-expert token buffers sent to the experts' devices by one all-to-all (dispatch) and the outputs brought back by
-another (combine), inside a `shard_map` manual over the axes that split the batch (tensor stays automatic).
+another (combine), inside a `shard_map` manual over the axes that split the rows: the batch axes, and `context` when
+it splits them (tensor stays automatic).
 
 Every batch axis is manual, not `expert` alone: the rows are split over (data, fsdp, expert) with `expert`
 innermost, and a region manual over `expert` only would need them expert-major, a permutation of the batch."""
@@ -22,7 +23,8 @@ def batch_axes(rules: Mapping[str, tuple[str, ...]], sizes: Mapping[str, int]) -
 def dispatch_combine(mesh: jax.sharding.Mesh, manual: tuple[str, ...], x_BxExCxD: jax.Array, experts: Any,
                      expert_fn: Callable) -> jax.Array:
     """models.contract.Hooks.moe_experts over the `expert` axis: each device holds [B/ways, E, C, D] buffers of
-    its rows and the weights of E/e experts (replicated over the other `manual` batch axes, so their gradients
+    its rows (`manual`: the axes that split them, the batch axes and under context parallelism `context`, in the
+    rows' order) and the weights of E/e experts (replicated over the other `manual` axes, so their gradients
     are summed over those axes in the backward pass, as data parallelism does)."""
     others = tuple(a for a in manual if a != AXIS)
 

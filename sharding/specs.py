@@ -189,10 +189,12 @@ class ActivationSharding(Hooks):
         return NamedSharding(self.mesh, P(experts_lib.batch_axes(self.rules, self.sizes) + (context.AXIS,)))
 
     def moe_experts(self, x_BxExCxD: jax.Array, experts: Any, expert_fn) -> jax.Array:
-        """Experts split over `expert`: all-to-all dispatch and combine (sharding/experts.py)."""
+        """Experts split over `expert`: all-to-all dispatch and combine (sharding/experts.py); under context
+        parallelism the buffers' rows are split over `context` too (rows_in_order), so it is manual there too."""
         if self.sizes.get(experts_lib.AXIS, 1) == 1:
             return super().moe_experts(x_BxExCxD, experts, expert_fn)
         manual = experts_lib.batch_axes(self.rules, self.sizes)
+        manual += (context.AXIS,) * (self.sizes.get(context.AXIS, 1) > 1)
         return experts_lib.dispatch_combine(self.mesh, manual, x_BxExCxD, experts, expert_fn)
 
 

@@ -58,7 +58,7 @@ def test_dense_composition_matches_single_device(mesh, sequence_parallel):
 
 # Mixtures of experts, held to moe-tiny on one device (test_moe's seed keeps the routing away from ties).
 MOE = [({"expert": 2, "fsdp": 2, "data": 2}, False), ({"expert": 2, "data": 2, "tensor": 2}, True),
-       ({"context": 2, "data": 2, "tensor": 2}, False)]
+       ({"context": 2, "data": 2, "tensor": 2}, False), ({"context": 2, "expert": 2, "data": 2}, False)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -162,3 +162,14 @@ def test_audit_of_context_parallelism_in_a_pipeline():
         ("context K/V all-gather", ("context",)), ("context K/V gradient reduce-scatter", ("context",)),
         ("embedding/head gradient all-reduce (on every stage)", ("data", "pipeline", "context")),
         ("gradient all-reduce", ("data", "context")), ("stage activations and gradients", ("pipeline",))]
+
+
+def test_audit_of_experts_under_context_and_expert_parallelism():
+    """Rows split over the batch axes and `context` go to the experts' devices over `expert`; the mixture half's
+    norm and router, read on those rows, have their gradients summed over all three at once."""
+    rows = _audit(moe_trainer(tuple(MOE[3][0].items()), False))
+    assert sorted((r["purpose"], tuple(r["axes"])) for r in rows) == [
+        ("expert dispatch and combine", ("expert",)), ("gradient all-reduce", ("context",)),
+        ("gradient all-reduce", ("data", "context")), ("gradient all-reduce", ("data", "expert")),
+        ("gradient all-reduce", ("data", "expert", "context")), ("mixture rows over context", ("context",)),
+        ("ring attention K/V blocks", ("context",))]

@@ -177,7 +177,8 @@ def test_sizes_count_every_expert_and_flops_the_active_ones():
 
 @pytest.mark.parametrize("settings, message", [
     ({"mesh.pipeline": 2, "mesh.data": 4}, "mesh.pipeline=2 with model.n_experts=8"),
-    ({"mesh.context": 2, "mesh.expert": 2, "mesh.data": 2}, "mesh.context=2 with mesh.expert=2"),
+    ({"mesh.context": 2, "mesh.expert": 2, "mesh.data": 2, "train.global_batch_size": 4},
+     "device's 1 rows over context; make them a multiple of 2"),
     ({"mesh.context": 4, "mesh.data": 2, "train.global_batch_size": 4}, "make them a multiple of 4"),
     ({"mesh.expert": 8, "model.n_experts": 4}, "model.n_experts=4 is not divisible by mesh axes expert=8"),
     ({"mesh.data": 8, "model.experts_per_token": 9}, "model.experts_per_token=9"),

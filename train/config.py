@@ -228,10 +228,7 @@ def _check_experts(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str,
         raise ConfigError(f"mesh.pipeline={mesh_sizes['pipeline']} with model.n_experts={model.n_experts}: a mixture "
                           f"of experts does not run on a pipeline axis yet; set mesh.pipeline=1 (use mesh.expert, "
                           f"data, fsdp, tensor or context)")
-    context, expert = mesh_sizes.get("context", 1), mesh_sizes.get("expert", 1)
-    if context > 1 and expert > 1:
-        raise ConfigError(f"mesh.context={context} with mesh.expert={expert}: expert parallelism does not take rows "
-                          f"split over context yet; set mesh.expert=1 (the experts then split like any weight)")
+    context = mesh_sizes.get("context", 1)
     replicas = math.prod(mesh_sizes[a] for a in rules.get("batch", ()) if a in mesh_sizes)
     if context > 1 and (rows // replicas) % context:
         raise ConfigError(f"mesh.context={context} with model.n_experts={model.n_experts}: the mixture splits each "

@@ -76,8 +76,6 @@ def _experts(cfg: models.ModelConfig, sizes: Mapping[str, int], global_batch: in
         return "expert axis on a dense model" if sizes["expert"] > 1 else None
     if sizes["pipeline"] > 1:
         return "experts on pipeline unsupported"
-    if sizes["context"] > 1 and sizes["expert"] > 1:
-        return "expert with context unsupported"
     if sizes["context"] > 1 and (global_batch // replicas(sizes)) % sizes["context"]:
         return f"rows not divisible by context={sizes['context']} for the experts"
     return None
