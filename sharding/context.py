@@ -47,13 +47,14 @@ def to_zigzag(x_BxLx: jax.Array, ways: int) -> jax.Array:
 
 
 def ring(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways: int,
-         seg_BxW: jax.Array | None = None, gathered: bool = False) -> jax.Array:
+         seg_BxW: jax.Array | None = None, gather: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """One device's causal attention over the whole sequence, inside a shard_map manual over `context` (L is the
     device's 2 chunks; `ring_attention` builds that region, a pipeline's region is already one). With packed
     documents, `seg_BxW` holds the segment ids of the whole rows (zigzag order, W = ways x L, tiny next to K and
     V): each device reads the ids of the block it holds from them rather than receiving them with the block,
-    and a query sees only keys of its own document. `gathered`: the blocks come from one all-gather of K and V
-    rather than hop by hop (`_next_block`); the same blocks in the same order, so the same result."""
+    and a query sees only keys of its own document. `gather` (`all_gather_blocks`, or a caller's wrapping of it):
+    the blocks come from one all-gather of K and V rather than hop by hop (`_next_block`); the same blocks in the
+    same order, so the same result."""
     me = jax.lax.axis_index(AXIS)
     C = q_BxLxHxK.shape[1] // 2
     positions = jnp.asarray(zigzag_order(2 * C * ways, ways)).reshape(ways, 2 * C)[me]  # my chunks' global positions
@@ -66,7 +67,7 @@ def ring(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways:
         allowed = allowed & _same_document(mine, mine)
     out, lse = attention_block(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, allowed)
     q_top, q_bottom = q_BxLxHxK[:, :C], q_BxLxHxK[:, C:]
-    next_block = _next_block(k_BxLxGxK, v_BxLxGxK, ways, gathered)
+    next_block = _next_block(k_BxLxGxK, v_BxLxGxK, ways, gather)
 
     def hop(carry, step):
         k, v, out, lse = carry
@@ -94,17 +95,22 @@ def ring(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways:
     return out.astype(q_BxLxHxK.dtype)
 
 
-def _next_block(k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways: int, gathered: bool) -> Callable:
+def all_gather_blocks(x_BxLx: jax.Array) -> jax.Array:
+    """Every context device's block of `x` along the sequence, in device order: [B, ways x L, ...]."""
+    return jax.lax.all_gather(x_BxLx, AXIS, axis=1, tiled=True)
+
+
+def _next_block(k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, ways: int, gather: Callable | None) -> Callable:
     """(k, v, step) -> the K and V blocks of device me - step: passed on one hop from the previous device (the
     ring), or read from the blocks of every device all-gathered once. The gathered form serves regions whose
     devices do not all run the attention at once (a pipeline's cells, one stage at a time): a collective permute
     waits for every device its pairs name, over every stage, where an all-gather waits only for its group. It
     moves the same bytes (c-1 blocks in, and their gradients reduce-scattered back) and holds all c blocks."""
-    if not gathered:
+    if gather is None:
         to_next = [(d, (d + 1) % ways) for d in range(ways)]
         return lambda k, v, step: (jax.lax.ppermute(k, AXIS, to_next), jax.lax.ppermute(v, AXIS, to_next))
     me, L = jax.lax.axis_index(AXIS), k_BxLxGxK.shape[1]
-    k_BxWxGxK, v_BxWxGxK = (jax.lax.all_gather(a, AXIS, axis=1, tiled=True) for a in (k_BxLxGxK, v_BxLxGxK))
+    k_BxWxGxK, v_BxWxGxK = gather(k_BxLxGxK), gather(v_BxLxGxK)
     return lambda k, v, step: tuple(jax.lax.dynamic_slice_in_dim(a, ((me - step) % ways) * L, L, axis=1)
                                     for a in (k_BxWxGxK, v_BxWxGxK))
 

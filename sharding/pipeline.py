@@ -88,10 +88,16 @@ class AutoAxesHints(models.contract.Hooks):
         return order_CxL[jax.lax.axis_index(context_lib.AXIS)]
 
     def causal_attention(self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL=None):
+        """With `context` manual, the ring on this device's slice, its K/V blocks all-gathered (context._next_block)
+        on each device's heads of the automatic axes (tensor) that split them (_on_local_shards: called on the
+        whole heads, XLA replicated K and V over `tensor` first, moving `tensor` times the bytes)."""
         if self.context == 1:
             return super().causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL)
         assert implementation == "xla" and segment_ids_BxL is None, implementation  # train/config.py rejects them
-        return context_lib.ring(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.context, gathered=True)
+        kv_spec = sharding_specs.mesh_spec(P("batch", "seq", "heads", "kv"), self.rules, k_BxLxGxK.shape, self.sizes)
+        gather = functools.partial(_on_local_shards, context_lib.all_gather_blocks, spec=kv_spec,
+                                   automatic=sharding_specs.spec_axes(kv_spec))
+        return context_lib.ring(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.context, gather=gather)
 
 
 def manual_axes(rules: Rules, mesh_sizes: Mapping[str, int]) -> tuple[str, ...]:

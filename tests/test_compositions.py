@@ -17,13 +17,12 @@ from train.planner import compile_report as report
 from train.trainer import Trainer
 
 # (mesh, sequence parallelism). Three axes at a time, so that one compiled program holds several pairs: context x
-# fsdp, context x tensor + sequence parallelism, tensor + sequence parallelism x fsdp, sequence parallelism
-# inside a pipeline, and context inside a pipeline (context x data and tensor + sequence parallelism x data:
-# tests/test_context.py's layouts).
+# fsdp, context x tensor + sequence parallelism, tensor + sequence parallelism x fsdp, and sequence parallelism
+# and context inside a pipeline (context x data and tensor + sequence parallelism x data: tests/test_context.py's
+# layouts; pipeline x data and tensor: tests/test_pipeline.py's).
 DENSE = [
     ({"fsdp": 2, "context": 2, "tensor": 2}, True),
-    ({"pipeline": 2, "data": 2, "tensor": 2}, True),
-    ({"pipeline": 2, "context": 2, "data": 2}, False),
+    ({"pipeline": 2, "context": 2, "tensor": 2}, True),
 ]
 
 
@@ -108,14 +107,18 @@ def test_audit_of_experts_over_fsdp():
         ("weight all-gather (forward + backward)", ("fsdp",))]
 
 
-def test_audit_of_sequence_parallelism_in_a_pipeline():
-    """Stage messages split over `tensor` like the residual stream, and each backward cell's recomputed forward
-    scatters and gathers as the forward does."""
+def test_audit_of_sequence_and_context_parallelism_in_a_pipeline():
+    """Stage messages split over `tensor` like the residual stream and over `context`; each backward cell's
+    recomputed forward scatters and gathers as the forward does; K and V all-gathered over `context` in every cell
+    that runs a chunk's forward, on each device's heads (their gradients reduce-scattered in the backward ones);
+    the gradients summed over `context` once per step."""
     rows = _audit(dense_trainer(tuple(DENSE[1][0].items()), True))
-    assert sorted(r["purpose"] for r in rows) == [
-        "activation all-gather (sequence parallel)", "activation reduce-scatter (sequence parallel)",
-        "embedding/head gradient all-reduce (on every stage)", "gradient all-reduce",
-        "stage activations and gradients"]
+    assert sorted((r["purpose"], tuple(r["axes"])) for r in rows) == [
+        ("activation all-gather (sequence parallel)", ("tensor",)),
+        ("activation reduce-scatter (sequence parallel)", ("tensor",)), ("context K/V all-gather", ("context",)),
+        ("context K/V gradient reduce-scatter", ("context",)),
+        ("embedding/head gradient all-reduce (on every stage)", ("pipeline", "context")),
+        ("gradient all-reduce", ("context",)), ("stage activations and gradients", ("pipeline",))]
 
 
 @pytest.fixture(scope="module")
@@ -152,16 +155,6 @@ def test_audit_of_experts_under_context_parallelism():
         ("activation all-reduce (Megatron)", ("tensor",)), ("gradient all-reduce", ("context",)),
         ("gradient all-reduce", ("data",)), ("gradient all-reduce", ("data", "context")),
         ("mixture rows over context", ("context",)), ("ring attention K/V blocks", ("context",))]
-
-
-def test_audit_of_context_parallelism_in_a_pipeline():
-    """Stage messages split over `context`, K and V all-gathered in every cell that runs a chunk's forward (their
-    gradients reduce-scattered in the backward ones), and the gradients summed over data x context once per step."""
-    rows = _audit(dense_trainer(tuple(DENSE[2][0].items()), False))
-    assert sorted((r["purpose"], tuple(r["axes"])) for r in rows) == [
-        ("context K/V all-gather", ("context",)), ("context K/V gradient reduce-scatter", ("context",)),
-        ("embedding/head gradient all-reduce (on every stage)", ("data", "pipeline", "context")),
-        ("gradient all-reduce", ("data", "context")), ("stage activations and gradients", ("pipeline",))]
 
 
 def test_audit_of_experts_under_context_and_expert_parallelism():
