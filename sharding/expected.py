@@ -275,7 +275,10 @@ def context_ring(x: Layout) -> list[Expected]:
     kv_heads = x.family.kv_heads(cfg) // heads_ways
     block = x.rows * (cfg.seq_len // context) * kv_heads * cfg.head_dim * x.itemsize
     if x.pipelined:
-        backwards = 1 + _split_backward(x.schedule())
+        # A split backward runs B and W cells per chunk, except the first chunk's B (pipeline_stages: idle), so
+        # the mean device runs 2 - 1/chunks of them per chunk.
+        chunks = x.sizes["pipeline"] * x.pipeline.get("virtual_stages", 1)
+        backwards = 2 - 1 / chunks if _split_backward(x.schedule()) else 1
         forwards = 1 + backwards * (1 + (cfg.remat == "full"))
         whole = 2 * context * cfg.n_layers * block / x.sizes["pipeline"]  # K and V of the stage's layers, gathered
         return [Expected("context K/V all-gather", "all_gather", "context", forwards * whole),
