@@ -103,8 +103,8 @@ class AutoAxesHints(models.contract.Hooks):
 def manual_axes(rules: Rules, mesh_sizes: Mapping[str, int]) -> tuple[str, ...]:
     """`pipeline`, the axes that split the batch (data, fsdp) and `context`: the pipeline region handles these by
     hand. The batch axes must be manual: left automatic, XLA gathered the whole batch onto every stage at
-    the region's entry. `context` splits the work like them: automatic, XLA summed the weight gradients over it in
-    every backward cell, where by hand they are summed once per step. Everything else (tensor) stays automatic,
+    the region's entry. `context` splits the work like them: left automatic, the weight gradients (contractions
+    over the split sequence) would be summed over it in every backward cell; by hand they are summed once per step. Everything else (tensor) stays automatic,
     so XLA's partitioner places Megatron's tensor-parallel collectives inside each stage's computation, as in
     the unpipelined model; only the FSDP gather and reduce-scatter run with tensor manual too (_on_local_shards)."""
     batch = [a for a in rules.get("batch", ()) if mesh_sizes.get(a, 1) > 1 and a != PIPELINE]
