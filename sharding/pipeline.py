@@ -104,9 +104,10 @@ def manual_axes(rules: Rules, mesh_sizes: Mapping[str, int]) -> tuple[str, ...]:
     """`pipeline`, the axes that split the batch (data, fsdp) and `context`: the pipeline region handles these by
     hand. The batch axes must be manual: left automatic, XLA gathered the whole batch onto every stage at
     the region's entry. `context` splits the work like them: left automatic, the weight gradients (contractions
-    over the split sequence) would be summed over it in every backward cell; by hand they are summed once per step. Everything else (tensor) stays automatic,
-    so XLA's partitioner places Megatron's tensor-parallel collectives inside each stage's computation, as in
-    the unpipelined model; only the FSDP gather and reduce-scatter run with tensor manual too (_on_local_shards)."""
+    over the split sequence) would be summed over it in every backward cell; by hand they are summed once per
+    step. Everything else (tensor) stays automatic, so XLA's partitioner places Megatron's tensor-parallel
+    collectives inside each stage's computation, as in the unpipelined model; only the FSDP gather and
+    reduce-scatter run with tensor manual too (_on_local_shards)."""
     batch = [a for a in rules.get("batch", ()) if mesh_sizes.get(a, 1) > 1 and a != PIPELINE]
     return (PIPELINE, *batch) + ((context_lib.AXIS,) * (mesh_sizes.get(context_lib.AXIS, 1) > 1))
 
