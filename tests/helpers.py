@@ -63,6 +63,14 @@ def step_with_grads(trainer: Trainer):
     return _WITH_GRADS[key]
 
 
+def compiled_step(trainer: Trainer):
+    """The compiled program of `step_with_grads`, for tests that read what a layout runs (the audit, the
+    collectives): after the layout's equivalence run it is jit's in-memory hit, where the production step would
+    be a second compile. The production step pins the gradients to the parameters' layout as this one does,
+    so the two run the same collectives."""
+    return step_with_grads(trainer).lower(trainer.layout.abstract_state, trainer.abstract_batch()).compile()
+
+
 def grads_and_run(trainer: Trainer, steps: int, state=None):
     """(first-step gradients, losses of `steps` updates, final state) from `state` (a fresh state when None;
     it is donated), every step run by one compiled program (step_with_grads)."""

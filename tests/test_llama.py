@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import models
-from tests.helpers import grads_and_run, rel_norm, run_cli, tiny_config
+from tests.helpers import compiled_step, grads_and_run, rel_norm, run_cli, tiny_config
 from train import config as config_lib
 from train.planner import audit as audit_lib
 from train.planner import compile_report as report
@@ -57,9 +57,8 @@ def test_layout_matches_single_device(layout):
 
 @pytest.mark.parametrize("layout", [PLAIN, PIPELINED], ids=["data2_tensor4", "pipeline2_data2_tensor2"])
 def test_audit_rows_read_one(layout):
-    trainer = _trainer(layout)
-    compiled, log = audit_lib.compile_logged(trainer.compile)
-    result = audit_lib.audit(trainer, report.build(trainer.plan, trainer.mesh, compiled), log,
+    trainer = _trainer(layout)  # the equivalence test's program (compiled_step)
+    result = audit_lib.audit(trainer, report.build(trainer.plan, trainer.mesh, compiled_step(trainer)), "",
                              topology="dgx-h100", hosts=16, mfu=0.4)
     rows = [r for r in result["rows"] if r["purpose"] != "scalars (loss, norms)"]
     assert "activation all-reduce (Megatron)" in [r["purpose"] for r in rows]

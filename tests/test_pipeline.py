@@ -12,7 +12,7 @@ from mesh.errors import UserError
 from sharding import pipeline as pipeline_lib
 from sharding import pipeline_stages as stages
 from sharding import schedules
-from tests.helpers import grads_and_run, reference_config, rel_norm, single_device_run, tiny_config
+from tests.helpers import compiled_step, grads_and_run, reference_config, rel_norm, single_device_run, tiny_config
 from train.config import resolve
 from train.trainer import Trainer
 
@@ -120,12 +120,13 @@ def test_zb_h1_memory_stays_near_1f1b():
     assert _temp_bytes("zb_h1", 4) <= 1.1 * _temp_bytes("1f1b", 4), (_temp_bytes("zb_h1", 4), _temp_bytes("1f1b", 4))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS[1:], ids=_name)
-def test_collectives_per_step(layout):
+@pytest.mark.parametrize("layout,schedule,virtual_stages", MATRIX[3:5], ids=[_name(row[0]) for row in MATRIX[3:5]])
+def test_collectives_per_step(layout, schedule, virtual_stages):
     """Batch-axis reductions once per step; inside the slot loop only pipeline sends and the stage's own
-    tensor-parallel all-reduces; the token batch is never gathered."""
-    trainer = _trainer(layout)
-    records = hlo.collectives(trainer.compile().as_text(), trainer.mesh)
+    tensor-parallel all-reduces; the token batch is never gathered. It reads the programs the schedule tests
+    compiled (compiled_step)."""
+    trainer = _trainer(layout, schedule, virtual_stages)
+    records = hlo.collectives(compiled_step(trainer).as_text(), trainer.mesh)
     slots = trainer.plan.pipeline.build().num_slots
     batch_axes = {"data", "fsdp"}
     reductions = [r for r in records if batch_axes & set(r["axes"]) and not r["scalar"]]
