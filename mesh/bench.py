@@ -153,7 +153,8 @@ def fit(records: list[dict], num_devices: int) -> tuple[topology.Topology, float
     axes = sorted({r["axis"] for r in records})
     per_axis = {a: level(a, [r for r in records if r["axis"] == a]) for a in axes}
     pooled = level("local", records)
-    topo = topology.Topology("local", 1, num_devices, pooled, pooled, axes=per_axis)
+    shared = jax.devices()[0].platform == "cpu"  # virtual devices of this machine share its cores
+    topo = topology.Topology("local", 1, num_devices, pooled, pooled, axes=per_axis, shared_host=shared)
     errors = []
     for r in records:
         lv = per_axis[r["axis"]]

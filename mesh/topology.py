@@ -72,7 +72,9 @@ class Topology:
     `device_memory_gb` per device (GB = 1e9 bytes), dense `peak_tflops` per dtype name, `storage_gbps`
     (one host's checkpoint write bandwidth, GB/s), `matmul_efficiency` {dtype: [[dim, fraction of
     peak], ...]} and `hbm_gbps` (one device's memory bandwidth, GB/s: a datasheet's, or measured by
-    `python -m train.plan --calibrate`) (0 / empty = unknown).
+    `python -m train.plan --calibrate`) (0 / empty = unknown). `shared_host`: the devices are virtual devices
+    of one machine (XLA's CPU devices) that share its cores and memory bus, so every device's work queues on
+    the same compute and a device with nothing to do lends its cores to the others (see train/planner/timing.py).
     """
     name: str
     hosts: int
@@ -85,6 +87,7 @@ class Topology:
     storage_gbps: float = 0.0
     matmul_efficiency: Mapping[str, list] = dataclasses.field(default_factory=dict)
     hbm_gbps: float = 0.0
+    shared_host: bool = False
 
     def __post_init__(self):
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -229,7 +232,8 @@ def topology_from_dict(d: Mapping, source: str = "topology") -> Topology:
                         peak_tflops={str(k): float(v) for k, v in d.get("peak_tflops", {}).items()},
                         storage_gbps=float(d.get("storage_gbps", 0.0)), hbm_gbps=float(d.get("hbm_gbps", 0.0)),
                         matmul_efficiency={str(k): [[float(x), float(e)] for x, e in v]
-                                           for k, v in d.get("matmul_efficiency", {}).items()})
+                                           for k, v in d.get("matmul_efficiency", {}).items()},
+                        shared_host=bool(d.get("shared_host", False)))
     except (TypeError, ValueError, AttributeError):
         raise TopologyError(f"{source}: device_memory_gb, storage_gbps and hbm_gbps must be numbers, peak_tflops "
                             f"{{dtype: TFLOP/s}} and matmul_efficiency {{dtype: [[dim, fraction], ...]}}") from None

@@ -1,4 +1,5 @@
 """Topology presets, file loading, which link each mesh axis crosses, warnings and the hybrid device order."""
+import dataclasses
 import json
 import warnings
 
@@ -28,6 +29,7 @@ def test_local_topology_is_committed_and_fitted():
     local = T.get_topology("local")
     assert local.hosts == 1 and local.devices_per_host >= 8
     assert local.axes and all(lv.bandwidth_gbps > 0 for lv in local.axes.values())
+    assert local.shared_host and not T.get_topology("dgx-h100").shared_host  # fitted on virtual CPU devices
 
 
 def test_user_file_roundtrip_and_errors(tmp_path):
@@ -41,6 +43,8 @@ def test_user_file_roundtrip_and_errors(tmp_path):
     assert (topo.name, topo.num_devices, topo.inter.oversubscription, topo.intra.dims) == ("lab", 16, 2, (4,))
     T.save_topology(topo, tmp_path / "copy.json")
     assert T.load_topology(tmp_path / "copy.json") == topo
+    T.save_topology(dataclasses.replace(topo, shared_host=True), tmp_path / "shared.json")
+    assert T.load_topology(tmp_path / "shared.json").shared_host
     for bad, fragment in [({**spec, "intra": {**spec["intra"], "family": "mesh"}}, "family='mesh' is unknown"),
                           ({k: v for k, v in spec.items() if k != "inter"}, "missing 'inter'"),
                           ({**spec, "inter": {**spec["inter"], "speed": 1}}, "'inter.speed' is not a level setting")]:
