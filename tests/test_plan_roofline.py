@@ -1,12 +1,13 @@
 """The planner's roofline: memory-bound work priced at the device's memory bandwidth, attention by kernel, the
-optimizer update's bytes, and `--calibrate` measuring the bandwidth beside the matmul curve."""
+optimizer update's bytes, devices that share one host, sequence parallelism, a mixture's padded expert slots, and
+`--calibrate` measuring the bandwidth beside the matmul curve."""
 import dataclasses
 
 import pytest
 
 import models
 from mesh import topology as T
-from train.planner import calibrate, memory_bound, search
+from train.planner import calibrate, memory, memory_bound, search, timing
 from train.planner.candidate import Candidate, mesh_of
 
 H100 = T.get_topology("dgx-h100", hosts=1)
@@ -56,3 +57,57 @@ def test_calibrate_measures_memory_bandwidth(tmp_path):
     topo = T.get_topology(str(path))
     assert topo.hbm_gbps > 0 and topo.hbm_gbps != H100.hbm_gbps
     assert [n for n, _ in topo.matmul_efficiency["float32"]] == [128.0, 256.0, 512.0, 1024.0]
+    assert topo.shared_host  # measured on this machine's virtual CPU devices, all at once
+
+
+def test_a_shared_host_charges_no_bubble_and_hides_no_collective():
+    """On one accelerator per device the pipeline's idle cells cost time and FSDP's gathers hide behind matmuls;
+    on devices that share a host's cores the idle cells' cores serve the busy stages and a collective is a copy by
+    the same cores: the step is the work plus every collective."""
+    cfg = models.from_dict({"preset": "tiny"})
+    shared = dataclasses.replace(H100, shared_host=True)
+    for c in (Candidate(mesh_of({"pipeline": 4, "data": 2}), "1f1b", 4), Candidate(mesh_of({"fsdp": 8}))):
+        accelerator, host = timing.predict(cfg, c, 16, H100), timing.predict(cfg, c, 16, shared)
+        assert host["bubble_s"] == 0 and host["communication_s"] == host["communication_total_s"]
+        work = host["compute_s"] + host["memory_bound_s"]
+        assert host["step_time_s"] == pytest.approx(work + host["communication_total_s"])
+        assert accelerator["bubble_s"] > 0 or accelerator["communication_s"] < accelerator["communication_total_s"]
+
+
+def test_sequence_parallelism_splits_the_replicated_bytes_and_trades_the_all_reduce():
+    """With the residual stream split over `tensor`, every byte a layer keeps is split (the layer's count on one
+    device, over t); the Megatron all-reduce becomes a reduce-scatter and an all-gather, as many as it was."""
+    cfg = models.from_dict({"preset": "tiny"})
+    mesh = mesh_of({"data": 2, "tensor": 4})
+    plain, sp = Candidate(mesh), Candidate(mesh, sequence_parallel=True)
+    assert memory.per_token_layer_bytes(cfg, "none", 4, True) == pytest.approx(
+        memory.per_token_layer_bytes(cfg, "none", 1) / 4)
+    assert memory.predict(cfg, sp, 16, True)["activations"] < memory.predict(cfg, plain, 16, True)["activations"]
+    assert memory_bound.parts(cfg, sp, 16, H100)["elementwise"] < memory_bound.parts(cfg, plain, 16, H100)["elementwise"]
+    ops = {op: axes for _, op, axes, _ in timing.communication(cfg, sp, 16, H100) if axes == ("tensor",)}
+    assert set(ops) == {"reduce_scatter", "all_gather"}
+    assert "--config.sharding.sequence_parallel=True" in sp.overrides()
+
+
+def test_experts_run_on_every_slot_of_their_buffers():
+    """moe-tiny, expert=8, 16 rows: 2 rows per device, 8 experts x 64 slots each (dropless: capacity = seq_len),
+    so the experts' MLPs run on 1,024 slots where the 128 tokens route to 256; both mixture layers keep the
+    dispatched and combined buffers (d_model = 128 wide) and the hidden before and after the activation (256)."""
+    cfg = models.from_dict({"preset": "moe-tiny"})
+    c = Candidate(mesh_of({"expert": 8}))
+    per_expert = 2 * cfg.d_model * cfg.d_mlp * 2  # one expert: the GELU MLP's two matrices in each of two layers
+    assert timing.expert_padding_flops_per_token(cfg) == pytest.approx(6 * per_expert * (8 * 64 / 64 - 2))
+    kept, working = memory.expert_buffer_bytes(cfg, c, 16)
+    assert kept == pytest.approx(2 * (1024 * (2 * 128 + 2 * 256) - 128 * 2 * 256) * 4)
+    assert working == 2 * 1024 * 128 * 4
+    dense = models.from_dict({"preset": "tiny"})
+    assert timing.expert_padding_flops_per_token(dense) == 0 and memory.expert_buffer_bytes(dense, c, 16) == (0, 0)
+
+
+def test_ring_attention_issues_a_permute_per_block_hop_and_pass():
+    """tiny on data=2 x context=4: K and V, 3 hops, forward and backward, 8 layers: 96 permutes (the compiled
+    step's count)."""
+    cfg = models.from_dict({"preset": "tiny"})
+    c = Candidate(mesh_of({"data": 2, "context": 4}))
+    ring = [e for e in timing.expected_rows(cfg, c, 16) if e.op == "collective_permute"]
+    assert [timing._count(e, cfg, c, cfg.n_layers) for e in ring] == [96]

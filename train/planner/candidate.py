@@ -18,6 +18,7 @@ class Candidate:
     remat: str = "none"
     shard_opt_state: bool = False
     grad_accum_steps: int = 1
+    sequence_parallel: bool = False     # Megatron's: the residual stream split over the sequence on `tensor`
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -28,6 +29,8 @@ class Candidate:
         out = [f"--config.mesh.{a}={s}" for a, s in self.mesh]
         out += ["--config.sharding.strategy=fsdp_tensor", f"--config.sharding.shard_opt_state={self.shard_opt_state}",
                 f"--config.model.remat={self.remat}", f"--config.train.grad_accum_steps={self.grad_accum_steps}"]
+        if self.sequence_parallel:
+            out.append("--config.sharding.sequence_parallel=True")
         if self.sizes.get("pipeline", 1) > 1:
             out += [f"--config.pipeline.schedule={self.schedule}",
                     f"--config.pipeline.microbatches={self.microbatches}",
@@ -60,7 +63,8 @@ class Prediction:
         c = self.candidate
         return {"mesh": c.sizes, "schedule": c.schedule, "microbatches": c.microbatches,
                 "virtual_stages": c.virtual_stages, "remat": c.remat, "shard_opt_state": c.shard_opt_state,
-                "grad_accum_steps": c.grad_accum_steps, "memory_bytes_per_device": int(self.memory["total"]),
+                "grad_accum_steps": c.grad_accum_steps, "sequence_parallel": c.sequence_parallel,
+                "memory_bytes_per_device": int(self.memory["total"]),
                 "fits": self.fits, "step_time_s": self.step_time_s, "tflops_per_device": self.tflops_per_device,
                 "mfu": self.mfu, "tokens_per_s": self.tokens_per_s,
                 "breakdown": {"compute_s": self.compute_s, "memory_bound_s": self.memory_bound_s,

@@ -31,12 +31,14 @@ def abstract_params(cfg: models.ModelConfig):
 
 
 @functools.lru_cache(maxsize=4096)
-def layout_specs(cfg: models.ModelConfig, mesh: tuple[tuple[str, int], ...]):
+def layout_specs(cfg: models.ModelConfig, mesh: tuple[tuple[str, int], ...], sequence_parallel: bool = False):
     """(abstract params, their PartitionSpecs, rules) of `cfg` on `mesh`; raises ShardingConfigError if a
-    weight does not divide."""
+    weight does not divide. Sequence parallelism splits `seq` over `tensor` too (as train/config.py does)."""
     sizes = dict(mesh)
     abstract, logical = abstract_params(dataclasses.replace(cfg, remat="none"))
     rules = sharding_rules.resolve(STRATEGY, {}, sizes)
+    if sequence_parallel:
+        rules = {**rules, "seq": tuple(rules.get("seq", ())) + ("tensor",)}
     return abstract, sharding_specs.param_specs(abstract, logical, rules, sizes), rules
 
 
@@ -70,10 +72,14 @@ def schedule_table(name: str, p: int, m: int, v: int) -> schedules.Schedule:
     return schedules.build(name, p, m, v)
 
 
-def per_token_layer_bytes(cfg: models.ModelConfig, remat: str, tensor: int) -> float:
+def per_token_layer_bytes(cfg: models.ModelConfig, remat: str, tensor: int, sequence_parallel: bool = False) -> float:
     """Bytes one layer keeps for its backward pass, per token of a microbatch on one device (the family's own
-    count: models.Family.layer_bytes_per_token)."""
-    return models.family_of(cfg).layer_bytes_per_token(cfg, remat, tensor)
+    count: models.Family.layer_bytes_per_token). Sequence parallelism splits over `tensor` what tensor
+    parallelism leaves whole (the residual stream, the norms and their outputs), so every byte is split."""
+    family = models.family_of(cfg)
+    if sequence_parallel:
+        return family.layer_bytes_per_token(cfg, remat, 1) / tensor
+    return family.layer_bytes_per_token(cfg, remat, tensor)
 
 
 def rows_per_device(c: Candidate, global_batch: int) -> float:
@@ -93,21 +99,50 @@ def predict(cfg: models.ModelConfig, c: Candidate, global_batch: int, donated: b
     outputs = 0.0 if donated else params + moments
     batch = global_batch / (sizes["data"] * sizes["fsdp"] * sizes["expert"]) * (cfg.seq_len + 1) * 4  # int32 tokens
     tokens = rows_per_device(c, global_batch) * cfg.seq_len / sizes["context"]  # context splits every row
-    layer = per_token_layer_bytes(cfg, c.remat, t) * tokens
-    working = per_token_layer_bytes(cfg, "none", t) * tokens  # one layer recomputed in the backward
+    sp = c.sequence_parallel
+    layer = per_token_layer_bytes(cfg, c.remat, t, sp) * tokens
+    working = per_token_layer_bytes(cfg, "none", t, sp) * tokens  # one layer recomputed in the backward
     b = jnp.dtype(cfg.compute_dtype).itemsize
     if p > 1:
         table = schedule_table(c.schedule, p, c.microbatches, c.virtual_stages)
         in_flight = int(max(schedules.max_in_flight(table)))
         chunk_layers = cfg.n_layers // (p * c.virtual_stages)
-        activations = in_flight * tokens * cfg.d_model * b + chunk_layers * layer
+        activations = in_flight * tokens * cfg.d_model * b / (t if sp else 1) + chunk_layers * layer
     else:
         activations = cfg.n_layers * layer
     logits = 2 * tokens * cfg.vocab_size / t * 4  # float32 logits and their gradient
+    slots, gradients = expert_buffer_bytes(cfg, c, global_batch)
+    kept = 0.0 if c.remat == "full" else slots  # full remat keeps layer inputs only
     parts = {"params": params, "optimizer_state": moments, "gradients": grads, "outputs": outputs,
-             "batch": batch, "activations": activations, "temporaries": working + logits}
+             "batch": batch, "activations": activations + kept, "temporaries": working + logits + gradients}
     parts["total"] = sum(parts.values())
     return parts
+
+
+def expert_buffer_bytes(cfg: models.ModelConfig, c: Candidate, global_batch: int) -> tuple[float, float]:
+    """(kept, working) bytes per device of a mixture's per-expert buffers, without remat. Each mixture layer's MLP
+    runs on [rows, experts, capacity] slots, not on the rows' tokens: the backward keeps the dispatched and the
+    combined buffers (d_model wide) and the experts' hidden before and after the activation (d_mlp / tensor wide)
+    in place of the dense MLP's two per token that per_token_layer_bytes counted; the backward of one layer holds
+    the two buffers' gradients. (0, 0) for a dense model."""
+    experts = models.family_of(cfg).expert_buffers(cfg)
+    if experts is None:
+        return 0.0, 0.0
+    sizes, b = c.sizes, jnp.dtype(cfg.compute_dtype).itemsize
+    rows = rows_per_device(c, global_batch)
+    slots = rows * experts.experts * experts.capacity  # after the all-to-all: the local experts' slots of all rows
+    mlp = cfg.d_mlp / sizes["tensor"]
+    dense = rows * cfg.seq_len / sizes["context"] * 2 * mlp
+    layers = experts.layers / (sizes["pipeline"] * c.virtual_stages)
+    return layers * (slots * (2 * cfg.d_model + 2 * mlp) - dense) * b, 2 * slots * cfg.d_model * b
+
+
+@functools.lru_cache(maxsize=64)
+def expert_params(cfg: models.ModelConfig) -> int:
+    """Parameters of the experts' weights (logical axis `experts`), all mixture layers and experts together."""
+    abstract, logical = abstract_params(cfg)
+    names = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return sum(math.prod(leaf.shape) for leaf, spec in zip(jax.tree.leaves(abstract), names) if "experts" in spec)
 
 
 def resident(parts: dict[str, float]) -> float:

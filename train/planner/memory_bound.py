@@ -4,7 +4,8 @@ terms decide the step, so a roofline prices each part at the bound that limits i
 
 Parts, per device and step (every microbatch and accumulation step):
 - elementwise: norms, activations, residual adds, rotary: every intermediate a layer keeps for its backward
-  (the contract's layer_bytes_per_token with no remat) is written by the forward, then read and its gradient
+  (the contract's layer_bytes_per_token with no remat; all of it split over `tensor` under sequence
+  parallelism, the residual stream's part left whole without) is written by the forward, then read and its gradient
   written by the backward (PASSES = 3); each recomputed forward (full remat, a pipeline's backward cell) writes
   them once more;
 - attention_scores: XLA's attention writes the L x L scores and probabilities, and reads them back in the
@@ -53,9 +54,12 @@ def parts(cfg: models.ModelConfig, c: Candidate, global_batch: int, topo: topolo
     tokens = global_batch * cfg.seq_len / (feasible.replicas(sizes) * sizes["context"])
     layers = cfg.n_layers / sizes["pipeline"]
     scores = 2 * cfg.n_heads * cfg.seq_len / t * b  # scores and probabilities per token (XLA's attention)
-    kept = memory.per_token_layer_bytes(cfg, "none", t) - scores
+    kept = memory.per_token_layer_bytes(cfg, "none", t, c.sequence_parallel) - scores
     recomputed = (cfg.remat == "full") + (sizes["pipeline"] > 1)
-    out = {"elementwise": (PASSES + recomputed) * kept * tokens * layers,
+    # a mixture's experts work on their slots: one microbatch's, on each chunk of the device's layers
+    slots = memory.expert_buffer_bytes(cfg, c, global_batch)[0] * c.microbatches * c.grad_accum_steps * \
+        c.virtual_stages
+    out = {"elementwise": (PASSES + recomputed) * (kept * tokens * layers + slots),
            "attention_scores": 0.0, "logits": PASSES * tokens * cfg.vocab_size / t * 4}
     if attention_kernel(cfg, topo) == "xla":
         out["attention_scores"] = (PASSES + recomputed) * scores * tokens * layers

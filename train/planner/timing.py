@@ -7,6 +7,12 @@ Overlap is credited only where the step overlaps: FSDP's per-layer weight gather
 reduce-scatters run inside the layer scan next to other layers' matmuls (XLA's latency-hiding
 scheduler on accelerators); the data-parallel gradient all-reduce waits for the last gradient, Megatron's
 all-reduces sit between dependent matmuls and the lockstep pipeline's sends end each slot: all exposed.
+
+Devices that share one host (`Topology.shared_host`: XLA's virtual CPU devices) are not independent: the step
+is the sum over devices of each one's work at the host's total throughput (each device is calibrated at its
+share of it, so for the even work of an SPMD step that is one device's work at its share), every replicated
+part counting once per device; a pipeline's idle cells run no branch, so their cores serve the busy stages and
+no bubble is charged; a collective is a copy by the same cores, so none is hidden behind compute.
 """
 from __future__ import annotations
 
@@ -48,12 +54,24 @@ def hardware_flops_per_device(cfg: models.ModelConfig, c: Candidate, global_batc
     """Model FLOPs plus recomputed forwards (a third of training FLOPs each): full remat recomputes every
     layer once; a pipeline's backward cell recomputes its chunk's forward (and full remat inside it again)."""
     sizes = c.sizes
-    model = models.flops_per_token(cfg) * global_batch * cfg.seq_len / math.prod(sizes.values())
+    per_token = models.flops_per_token(cfg) + expert_padding_flops_per_token(cfg)
+    model = per_token * global_batch * cfg.seq_len / math.prod(sizes.values())
     extra = (cfg.remat == "full") + (sizes["pipeline"] > 1)
     # save_dots keeps the projections but recomputes the attention's batched matmuls (their forward FLOPs: a third)
     attention_forward = models.family_of(cfg).attention_flops_per_token(cfg) / 3
     attention = attention_forward * global_batch * cfg.seq_len / math.prod(sizes.values())
     return model * (1 + extra / 3) + (attention if cfg.remat == "save_dots" else 0.0)
+
+
+def expert_padding_flops_per_token(cfg: models.ModelConfig) -> float:
+    """Matmul FLOPs per token the experts run beyond the model FLOPs' count: the model counts the k experts a
+    token is routed to, but each expert's MLP runs on every slot of its [rows, experts, capacity] buffer, filled
+    or empty, so a token costs experts x capacity / seq_len slots' worth of expert matmuls (6 per weight)."""
+    experts = models.family_of(cfg).expert_buffers(cfg)
+    if experts is None:
+        return 0.0
+    per_expert = memory.expert_params(cfg) / experts.experts
+    return 6 * per_expert * (experts.experts * experts.capacity / cfg.seq_len - cfg.experts_per_token)
 
 
 @functools.lru_cache(maxsize=16384)
@@ -84,17 +102,28 @@ def _count(e, cfg: models.ModelConfig, c: Candidate, layers_per_device: int) -> 
     if e.axes == ("context",) and e.op in ("all_gather", "reduce_scatter"):  # K and V in a pipeline's cells
         cells = 2 + (cfg.remat == "full") if e.op == "all_gather" else 1  # forward, recomputes; the backward
         return 2 * layers_per_device * c.microbatches * accum * cells
+    if e.axes == ("tensor",) and e.op in ("all_reduce", "reduce_scatter", "all_gather"):  # Megatron's, or SP's pair
+        return max(1, round(4 * layers_per_device * c.microbatches * accum))
     if e.op == "all_gather":
         return layers_per_device * (1 if c.sizes["pipeline"] > 1 else 2 * accum)
     if e.op == "reduce_scatter":
         return layers_per_device * (1 if c.sizes["pipeline"] > 1 else accum)
-    if e.op == "all_reduce" and e.axes == ("tensor",):
-        return max(1, round(4 * layers_per_device * c.microbatches * accum))
     if e.op == "collective_permute" and e.axes == ("pipeline",):  # idle slots send nothing
         return sends_per_step(c.schedule, c.sizes["pipeline"], c.microbatches, c.virtual_stages) * accum
+    if e.op == "collective_permute" and e.axes == ("context",):  # ring attention: K and V, each hop, each pass
+        return (2 + (cfg.remat == "full")) * 2 * (c.sizes["context"] - 1) * layers_per_device * c.microbatches * accum
     if e.op == "collective_permute":
         return 4 * (c.virtual_stages * c.microbatches + c.sizes["pipeline"] - 1) * accum
     return 1  # gradients: XLA combines them into one all-reduce
+
+
+def expected_rows(cfg: models.ModelConfig, c: Candidate, global_batch: int) -> list:
+    """sharding.expected's rows for the candidate's layout (sequence parallelism's rules included)."""
+    abstract, specs, rules = memory.layout_specs(cfg, c.mesh, c.sequence_parallel)
+    sizes = c.sizes
+    pipe = ({"schedule": c.schedule, "microbatches": c.microbatches, "virtual_stages": c.virtual_stages}
+            if sizes["pipeline"] > 1 else None)
+    return expected_traffic(cfg, abstract, specs, rules, sizes, global_batch, pipe)
 
 
 def communication(cfg: models.ModelConfig, c: Candidate, global_batch: int, topo: topology_lib.Topology,
@@ -103,17 +132,13 @@ def communication(cfg: models.ModelConfig, c: Candidate, global_batch: int, topo
 
     `counted` False prices each row as one collective of all its bytes (as the audit's projection does
     for a combined record); True splits it into the number of collectives the step issues."""
-    abstract, specs, rules = memory.layout_specs(cfg, c.mesh)
     sizes = c.sizes
-    pipe = ({"schedule": c.schedule, "microbatches": c.microbatches, "virtual_stages": c.virtual_stages}
-            if sizes["pipeline"] > 1 else None)
-    rows = expected_traffic(cfg, abstract, specs, rules, sizes, global_batch, pipe)
     key = _key(topo)
     layers = cfg.n_layers // sizes["pipeline"]
     out = []
-    for e in rows:
+    for e in expected_rows(cfg, c, global_batch):
         n = _count(e, cfg, c, layers) if counted else 1
-        repeated = e.op in ("all_gather", "reduce_scatter") and sizes["pipeline"] == 1
+        repeated = e.op in ("all_gather", "reduce_scatter") and e.axes != ("tensor",) and sizes["pipeline"] == 1
         nbytes = e.bytes * (c.grad_accum_steps if repeated else 1)  # FSDP gathers again in every accumulation step
         p = _placement(c.mesh, tuple(e.axes), key)
         one = cost.predict_placement_us(e.op.replace("collective_permute", "permute"), nbytes / n, p, topo)
@@ -139,8 +164,8 @@ def predict(cfg: models.ModelConfig, c: Candidate, global_batch: int, topo: topo
     work = compute + sum(bound.values())
     rows = communication(cfg, c, global_batch, topo)
     total = sum(r[3] for r in rows)
-    hidden = min(sum(r[3] for r in rows if (r[1], r[2]) in OVERLAPPED), work)
-    f = bubble_fraction(c)
+    hidden = 0.0 if topo.shared_host else min(sum(r[3] for r in rows if (r[1], r[2]) in OVERLAPPED), work)
+    f = 0.0 if topo.shared_host else bubble_fraction(c)
     bubble = work * f / (1 - f)
     step = work + bubble + total - hidden
     model_flops = models.flops_per_token(cfg) * global_batch * cfg.seq_len / math.prod(sizes.values())
