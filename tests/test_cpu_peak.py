@@ -18,7 +18,7 @@ def fake_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
 
-    def measure(n, repeats=5, dtype="float32"):
+    def measure(n, repeats=5, dtype="float32", every_device=False):
         calls.append(n)
         return RATES.get(n, 1e10)
     monkeypatch.setattr(probes, "measure_matmul_flops", measure)

@@ -1,6 +1,7 @@
-"""`--calibrate=FILE`: a square-matmul sweep on this device gives the fraction of peak reached at each size, and a
-streaming element-wise op its memory bandwidth (`hbm_gbps`), written with the chosen topology into a user topology
-file (never into the package's presets)."""
+"""`--calibrate=FILE`: a square-matmul sweep gives the fraction of peak reached at each size, and a streaming read
+the memory bandwidth (`hbm_gbps`), written with the chosen topology into a user topology file (never into the
+package's presets). Virtual CPU devices share one machine, so there every device runs the probes at once, as they
+run a step, and each gets its share (the topology is marked `shared_host`)."""
 from __future__ import annotations
 
 import datetime
@@ -14,10 +15,11 @@ from train.runtime import cpu_peak, probes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
+REPEATS = 20  # best of many: on a busy machine one unloaded moment is what the sweep must catch
 
 
-def sweep(dtype: str, max_n: int) -> list[tuple[int, float]]:
-    return [(n, probes.measure_matmul_flops(n, dtype=dtype)) for n in SIZES if n <= max_n]
+def sweep(dtype: str, max_n: int, every_device: bool) -> list[tuple[int, float]]:
+    return [(n, probes.measure_matmul_flops(n, REPEATS, dtype, every_device)) for n in SIZES if n <= max_n]
 
 
 def write(topology: str, path: str, dtype: str) -> pathlib.Path:
@@ -26,23 +28,22 @@ def write(topology: str, path: str, dtype: str) -> pathlib.Path:
         raise PlanError(f"--calibrate={path}: write calibrations to a user file outside the package, "
                         f"e.g. ~/.config/spmdtrain/{topology}.json")
     topo = topology_lib.get_topology(topology)
-    platform = jax.devices()[0].platform
-    measured = sweep(dtype, 8192 if platform != "cpu" else 1024)
-    peaks, machine = dict(topo.peak_tflops), 1
+    shared = jax.devices()[0].platform == "cpu"
+    measured = sweep(dtype, 1024 if shared else 8192, every_device=shared)
+    peaks, machine = dict(topo.peak_tflops), jax.local_device_count() if shared else 1
     if dtype not in peaks:
-        if platform != "cpu":
+        if not shared:
             raise PlanError(f"--topology={topology}: no peak_tflops for {dtype}; add the datasheet figure first")
         # A CPU has no datasheet peak: the one measured peak MFU uses too (raised if this sweep's sizes the peak is
         # measured at beat it; smaller matmuls take too few microseconds to time), as each virtual device's share;
-        # the efficiency curve is a fraction of the whole machine's.
-        machine = jax.local_device_count()
+        # the efficiency curve is a fraction of the whole machine's (the sweep's rates are every device's sum).
         best = max(f for n, f in measured if n >= min(cpu_peak.SIZES))
         peaks[dtype] = cpu_peak.per_device(best / machine) / 1e12
     curve = [[float(n), round(f / (peaks[dtype] * 1e12 * machine), 4)] for n, f in measured]
-    # One device streaming alone; virtual CPU devices share the machine's memory bus, so each gets its share.
-    hbm = probes.measure_memory_gbps(1 << (30 if platform != "cpu" else 28))
-    hbm /= jax.local_device_count() if platform == "cpu" else 1
-    topo = topology_lib.dataclasses.replace(topo, peak_tflops=peaks, hbm_gbps=round(hbm, 2),
+    # Virtual CPU devices share the machine's memory bus: all of them read at once and each gets its share.
+    hbm = probes.measure_memory_gbps(1 << (28 if shared else 30), REPEATS, every_device=shared)
+    hbm /= machine
+    topo = topology_lib.dataclasses.replace(topo, peak_tflops=peaks, hbm_gbps=round(hbm, 2), shared_host=shared,
                                             matmul_efficiency={**topo.matmul_efficiency, dtype: curve})
     provenance = {"command": f"python -m train.plan --calibrate={path} --topology={topology}",
                   "device": jax.devices()[0].device_kind, "jax": jax.__version__,

@@ -1,5 +1,6 @@
-"""Micro-benchmarks of the first device: a square matmul's FLOP/s and a streaming read's bandwidth, each the best of
-several repeats (what the CPU peak, MFU and the planner's calibration are made of)."""
+"""Micro-benchmarks of the devices: a square matmul's FLOP/s and a streaming read's bandwidth, each the best of
+several repeats (what the CPU peak, MFU and the planner's calibration are made of), run on the first device alone
+or on every local device at once (virtual CPU devices share the machine, so only that shows what a step gets)."""
 from __future__ import annotations
 
 import time
@@ -7,6 +8,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mesh import make_mesh
 
 
 def _best_seconds(f: Callable[[jax.Array], jax.Array], x: jax.Array, repeats: int) -> float:
@@ -20,14 +25,27 @@ def _best_seconds(f: Callable[[jax.Array], jax.Array], x: jax.Array, repeats: in
     return best
 
 
-def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype: str = "float32") -> float:
-    """FLOP/s of an n x n matmul in `dtype` on the first device, best of `repeats`."""
-    x = jnp.ones((n, n), jnp.dtype(dtype), device=jax.devices()[0])
-    return 2.0 * n ** 3 / _best_seconds(jax.jit(lambda a: a @ a), x, repeats)
+def _ones(shape: tuple[int, ...], dtype: str, every_device: bool) -> jax.Array:
+    """Ones of `shape` on the first device, or one such array per local device stacked on a leading axis that
+    the devices split (each works on its own copy, all at once)."""
+    if not every_device:
+        return jnp.ones(shape, jnp.dtype(dtype), device=jax.devices()[0])
+    k = jax.local_device_count()
+    mesh = make_mesh({"data": k}, devices=jax.local_devices())
+    return jax.device_put(jnp.ones((k, *shape), jnp.dtype(dtype)), NamedSharding(mesh, P("data")))
 
 
-def measure_memory_gbps(nbytes: int = 1 << 28, repeats: int = 5) -> float:
-    """GB/s one device reads from its memory: a sum over a float32 array of `nbytes` (well past the caches), best
-    of `repeats`. A read, not a copy: a copy's fresh output buffer costs page faults on CPU, not bandwidth."""
-    x = jnp.ones((nbytes // 4,), jnp.float32, device=jax.devices()[0])
-    return nbytes / _best_seconds(jax.jit(jnp.sum), x, repeats) / 1e9
+def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype: str = "float32", every_device: bool = False) -> float:
+    """FLOP/s of an n x n matmul in `dtype` on the first device, or of one per local device at once (their sum),
+    best of `repeats`."""
+    x = _ones((n, n), dtype, every_device)
+    return 2.0 * n ** 3 * (x.size // (n * n)) / _best_seconds(jax.jit(lambda a: a @ a), x, repeats)
+
+
+def measure_memory_gbps(nbytes: int = 1 << 28, repeats: int = 5, every_device: bool = False) -> float:
+    """GB/s read from memory: a sum over a float32 array of `nbytes` (well past the caches) on the first device,
+    or `nbytes` split over every local device at once (their sum), best of `repeats`. A read, not a copy: a
+    copy's fresh output buffer costs page faults on CPU, not bandwidth."""
+    k = jax.local_device_count() if every_device else 1
+    x = _ones((nbytes // (4 * k),), "float32", every_device)
+    return nbytes / _best_seconds(jax.jit(lambda a: jnp.sum(a, axis=-1)), x, repeats) / 1e9
