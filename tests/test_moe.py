@@ -1,5 +1,6 @@
 """Mixture of experts: the layer against a numpy reference, expert-parallel layouts against one device, the
-audit of an expert layout, the router's fields in metrics.jsonl, the sizes of Mixtral, and the layouts refused."""
+audit and the planner's memory of an expert layout, the router's fields in metrics.jsonl, the sizes of Mixtral,
+and the layouts refused."""
 import functools
 import json
 import math
@@ -17,6 +18,8 @@ from train.config import resolve
 from train.loop import runner as loop
 from train.planner import audit as audit_lib
 from train.planner import compile_report as report
+from train.planner import memory as planner_memory
+from train.planner.candidate import Candidate, mesh_of
 from train.trainer import Trainer
 
 # Seed 5: the first batch's closest k-th / (k+1)-th router logits are 9e-4 apart at init (seed 0 has a pair
@@ -89,6 +92,12 @@ def test_expert_layout_audit():
     cfg = trainer.plan.model  # 2 MoE layers x 4 all-to-alls of [16/4 rows, 8 experts, 64 slots, 128] float32
     assert next(r for r in rows if r["op"] == "all_to_all")["expected_bytes"] == 2 * 4 * 4 * 8 * 64 * 128 * 4
     assert cfg.capacity_factor == 0 and result["projection"]["comm_us_per_axis"]["expert"] > 0
+    # The planner's memory, the experts' slot buffers included, against the compiled arguments + outputs + temps
+    memory = report.memory_per_device(compiled)
+    c = Candidate(mesh_of(trainer.plan.mesh_sizes), remat=cfg.remat, grad_accum_steps=trainer.plan.grad_accum)
+    predicted = planner_memory.predict(cfg, c, trainer.plan.global_batch, donated=False)["total"]
+    assert predicted == pytest.approx(memory["argument_bytes"] + memory["output_bytes"] + memory["temp_bytes"],
+                                      rel=0.25)
 
 
 def test_router_fields_in_metrics_jsonl(tmp_path):

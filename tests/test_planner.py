@@ -63,15 +63,29 @@ def compiled():
     return out
 
 
+# Layouts whose whole prediction (state, activations, temporaries) is held to the compiled arguments + outputs +
+# temporaries; fsdp=8 and tensor=8 are not: there XLA's CPU program keeps more of each layer's intermediates (see
+# docs/benchmarks.md, "Predicted against measured").
+WHOLE = ("data", "2x2x2", "1f1b m4", "1f1b m8", "default interleaved m4", "default interleaved m8")
+
+
+def compiled_bytes(report: dict) -> int:
+    m = report["memory_per_device"]
+    return m["argument_bytes"] + m["output_bytes"] + m["temp_bytes"]
+
+
 def test_memory_prediction_matches_compiled_peak(compiled):
     """On CPU XLA's peak counts the step's arguments and outputs (the state twice, undonated, and the batch);
-    its temporaries are reported without reuse, so they are compared only with each other."""
+    its temporaries are reported with little reuse: the whole prediction is held to all three within 25%, and
+    the temporaries of two schedules are compared with each other."""
     predicted = {}
     for name, (trainer, rep) in compiled.items():
         parts = memory.predict(trainer.plan.model, _candidate(trainer), trainer.plan.global_batch, donated=False)
         predicted[name] = parts
         peak = rep["memory_per_device"]["peak_bytes"]
         assert memory.resident(parts) == pytest.approx(peak, rel=0.15), name
+        if name in WHOLE:
+            assert parts["total"] == pytest.approx(compiled_bytes(rep), rel=0.25), name
     temps = {n: rep["memory_per_device"]["temp_bytes"] for n, (_, rep) in compiled.items()}
     for fewer, more in (("1f1b m8", "1f1b m4"), ("default interleaved m8", "default interleaved m4")):
         assert predicted[fewer]["activations"] < predicted[more]["activations"]
