@@ -7,8 +7,10 @@ predicted and compiled memory per device, their errors, the median absolute erro
 
 The links are the `--topology` file (default `local`, fitted by `python -m mesh.bench --fit`); the matmul
 efficiency curve, the memory bandwidth and the peak come from `python -m train.plan --calibrate`'s sweep, run first
-on this machine. Memory on CPU: the step does not donate its state, so the prediction is made undonated and set
-against the compiled arguments + outputs + temporaries (XLA's CPU temporaries reuse little; see docs).
+on this machine, every virtual device at once. A layout's measured time is its fastest timed step, as the
+calibration keeps its best repeat. Memory on CPU: the step does not donate its state, so the prediction is made
+undonated and set against the compiled arguments + outputs + temporaries (XLA's CPU temporaries reuse little; see
+docs).
 """
 from __future__ import annotations
 
