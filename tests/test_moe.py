@@ -93,6 +93,7 @@ def test_expert_layout_audit():
     assert next(r for r in rows if r["op"] == "all_to_all")["expected_bytes"] == 2 * 4 * 4 * 8 * 64 * 128 * 4
     assert cfg.capacity_factor == 0 and result["projection"]["comm_us_per_axis"]["expert"] > 0
     # The planner's memory, the experts' slot buffers included, against the compiled arguments + outputs + temps
+    # (this program returns the gradients, which the production step holds as temporaries: the same bytes)
     memory = report.memory_per_device(compiled)
     c = Candidate(mesh_of(trainer.plan.mesh_sizes), remat=cfg.remat, grad_accum_steps=trainer.plan.grad_accum)
     predicted = planner_memory.predict(cfg, c, trainer.plan.global_batch, donated=False)["total"]
