@@ -18,6 +18,7 @@ from models.contract import (
                              loss_and_metrics,
                              param_count,
                              register,
+                             stack_length,
                              top_params,
 )
 from models.documents import loss_mask, split_row, target_counter
@@ -30,4 +31,5 @@ PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
 __all__ = ["FAMILIES", "ExpertBuffers", "GPT_PRESETS", "GPTConfig", "LAYERS", "LLAMA_PRESETS", "LlamaConfig",
            "ModelConfigError", "PRESETS", "Family", "ModelConfig", "TensorTraffic", "abstract_params", "family_of",
            "flops_per_token", "forward", "from_dict", "init_params", "is_moe", "loss", "loss_and_metrics", "loss_mask",
-           "on_whole_rows", "param_count", "register", "split_row", "target_counter", "top_params"]
+           "on_whole_rows", "param_count", "register", "split_row", "stack_length", "target_counter",
+           "top_params"]

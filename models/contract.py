@@ -172,6 +172,13 @@ def family_of(cfg: Any) -> Family:
     return FAMILIES[cfg.family]
 
 
+def stack_length(cfg: Any) -> int:
+    """The length of the layer stack's leading `layers` axis, which pipelines split into stages: the layers, or a
+    mixture's groups of `moe_every` layers (models/moe.py)."""
+    buffers = family_of(cfg).expert_buffers(cfg)
+    return cfg.n_layers if buffers is None else buffers.layers
+
+
 def top_params(params: Params) -> Params:
     """The parameters outside the layer stack."""
     return {k: v for k, v in params.items() if k != LAYERS}

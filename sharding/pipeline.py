@@ -259,6 +259,7 @@ class StageProgram:
         assert sizes[PIPELINE] == p, (sizes, p)
         assert p * v >= 2 and cfg.n_layers % (p * v) == 0, (cfg.n_layers, p, v)
         self.cfg, self.train, self.v, self.m = cfg, train, v, schedule.microbatches
+        self.chunks = p * v
         self.manual = manual = manual_axes(rules, sizes)
         self.batch_axes = manual[1:]  # and `context`: each device's loss is the mean of its rows' slices
         self.replicas = math.prod(sizes[a] for a in self.batch_axes)
@@ -287,7 +288,9 @@ class StageProgram:
         rows = ({k: jnp.asarray(a) for k, a in self.program.items()},
                 {k: jnp.asarray(index) for k, (index, _) in self.sends.items()})
         carry, _ = jax.lax.scan(functools.partial(self.slot, device), carry, rows)
-        loss = jax.lax.psum(carry["loss"], self.manual) / self.replicas
+        logged = jax.tree.map(lambda x: jax.lax.psum(x, self.manual) / self.replicas, carry["log"])
+        # The loss alone, or with the layers' metrics (a mixture's router statistics) as train.step expects them.
+        loss = logged["loss"] if len(logged) == 1 or not self.train else models.contract.scalars(logged)
         if not self.train:
             return loss
         g_layers = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry["g_stack"])
@@ -303,21 +306,28 @@ class StageProgram:
         v, m = self.v, self.m
         stack = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), params[models.LAYERS])
         top = models.top_params(params)
-        micro = tokens.reshape(m, tokens.shape[0] // m, tokens.shape[1])
+        # Microbatch k takes local rows k, k+m, k+2m, ...: over the batch replicas, the rows of train.step's
+        # accumulation slice k, so a mixture's per-microbatch router losses are those of grad_accum_steps = m.
+        micro = jnp.swapaxes(tokens.reshape(tokens.shape[0] // m, m, tokens.shape[1]), 0, 1)
         weight = (None if self.count_targets is None
                   else _microbatch_weight(self.count_targets, tokens, self.batch_axes, self.replicas))
         cells = stages.branches(self.cfg, self.constrain, self.manual, 1.0 / m if weight is None else weight,
-                                self.split, self.context)
+                                self.chunks, self.split, self.context)
         assert len(cells) == stages.num_branches(self.split), len(cells)  # branch_slot_counts, the audit index these
         return DeviceOperands(d, stack, top, micro, weight, cells)
 
     def initial_carry(self, device: DeviceOperands, tokens: jax.Array) -> dict[str, Any]:
-        """The scan's carry: the two message buffers [entries, b, seq, D], the loss and, when training, the
-        gradient accumulators of the stage's chunks and of the top parameters."""
+        """The scan's carry: the two message buffers [entries, b, seq, D], what the cells log (the loss, and the
+        layers' metrics) and, when training, the gradient accumulators of the stage's chunks and of the top
+        parameters."""
         dt = jnp.dtype(self.cfg.compute_dtype)
         act_shape = (tokens.shape[0] // self.m, (tokens.shape[1] - 1) // self.context, self.cfg.d_model)
+        x = stages.make_varying(jnp.zeros(act_shape, dt), self.manual)
+        chunk = jax.tree.map(lambda a: a[0], device.stack)
+        log = jax.eval_shape(device.cells[stages.IDLE], (chunk, device.top, device.micro[0], x, x))[-1]
         carry = dict(acts=jnp.zeros((self.act_entries, *act_shape), dt),
-                     grads=jnp.zeros((self.grad_entries, *act_shape), dt), loss=jnp.zeros((), jnp.float32))
+                     grads=jnp.zeros((self.grad_entries, *act_shape), dt),
+                     log=jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), log))
         if self.train:
             carry.update(g_stack=jax.tree.map(jnp.zeros_like, device.stack),
                          g_top=jax.tree.map(jnp.zeros_like, device.top))
@@ -332,9 +342,10 @@ class StageProgram:
         chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, cell["chunk"], 0, keepdims=False), device.stack)
         ops = (chunk, device.top, device.micro[cell["mb"]], carry["acts"][cell["act_read"]],
                carry["grads"][cell["grad_read"]])
-        y, g_x, g_chunk, g_top, loss = jax.lax.switch(cell["branch"], device.cells, ops)
-        weighted = loss / self.m if device.weight is None else loss * device.weight(device.micro[cell["mb"]])
-        new = dict(carry, loss=carry["loss"] + weighted)
+        y, g_x, g_chunk, g_top, log = jax.lax.switch(cell["branch"], device.cells, ops)
+        weight = None if device.weight is None else device.weight(device.micro[cell["mb"]])
+        weighted = jax.tree.map(lambda x: x / self.m if weight is None else x * weight, log)
+        new = dict(carry, log=jax.tree.map(jnp.add, carry["log"], weighted))
         # Send, then store what arrived (schedule_buffers' order), so an entry freed in this slot is reusable.
         kinds = {"act": ("acts", y), "grad": ("grads", g_x)} if self.train else {"act": ("acts", y)}
         arrived = {}

@@ -27,9 +27,10 @@ def num_branches(split: bool) -> int:
 
 # One cell's inputs: (chunk layers [Lc, ...], top params (all outside the layer stack), tokens [b, seq+1],
 # x_in [b, seq, D], g_in [b, seq, D]).
-# Its outputs: (activation to send on, input gradient to send back, chunk grads, top grads, loss).
+# Its outputs: (activation to send on, input gradient to send back, chunk grads, top grads, what it logs: `loss`,
+# the language-model loss of a last chunk's forward, and the chunk's share of the layers' metrics (Cells.layers)).
 Operands = tuple[Any, Any, jax.Array, jax.Array, jax.Array]
-Outputs = tuple[jax.Array, jax.Array, Any, Any, jax.Array]
+Outputs = tuple[jax.Array, jax.Array, Any, Any, dict[str, jax.Array]]
 
 
 def varying_axes(x: jax.Array) -> frozenset:
@@ -52,11 +53,11 @@ def make_varying(tree: Any, axes: tuple[str, ...]) -> Any:
 LossScale = Union[float, Callable[[jax.Array], jax.Array]]  # 1/m, or a microbatch's tokens -> its weight
 
 
-def branches(cfg: Any, constrain: Constrain, manual: tuple[str, ...], loss_scale: LossScale,
+def branches(cfg: Any, constrain: Constrain, manual: tuple[str, ...], loss_scale: LossScale, chunks: int,
              split: bool = False, context: int = 1) -> list[Callable[[Operands], Outputs]]:
     """The cell programs, indexed by the constants above (see Cells): seven, or eleven with the split backward's.
     The executor picks one per time slot with `lax.switch`, so all of them share one signature."""
-    cells = Cells(cfg, constrain, manual, loss_scale, context)
+    cells = Cells(cfg, constrain, manual, loss_scale, chunks, context)
     whole = [cells.idle, cells.fwd_first, cells.fwd_mid, cells.fwd_last, cells.bwd_first, cells.bwd_mid,
              cells.bwd_last]
     return whole + ([cells.input_mid, cells.input_last, cells.weight_mid, cells.weight_last] if split else [])
@@ -73,8 +74,11 @@ class Cells:
     chunk's backward, so the microbatch gradients add up to the gradient of the mean loss.
 
     The first and last cells differentiate with respect to all top parameters, so a head tied to the
-    embedding gets its gradient from both ends; a chunk's auxiliary loss (mixture of experts) is added to
-    the loss of the cell that runs it, and its backward seeded like the main loss.
+    embedding gets its gradient from both ends. A chunk's auxiliary loss (mixture of experts: the mean over its
+    own layers of their router losses on this microbatch) joins the objective divided by the `chunks` of the
+    model, so the chunks add up to the mean over all layers, as on one device; its backward is seeded like the
+    language-model loss, so the objective is the mean over microbatches of (loss + auxiliary loss). The forward
+    cells log the language-model loss alone, and the layers' metrics (router statistics) in the same shares.
 
     With `context` > 1 ways (manual in the region), every device holds whole rows of tokens and runs its slice of
     their zigzag order (`constrain.context_order`): x_in and the messages are [b, seq / context, D], the loss
@@ -82,11 +86,12 @@ class Cells:
     """
 
     def __init__(self, cfg: Any, constrain: Constrain, manual: tuple[str, ...], loss_scale: LossScale,
-                 context: int = 1):
+                 chunks: int, context: int = 1):
         self.cfg, self.constrain, self.manual, self.loss_scale = cfg, constrain, manual, loss_scale
         self.context = context
         self.cdt = jnp.dtype(cfg.compute_dtype)
         self.family = models.family_of(cfg)
+        self.chunks = chunks
 
     # --------------------------------------------------------------------- the model's pieces, per chunk place
 
@@ -102,22 +107,28 @@ class Cells:
         order = self.constrain.context_order(inputs.shape[1] // self.context)
         return tuple(None if a is None else jnp.take(a, order, axis=1) for a in (inputs, targets, counted))
 
-    def layers(self, chunk: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(x, aux loss varying like the loss, so its seed has its type)."""
-        y, (aux, _) = self.family.run_layers(chunk, x, self.rows(tokens)[0], self.cfg, self.constrain)
-        return y, make_varying(aux, self.manual)
+    def layers(self, chunk: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+        """(x, this chunk's share of the aux loss, varying like the loss so its seed has its type, and of the
+        layers' metrics)."""
+        y, (aux, metrics) = self.family.run_layers(chunk, x, self.rows(tokens)[0], self.cfg, self.constrain)
+        share = jax.tree.map(lambda a: a / self.chunks, (aux, metrics))
+        return y, make_varying(share[0], self.manual), share[1]
 
-    def first(self, chunk: Any, top: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def first(self, chunk: Any, top: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
         return self.layers(chunk, self.family.embed(top, self.rows(tokens)[0], self.cfg, self.constrain), tokens)
 
-    def mid(self, chunk: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def mid(self, chunk: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
         return self.layers(chunk, x, tokens)
 
-    def last(self, chunk: Any, top: Any, x: jax.Array, tokens: jax.Array) -> jax.Array:
-        y, aux = self.layers(chunk, x, tokens)
+    def last(self, chunk: Any, top: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+        """(objective: loss + the chunk's aux loss, the language-model loss, the chunk's metrics)."""
+        y, aux, metrics = self.layers(chunk, x, tokens)
         _, targets, mask = self.rows(tokens)
         loss, _ = self.family.head_loss(top, y, targets, self.cfg, self.constrain, mask)
-        return loss + aux
+        return loss + aux, loss, metrics
+
+    def logged(self, loss: jax.Array, metrics: dict) -> dict[str, jax.Array]:
+        return make_varying({"loss": jnp.asarray(loss, jnp.float32), **metrics}, self.manual)
 
     def seed(self, tokens: jax.Array) -> jax.Array:
         """The cotangent of a cell's loss: this microbatch's share of the mean loss."""
@@ -127,42 +138,42 @@ class Cells:
     # --------------------------------------------------------------------- the branches
 
     def idle(self, ops: Operands) -> Outputs:
-        chunk, top, _, x_in, _ = ops
-        return self.zeros(x_in), self.zeros(x_in), self.zeros(chunk), self.zeros(top), self._no_loss()
+        chunk, top, tokens, x_in, _ = ops
+        return self.zeros(x_in), self.zeros(x_in), self.zeros(chunk), self.zeros(top), self._no_log(chunk, x_in, tokens)
 
     def fwd_first(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, _ = ops
-        y, aux = self.first(chunk, top, tokens)
-        return y.astype(self.cdt), self.zeros(x_in), self.zeros(chunk), self.zeros(top), make_varying(aux, self.manual)
+        y, _, metrics = self.first(chunk, top, tokens)
+        return y.astype(self.cdt), self.zeros(x_in), self.zeros(chunk), self.zeros(top), self.logged(0.0, metrics)
 
     def fwd_mid(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, _ = ops
-        y, aux = self.mid(chunk, x_in, tokens)
-        return y, self.zeros(x_in), self.zeros(chunk), self.zeros(top), make_varying(aux, self.manual)
+        y, _, metrics = self.mid(chunk, x_in, tokens)
+        return y, self.zeros(x_in), self.zeros(chunk), self.zeros(top), self.logged(0.0, metrics)
 
     def fwd_last(self, ops: Operands) -> Outputs:
         """The loss is read here; the backward recomputes it."""
         chunk, top, tokens, x_in, _ = ops
-        loss = self.last(chunk, top, x_in, tokens)
-        return self.zeros(x_in), self.zeros(x_in), self.zeros(chunk), self.zeros(top), make_varying(loss, self.manual)
+        _, loss, metrics = self.last(chunk, top, x_in, tokens)
+        return self.zeros(x_in), self.zeros(x_in), self.zeros(chunk), self.zeros(top), self.logged(loss, metrics)
 
     def bwd_first(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, g_in = ops
-        _, pullback = jax.vjp(lambda c, t: self.first(c, t, tokens), chunk, top)
+        _, pullback = jax.vjp(lambda c, t: self.first(c, t, tokens)[:2], chunk, top)
         g_chunk, g_top = pullback((g_in, self.seed(tokens)))
-        return self.zeros(x_in), self.zeros(x_in), g_chunk, g_top, self._no_loss()
+        return self.zeros(x_in), self.zeros(x_in), g_chunk, g_top, self._no_log(chunk, x_in, tokens)
 
     def bwd_mid(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, g_in = ops
-        _, pullback = jax.vjp(lambda c, x: self.mid(c, x, tokens), chunk, x_in)
+        _, pullback = jax.vjp(lambda c, x: self.mid(c, x, tokens)[:2], chunk, x_in)
         g_chunk, g_x = pullback((g_in, self.seed(tokens)))
-        return self.zeros(x_in), g_x, g_chunk, self.zeros(top), self._no_loss()
+        return self.zeros(x_in), g_x, g_chunk, self.zeros(top), self._no_log(chunk, x_in, tokens)
 
     def bwd_last(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, _ = ops
-        _, pullback = jax.vjp(lambda c, t, x: self.last(c, t, x, tokens), chunk, top, x_in)
+        _, pullback = jax.vjp(lambda c, t, x: self.last(c, t, x, tokens)[0], chunk, top, x_in)
         g_chunk, g_top, g_x = pullback(self.seed(tokens))
-        return self.zeros(x_in), g_x, g_chunk, g_top, self._no_loss()
+        return self.zeros(x_in), g_x, g_chunk, g_top, self._no_log(chunk, x_in, tokens)
 
     # --------------------------------------------------------------------- the split backward (zero-bubble)
     # Qi et al. 2023: B differentiates with respect to the chunk's input only, so the previous stage gets its
@@ -175,27 +186,30 @@ class Cells:
 
     def input_mid(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, g_in = ops
-        _, pullback = jax.vjp(lambda x: self.mid(chunk, x, tokens), x_in)
+        _, pullback = jax.vjp(lambda x: self.mid(chunk, x, tokens)[:2], x_in)
         (g_x,) = pullback((g_in, self.seed(tokens)))
-        return self.zeros(x_in), g_x, self.zeros(chunk), self.zeros(top), self._no_loss()
+        return self.zeros(x_in), g_x, self.zeros(chunk), self.zeros(top), self._no_log(chunk, x_in, tokens)
 
     def input_last(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, _ = ops
-        _, pullback = jax.vjp(lambda x: self.last(chunk, top, x, tokens), x_in)
+        _, pullback = jax.vjp(lambda x: self.last(chunk, top, x, tokens)[0], x_in)
         (g_x,) = pullback(self.seed(tokens))
-        return self.zeros(x_in), g_x, self.zeros(chunk), self.zeros(top), self._no_loss()
+        return self.zeros(x_in), g_x, self.zeros(chunk), self.zeros(top), self._no_log(chunk, x_in, tokens)
 
     def weight_mid(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, g_in = ops
-        _, pullback = jax.vjp(lambda c: self.mid(c, x_in, tokens), chunk)
+        _, pullback = jax.vjp(lambda c: self.mid(c, x_in, tokens)[:2], chunk)
         (g_chunk,) = pullback((g_in, self.seed(tokens)))
-        return self.zeros(x_in), self.zeros(x_in), g_chunk, self.zeros(top), self._no_loss()
+        return self.zeros(x_in), self.zeros(x_in), g_chunk, self.zeros(top), self._no_log(chunk, x_in, tokens)
 
     def weight_last(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, _ = ops
-        _, pullback = jax.vjp(lambda c, t: self.last(c, t, x_in, tokens), chunk, top)
+        _, pullback = jax.vjp(lambda c, t: self.last(c, t, x_in, tokens)[0], chunk, top)
         g_chunk, g_top = pullback(self.seed(tokens))
-        return self.zeros(x_in), self.zeros(x_in), g_chunk, g_top, self._no_loss()
+        return self.zeros(x_in), self.zeros(x_in), g_chunk, g_top, self._no_log(chunk, x_in, tokens)
 
-    def _no_loss(self) -> jax.Array:
-        return self.zeros(jnp.zeros((), jnp.float32))
+    def _no_log(self, chunk: Any, x_in: jax.Array, tokens: jax.Array) -> dict[str, jax.Array]:
+        """What a cell that logs nothing logs: zeros shaped as a forward cell's log (the switch's branches share
+        one output type), the layers traced abstractly, so nothing of them runs."""
+        shapes = jax.eval_shape(lambda c, x, t: self.logged(0.0, self.mid(c, x, t)[2]), chunk, x_in, tokens)
+        return self.zeros(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))

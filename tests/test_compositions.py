@@ -55,15 +55,20 @@ def test_dense_composition_matches_single_device(mesh, sequence_parallel):
     assert rel_norm(grads, ref_grads) < 1e-5
 
 
-# Mixtures of experts, held to moe-tiny on one device (test_moe's seed keeps the routing away from ties).
+# Mixtures of experts, held to moe-tiny on one device (test_moe's seed keeps the routing away from ties); a
+# pipeline's router losses are per microbatch, so it is held to one device accumulating over as many slices.
 MOE = [({"expert": 2, "fsdp": 2, "data": 2}, False), ({"expert": 2, "data": 2, "tensor": 2}, True),
-       ({"context": 2, "data": 2, "tensor": 2}, False), ({"context": 2, "expert": 2, "data": 2}, False)]
+       ({"context": 2, "data": 2, "tensor": 2}, False), ({"context": 2, "expert": 2, "data": 2}, False),
+       ({"pipeline": 2, "tensor": 2}, False)]
 
 
 @functools.lru_cache(maxsize=None)
-def moe_reference() -> dict:
-    """moe-tiny on one device: its initial state, first-step gradients and 5 losses (test_moe's program)."""
-    trainer = Trainer.build(moe_config(), num_devices=1)
+def moe_reference(accum: int = 1) -> dict:
+    """moe-tiny on one device, over `accum` slices: its initial state, first-step gradients and 5 losses (with
+    accum 1, test_moe's program)."""
+    config = moe_config()
+    config.train.grad_accum_steps = accum
+    trainer = Trainer.build(config, num_devices=1)
     state = jax.device_get(trainer.init_state())
     grads, losses, _ = grads_and_run(trainer, 5, state)
     return {"state": state, "grads": grads, "losses": losses}
@@ -75,9 +80,11 @@ def moe_trainer(layout: tuple, sequence_parallel: bool) -> Trainer:
 
 @pytest.mark.parametrize("mesh,sequence_parallel", MOE, ids=_id)
 def test_moe_composition_matches_single_device(mesh, sequence_parallel):
-    ref = moe_reference()
     trainer = moe_trainer(tuple(mesh.items()), sequence_parallel)
+    ref = moe_reference(trainer.plan.pipeline.microbatches if trainer.plan.pipeline else 1)
     grads, losses, _ = grads_and_run(trainer, 5, jax.device_put(ref["state"], trainer.layout.state))
+    if trainer.layer_order is not None:
+        grads = pipeline_lib.to_logical(grads, trainer.layer_order)
     np.testing.assert_allclose(losses, ref["losses"], rtol=1e-4)
     assert rel_norm(grads, ref["grads"]) < 1e-5
 

@@ -159,6 +159,10 @@ def _pipeline(section: Any, model: models.ModelConfig, mesh_sizes: dict[str, int
     if model.n_layers % (p * v):
         raise ConfigError(f"model.n_layers={model.n_layers} is not divisible by mesh.pipeline={p} x "
                           f"pipeline.virtual_stages={v}; change the layer count or the pipeline shape")
+    if models.stack_length(model) % (p * v):
+        raise ConfigError(f"model.n_layers={model.n_layers} / model.moe_every={model.moe_every} groups are not "
+                          f"divisible by mesh.pipeline={p} x pipeline.virtual_stages={v}; change the layer count, "
+                          f"moe_every or the pipeline shape")
     if batch % (replicas * accum * m):
         raise ConfigError(f"train.global_batch_size={batch} is not divisible by the data-parallel size {replicas} x "
                           f"pipeline.microbatches={m} x train.grad_accum_steps={accum}; change the batch or the "
@@ -219,16 +223,21 @@ def _check_model_splits(model: models.ModelConfig, rules: dict, mesh_sizes: dict
 
 
 def _check_experts(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str, int], rows: int) -> None:
-    """The layouts a mixture of experts supports (README, "Mixture of experts"): data, fsdp, expert, tensor and
-    context; the `expert` axis must split both the batch and the experts, as every built-in strategy does.
+    """The layouts a mixture of experts supports (README, "Mixture of experts"): data, fsdp, expert, tensor,
+    context and pipeline (without expert or context); the `expert` axis must split both the batch and the experts,
+    as every built-in strategy does.
     `rows`: the rows of one update (the batch over train.grad_accum_steps)."""
     if not models.is_moe(model):
         return
-    if mesh_sizes.get("pipeline", 1) > 1:
-        raise ConfigError(f"mesh.pipeline={mesh_sizes['pipeline']} with model.n_experts={model.n_experts}: a mixture "
-                          f"of experts does not run on a pipeline axis yet; set mesh.pipeline=1 (use mesh.expert, "
-                          f"data, fsdp, tensor or context)")
-    context = mesh_sizes.get("context", 1)
+    context, expert = mesh_sizes.get("context", 1), mesh_sizes.get("expert", 1)
+    if mesh_sizes.get("pipeline", 1) > 1 and expert > 1:
+        raise ConfigError(f"mesh.pipeline={mesh_sizes['pipeline']} with mesh.expert={expert}: expert parallelism "
+                          f"does not run inside a pipeline yet; set mesh.expert=1 (each stage then holds its "
+                          f"experts, split like any weight) or mesh.pipeline=1")
+    if mesh_sizes.get("pipeline", 1) > 1 and context > 1:
+        raise ConfigError(f"mesh.pipeline={mesh_sizes['pipeline']} with mesh.context={context} and "
+                          f"model.n_experts={model.n_experts}: a mixture does not take rows split over context "
+                          f"inside a pipeline yet; set mesh.context=1 or mesh.pipeline=1")
     replicas = math.prod(mesh_sizes[a] for a in rules.get("batch", ()) if a in mesh_sizes)
     if context > 1 and (rows // replicas) % context:
         raise ConfigError(f"mesh.context={context} with model.n_experts={model.n_experts}: the mixture splits each "

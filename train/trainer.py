@@ -74,7 +74,7 @@ class Trainer:
         p = self.plan.pipeline
         if p is None or p.virtual_stages == 1:
             return None  # contiguous stages: the in-memory order is the logical one
-        return pipeline_lib.layer_order(self.plan.model.n_layers, p.stages, p.virtual_stages,
+        return pipeline_lib.layer_order(models.stack_length(self.plan.model), p.stages, p.virtual_stages,
                                         v_shape=p.schedule in pipeline_lib.schedules.V_SHAPED)
 
     @functools.cached_property

@@ -57,7 +57,7 @@ def _widths(cfg: models.ModelConfig, sizes: Mapping[str, int]) -> str | None:
         axis = SPLIT_BY.get(logical)
         if axis and any(size % sizes[axis] for _, size in settings):
             return f"{logical} not divisible by {axis}={sizes[axis]}"
-    if cfg.n_layers % sizes["pipeline"]:
+    if models.stack_length(cfg) % sizes["pipeline"]:  # a mixture's stack: its groups of moe_every layers
         return f"layers not divisible by pipeline={sizes['pipeline']}"
     return None
 
@@ -74,8 +74,10 @@ def _sequence(cfg: models.ModelConfig, sizes: Mapping[str, int]) -> str | None:
 def _experts(cfg: models.ModelConfig, sizes: Mapping[str, int], global_batch: int) -> str | None:
     if not has_experts(cfg):
         return "expert axis on a dense model" if sizes["expert"] > 1 else None
-    if sizes["pipeline"] > 1:
-        return "experts on pipeline unsupported"
+    if sizes["pipeline"] > 1 and sizes["expert"] > 1:
+        return "expert with pipeline unsupported"
+    if sizes["pipeline"] > 1 and sizes["context"] > 1:
+        return "experts with context in a pipeline unsupported"
     if sizes["context"] > 1 and (global_batch // replicas(sizes)) % sizes["context"]:
         return f"rows not divisible by context={sizes['context']} for the experts"
     return None

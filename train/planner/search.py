@@ -95,7 +95,7 @@ def _layout(cfg: models.ModelConfig, sizes: dict[str, int], global_batch: int, t
     out: list[Prediction] = []
     for accum in [a for a in accums if replica_rows % a == 0]:
         found = [evaluate(cfg, c, global_batch, topo, donated)
-                 for c in _candidates(sizes, cfg.n_layers, replica_rows, accum, fixed)]
+                 for c in _candidates(sizes, models.stack_length(cfg), replica_rows, accum, fixed)]
         out += found
         if any(p.fits for p in found):
             break  # more accumulation only adds steps once the layout fits
