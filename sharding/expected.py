@@ -243,13 +243,16 @@ def _sequence_parallel(cfg: Any, act: float, chunks: int, stages: int) -> list[E
 def tensor_activations(x: Layout) -> list[Expected]:
     """Megatron tensor parallelism's activation all-reduces (or sequence parallelism's scatters and gathers);
     under experts, the experts' MLP all-reduces (forward, backward; scatters under sequence parallelism) move
-    their buffers, not activations."""
+    their buffers, not activations: pipelined, once more in each backward cell's recomputed forward, on the stage
+    that holds the layer (a 1/stages share of the mean device)."""
     if x.sizes.get("tensor", 1) == 1 or not any("tensor" in spec_axes(s) for s in x.specs):
         return []
     cfg = x.cfg
     act = x.rows * (cfg.seq_len // x.sizes.get("context", 1)) * cfg.d_model * x.itemsize  # one device's rows
     chunks = x.sizes["pipeline"] * x.pipeline.get("virtual_stages", 1) if x.pipelined else 0
-    buffers = 0.0 if x.experts is None else x.experts.layers * 2 * (_expert_buffer_bytes(x) - act)
+    stages = x.sizes["pipeline"] if x.pipelined else 1
+    mixture = 0.0 if x.experts is None else x.experts.layers / stages  # MoE layers per device
+    buffers = mixture * (3 if x.pipelined else 2) * (_expert_buffer_bytes(x) - act) if mixture else 0.0
     if "tensor" in x.rules.get("seq", ()):
         scatters, gathers = _sequence_parallel(cfg, act, chunks, x.sizes.get("pipeline", 1))
         if x.experts is None:
@@ -257,7 +260,7 @@ def tensor_activations(x: Layout) -> list[Expected]:
         # A mixture's MLP reductions scatter its buffers; its weight gradients read the kept buffers, so its
         # input is not gathered again (models/moe.py takes whole rows in and gives whole rows back).
         return [dataclasses.replace(scatters, bytes=scatters.bytes + buffers),
-                dataclasses.replace(gathers, bytes=gathers.bytes - x.experts.layers * act)]
+                dataclasses.replace(gathers, bytes=gathers.bytes - mixture * act)]
     nbytes = _activation_all_reduces(cfg, chunks, x.sizes.get("pipeline", 1)) * act + buffers
     return [Expected("activation all-reduce (Megatron)", "all_reduce", "tensor", nbytes)]
 

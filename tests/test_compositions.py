@@ -173,3 +173,13 @@ def test_audit_of_experts_under_context_and_expert_parallelism():
         ("gradient all-reduce", ("data", "context")), ("gradient all-reduce", ("data", "expert")),
         ("gradient all-reduce", ("data", "expert", "context")), ("mixture rows over context", ("context",)),
         ("ring attention K/V blocks", ("context",))]
+
+
+def test_audit_of_experts_in_a_pipeline():
+    """Each stage's experts split over `tensor` like any MLP: their all-reduces move the expert buffers in the
+    forward, the backward cell's recomputed forward and the backward, on the stage holding the layer."""
+    rows = _audit(moe_trainer(tuple(MOE[4][0].items()), False))
+    assert sorted((r["purpose"], tuple(r["axes"])) for r in rows) == [
+        ("activation all-reduce (Megatron)", ("tensor",)),
+        ("embedding/head gradient all-reduce (on every stage)", ("pipeline",)),
+        ("stage activations and gradients", ("pipeline",))]
