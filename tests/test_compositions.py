@@ -63,7 +63,7 @@ MOE = [({"expert": 2, "fsdp": 2, "data": 2}, False), ({"expert": 2, "data": 2, "
 
 
 @functools.lru_cache(maxsize=None)
-def moe_reference(accum: int = 1) -> dict:
+def moe_reference(accum: int) -> dict:
     """moe-tiny on one device, over `accum` slices: its initial state, first-step gradients and 5 losses (with
     accum 1, test_moe's program)."""
     config = moe_config()
@@ -82,7 +82,8 @@ def moe_trainer(layout: tuple, sequence_parallel: bool) -> Trainer:
 def test_moe_composition_matches_single_device(mesh, sequence_parallel):
     trainer = moe_trainer(tuple(mesh.items()), sequence_parallel)
     ref = moe_reference(trainer.plan.pipeline.microbatches if trainer.plan.pipeline else 1)
-    grads, losses, _ = grads_and_run(trainer, 5, jax.device_put(ref["state"], trainer.layout.state))
+    state = trainer.from_logical(jax.device_put(ref["state"], trainer.layout.state))  # a pipeline's stack order
+    grads, losses, _ = grads_and_run(trainer, 5, state)
     if trainer.layer_order is not None:
         grads = pipeline_lib.to_logical(grads, trainer.layer_order)
     np.testing.assert_allclose(losses, ref["losses"], rtol=1e-4)
