@@ -99,13 +99,6 @@ class AutoAxesHints(models.contract.Hooks):
                                    automatic=sharding_specs.spec_axes(kv_spec))
         return context_lib.ring(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.context, gather=gather)
 
-    def whole_rows(self, x_BxLxD):
-        """Under sequence parallelism, a mixture's rows gathered over `tensor`: left split, XLA ran the router's
-        token cumsum as permutes over all stages, which wait on each other from different cells."""
-        if "tensor" not in self.rules.get("seq", ()):
-            return x_BxLxD
-        return self(x_BxLxD, ("batch", "seq_context", "embed"))
-
 
 def manual_axes(rules: Rules, mesh_sizes: Mapping[str, int]) -> tuple[str, ...]:
     """`pipeline`, the axes that split the batch (data, fsdp) and `context`: the pipeline region handles these by

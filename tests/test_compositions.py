@@ -59,7 +59,7 @@ def test_dense_composition_matches_single_device(mesh, sequence_parallel):
 # pipeline's router losses are per microbatch, so it is held to one device accumulating over as many slices.
 MOE = [({"expert": 2, "fsdp": 2, "data": 2}, False), ({"expert": 2, "data": 2, "tensor": 2}, True),
        ({"context": 2, "data": 2, "tensor": 2}, False), ({"context": 2, "expert": 2, "data": 2}, False),
-       ({"pipeline": 2, "tensor": 2}, True)]
+       ({"pipeline": 2, "tensor": 2}, False)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,10 +177,10 @@ def test_audit_of_experts_under_context_and_expert_parallelism():
 
 
 def test_audit_of_experts_in_a_pipeline():
-    """Each stage's experts split over `tensor` like any MLP: under sequence parallelism their reductions scatter
-    the expert buffers in the forward, the backward cell's recomputed forward and the backward, on the stage
-    holding the layer, whose input is gathered whole (models/moe.py routes whole rows)."""
-    rows = _audit(moe_trainer(tuple(MOE[4][0].items()), True))
-    assert sorted(r["purpose"] for r in rows) == [
-        "activation all-gather (sequence parallel)", "activation reduce-scatter (sequence parallel)",
-        "embedding/head gradient all-reduce (on every stage)", "stage activations and gradients"]
+    """Each stage's experts split over `tensor` like any MLP: their all-reduces move the expert buffers in the
+    forward, the backward cell's recomputed forward and the backward, on the stage holding the layer."""
+    rows = _audit(moe_trainer(tuple(MOE[4][0].items()), False))
+    assert sorted((r["purpose"], tuple(r["axes"])) for r in rows) == [
+        ("activation all-reduce (Megatron)", ("tensor",)),
+        ("embedding/head gradient all-reduce (on every stage)", ("pipeline",)),
+        ("stage activations and gradients", ("pipeline",))]

@@ -234,6 +234,12 @@ def _check_experts(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str,
         raise ConfigError(f"mesh.pipeline={mesh_sizes['pipeline']} with mesh.expert={expert}: expert parallelism "
                           f"does not run inside a pipeline yet; set mesh.expert=1 (each stage then holds its "
                           f"experts, split like any weight) or mesh.pipeline=1")
+    if mesh_sizes.get("pipeline", 1) > 1 and "tensor" in rules.get("seq", ()):
+        # Gathering a mixture's rows over tensor inside the cells left collectives that, on CPU, paired up across
+        # stages running different cells (wrong losses or a rendezvous abort, depending on timing).
+        raise ConfigError(f"mesh.pipeline={mesh_sizes['pipeline']} with sharding.sequence_parallel=True and "
+                          f"model.n_experts={model.n_experts}: a mixture inside a pipeline does not take sequence "
+                          f"parallelism yet; set sharding.sequence_parallel=False")
     if mesh_sizes.get("pipeline", 1) > 1 and context > 1:
         raise ConfigError(f"mesh.pipeline={mesh_sizes['pipeline']} with mesh.context={context} and "
                           f"model.n_experts={model.n_experts}: a mixture does not take rows split over context "
