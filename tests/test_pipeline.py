@@ -46,10 +46,10 @@ def _name(layout):
     return ",".join(f"{axis}={size}" for axis, size in layout)
 
 
-# Every schedule on two of the layouts and every layout with two schedules or one (the executor runs any table
+# Every schedule on one of the layouts or two, every layout with one schedule or two (the executor runs any table
 # the same way; the full cross product costs twice the compiles for no path it does not already take).
 MATRIX = [(LAYOUTS[0], *SCHEDULES[1]), (LAYOUTS[0], *SCHEDULES[2]), (LAYOUTS[1], *SCHEDULES[0]),
-          (LAYOUTS[1], *SCHEDULES[2]), (LAYOUTS[2], *SCHEDULES[1]), (LAYOUTS[2], *SCHEDULES[0])]
+          (LAYOUTS[1], *SCHEDULES[2]), (LAYOUTS[2], *SCHEDULES[1])]
 
 
 @pytest.mark.parametrize("layout,schedule,virtual_stages", MATRIX,

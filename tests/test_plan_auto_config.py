@@ -43,21 +43,22 @@ def test_a_continued_run_keeps_the_layout_it_chose(monkeypatch):
         assert planner_auto.apply(config, 8, {"plan": other})[1] is not other
 
 
-@pytest.mark.parametrize("preset", ["llama3-tiny", "moe-tiny"])
-def test_plan_auto_trains_on_one_two_four_and_eight_devices(preset):
+@pytest.mark.parametrize("preset,counts", [("llama3-tiny", (2, 4, 8)), ("moe-tiny", (8,))])
+def test_plan_auto_trains_on_one_two_four_and_eight_devices(preset, counts):
     """The planner lays the model out on each device count a user may have (here the first n of the 8 virtual
-    devices, as `python -m train` does with the devices it finds) and every layout trains like one device."""
+    devices, as `python -m train` does with the devices it finds) and every layout trains like one device
+    (moe-tiny on 8 only: the planner gives this shrunk mixture data parallelism on 2, 4 and 8 alike)."""
     config = get_config()
     config.data.source = "synthetic"
     config.plan.auto = True
     config.model.update(preset=preset, d_model=32, n_layers=2, seq_len=16)
     config.train.global_batch_size = 8
     losses = {}
-    for n in (1, 2, 4, 8):
+    for n in (1, *counts):
         planned, record = planner_auto.apply(config, n)
         trainer = Trainer.build(planned, n)
         assert axis_sizes(trainer.mesh) == record["chosen"]["mesh"]
         losses[n], _ = run_steps(trainer, 2)
     assert np.isfinite(losses[1]).all()
-    for n in (2, 4, 8):
+    for n in counts:
         np.testing.assert_allclose(losses[n], losses[1], rtol=1e-4, err_msg=f"{n} devices")
