@@ -43,6 +43,23 @@ def random_state(trainer):
     return jax.jit(fill, out_shardings=trainer.layout.state)(trainer.init_state())
 
 
+def timed_saves(tier, tree, steps) -> tuple[list[float], list[float], list[float]]:
+    """(blocked, until committed, checksums) seconds per save of `tree` at each of `steps` to `tier` (the
+    persistent or the local one). As in the train loop, the checksums are dispatched first: they cost device time
+    after the step, so they are timed on their own."""
+    blocked, committed, checksum = [], [], []
+    for step in steps:
+        t0 = time.perf_counter()
+        prepared = integrity.device_checksums(tree)
+        jax.block_until_ready(prepared[1])
+        t1 = time.perf_counter()
+        blocked.append(tier.save(step, tree, {}, checksums=prepared))
+        tier.wait()
+        committed.append(time.perf_counter() - t1)
+        checksum.append(t1 - t0)
+    return blocked, committed, checksum
+
+
 def measure(d_model: int, n_layers: int, root: str) -> list[tuple[str, str]]:
     med = statistics.median
     n = _REPEATS.value
@@ -53,18 +70,7 @@ def measure(d_model: int, n_layers: int, root: str) -> list[tuple[str, str]]:
     runs = checkpoint.Checkpoints(f"{root}/async", keep=n + 1)
     runs.save(1, tree, {})  # a process's first save compiles the checksum program: not timed
     runs.wait()
-    blocked, committed, checksum = [], [], []
-    for step in range(2, 2 + n):
-        # As in the train loop: the checksums are dispatched while the step runs and cost device time
-        # after it; they are timed on their own here.
-        t0 = time.perf_counter()
-        prepared = integrity.device_checksums(tree)
-        jax.block_until_ready(prepared[1])
-        t1 = time.perf_counter()
-        blocked.append(runs.save(step, tree, {}, checksums=prepared))
-        runs.wait()
-        committed.append(time.perf_counter() - t1)
-        checksum.append(t1 - t0)
+    blocked, committed, checksum = timed_saves(runs, tree, range(2, 2 + n))
     sync = checkpoint.Checkpoints(f"{root}/sync", keep=n, async_save=False)
     synchronous = []
     for step in range(1, 1 + n):

@@ -14,9 +14,8 @@ from absl import app, flags, logging
 
 import checkpoint
 from checkpoint import format as ckpt_format
-from checkpoint import integrity
 from experiments import default, tiny
-from experiments.bench_checkpoint import random_state  # also defines --repeats and --num_cpu_devices, used here
+from experiments.bench_checkpoint import random_state, timed_saves  # and its --repeats, --num_cpu_devices
 from train.trainer import Trainer
 
 _LOCAL = flags.DEFINE_string("local_dir", "/dev/shm", "Node-local storage for the local tier (the persistent tier "
@@ -37,19 +36,6 @@ def _config(config, **mesh):
     config.data.source = "synthetic"
     config.mesh.update(mesh)
     return config
-
-
-def _timed_saves(tier, tree, steps) -> tuple[list[float], list[float]]:
-    """(blocked, until committed) seconds per save, the checksums dispatched first as the loop does."""
-    blocked, committed = [], []
-    for step in steps:
-        prepared = integrity.device_checksums(tree)
-        jax.block_until_ready(prepared[1])
-        t0 = time.perf_counter()
-        blocked.append(tier.save(step, tree, {}, checksums=prepared))
-        tier.wait()
-        committed.append(time.perf_counter() - t0)
-    return blocked, committed
 
 
 def _timed_restores(restore) -> list[float]:
@@ -74,7 +60,7 @@ def measure(name: str, root: str) -> dict[str, tuple[float, float, float]]:
     out = {}
     for tier, restore in ((persistent, lambda: checkpoint.restore_newest(persistent, target)),
                           (local, lambda: checkpoint.restore_tiers(empty, local, target))):
-        blocked, committed = _timed_saves(tier, tree, steps)
+        blocked, committed, _ = timed_saves(tier, tree, steps)
         med = statistics.median
         out["persistent" if tier is persistent else "local"] = (med(blocked[1:]), med(committed[1:]),
                                                                med(_timed_restores(restore)))
