@@ -319,7 +319,7 @@ def context_rows(x: Layout) -> list[Expected]:
 
 
 def stage_sends(x: Layout) -> list[Expected]:
-    """The pipeline's messages: only cells with something to send send it (sharding.pipeline.send_patterns), so a
+    """The pipeline's messages: only cells with something to send send it (sharding.slot_program.send_patterns), so a
     step moves each microbatch's activation and gradient once across each stage boundary, whatever the schedule's
     idle slots; per device, the mean over the stages."""
     if not x.pipelined:

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from sharding import expected as expected_lib
-from sharding import pipeline as pipeline_lib
-from sharding import schedules
+from sharding import schedules, slot_program
 from sharding.expected import Expected
 from tests.helpers import run_python, tiny_config
 from train.planner import audit as audit_lib
@@ -115,7 +114,7 @@ def test_expected_stage_sends_are_the_real_messages(name, p, m, v):
     assert _real_sends(schedule) == 2 * m * boundaries
     assert expected_lib.messages_per_step(name, p, m, v) == _real_sends(schedule) / p
     # The planner pays a permute's latency in each slot where the executor's send switch sends on a channel.
-    patterns = pipeline_lib.send_patterns(pipeline_lib.slot_program(schedule, True), p)
+    patterns = slot_program.send_patterns(slot_program.slot_program(schedule, True), p)
     issued = sum(bool(pairs[i]) for index, pairs in patterns.values() for i in index)
     assert expected_lib.sends_per_step(name, p, m, v) == issued
 

@@ -11,7 +11,7 @@ from mesh import hlo
 from mesh.errors import UserError
 from sharding import pipeline as pipeline_lib
 from sharding import pipeline_stages as stages
-from sharding import schedules
+from sharding import schedules, slot_program
 from tests.helpers import compiled_step, grads_and_run, reference_config, rel_norm, single_device_run, tiny_config
 from train.config import resolve
 from train.trainer import Trainer
@@ -143,7 +143,7 @@ def test_collectives_per_step(layout, schedule, virtual_stages):
 def test_branch_slot_counts(name, p, m, v):
     """Per stage: every slot runs one branch; each microbatch's forward and backward run once per chunk, the
     embedding cells (first) on stage 0 only, the head cells (last) on stage p-1 only; idle = the bubble."""
-    counts = pipeline_lib.branch_slot_counts(schedules.build(name, p, m, v))
+    counts = slot_program.branch_slot_counts(schedules.build(name, p, m, v))
     slots = 2 * (v * m + p - 1)
     assert counts.shape == (p, stages.NUM_BRANCHES) and (counts.sum(axis=1) == slots).all()
     np.testing.assert_array_equal(counts[:, stages.IDLE], 2 * (p - 1))
@@ -158,14 +158,14 @@ def test_branch_slot_counts_of_split_backwards():
     """ZB-H1 on p=4, m=8: per stage m forwards, m B cells and m W cells; the first chunk's B is idle (nothing
     upstream to send to) and its W the whole backward of the embedding chunk; idle = the p-1 bubble slots."""
     p, m = 4, 8
-    counts = pipeline_lib.branch_slot_counts(schedules.build("zb_h1", p, m))
+    counts = slot_program.branch_slot_counts(schedules.build("zb_h1", p, m))
     assert counts.shape == (p, stages.NUM_SPLIT_BRANCHES) and (counts.sum(axis=1) == 3 * m + p - 1).all()
     np.testing.assert_array_equal(counts[:, stages.IDLE], [p - 1 + m] + [p - 1] * (p - 1))
     np.testing.assert_array_equal(counts[:, stages.BWD_FIRST], [m] + [0] * (p - 1))
     np.testing.assert_array_equal(counts[:, stages.BWD_MID] + counts[:, stages.BWD_LAST], 0)
     np.testing.assert_array_equal(counts[:, stages.INPUT_MID], [0, m, m, 0])
     np.testing.assert_array_equal(counts[:, stages.WEIGHT_LAST], [0, 0, 0, m])
-    assert pipeline_lib.branch_slot_counts(schedules.build("zb_h1", p, m), train=False).shape[1] == stages.NUM_BRANCHES
+    assert slot_program.branch_slot_counts(schedules.build("zb_h1", p, m), train=False).shape[1] == stages.NUM_BRANCHES
 
 
 def _bad(changes: dict, layout=(("pipeline", 4), ("data", 2))):

@@ -21,7 +21,7 @@ import numpy as np
 
 from mesh import chips, cost, placement
 from mesh import topology as topology_lib
-from sharding import pipeline as pipeline_lib
+from sharding import slot_program
 from sharding.expected import expected_traffic
 from train.config import ConfigError
 
@@ -66,7 +66,7 @@ def weigh_branches(records: list[dict], slot_counts, slots: int) -> list[dict]:
     """Records of the pipeline's slot switch counted by how often a device really runs their branch.
 
     mesh.hlo counts a collective inside a `lax.switch` branch on every trip of the slot loop (an upper
-    bound). `slot_counts` (int [stages, branches], sharding.pipeline.branch_slot_counts) says in how many
+    bound). `slot_counts` (int [stages, branches], sharding.slot_program.branch_slot_counts) says in how many
     of the `slots` trips each stage runs each branch; a record's count becomes its count per trip times
     the mean over stages. The mean, not the busiest stage, because rows are per-device bytes that sum
     over the devices to the axis's traffic, the figure the expectations state and the projection costs;
@@ -81,7 +81,7 @@ def weigh_branches(records: list[dict], slot_counts, slots: int) -> list[dict]:
     out = []
     for r in records:
         outer = (r.get("branch") or [None])[0]
-        sends = pipeline_lib.send_channel(r.get("op_name", ""))  # a send switch's permute: weigh_sends
+        sends = slot_program.send_channel(r.get("op_name", ""))  # a send switch's permute: weigh_sends
         if (not sends and outer and len(r["branch"]) == 1 and outer["index"] is not None
                 and outer["count"] % slots == 0 and outer["branches"] == slot_counts.shape[1]):
             r = dict(r, count=r["count"] * float(share[outer["index"]]), exact=r.get("trips_known", True))
@@ -92,7 +92,7 @@ def weigh_branches(records: list[dict], slot_counts, slots: int) -> list[dict]:
 def weigh_sends(records: list[dict], send_counts: dict, slots: int, devices: int) -> list[dict]:
     """Permutes of the pipeline's send switches counted as the devices really send them.
 
-    Each channel's switch (sharding.pipeline.send_patterns, named after the channel in the op_name) takes its
+    Each channel's switch (sharding.slot_program.send_patterns, named after the channel in the op_name) takes its
     branch i in `send_counts[channel][i]` of the `slots` trips, and that branch's permute sends from `senders`
     of the mesh's `devices` (its pairs); a record's count becomes its count per trip times both shares: the mean
     over the devices of what each sends, as weigh_branches counts the cells' collectives. A record that cannot
@@ -100,7 +100,7 @@ def weigh_sends(records: list[dict], send_counts: dict, slots: int, devices: int
     """
     out = []
     for r in records:
-        channel = pipeline_lib.send_channel(r.get("op_name", ""))
+        channel = slot_program.send_channel(r.get("op_name", ""))
         outer = (r.get("branch") or [None])[0]
         taken = send_counts.get(channel)
         if (taken is not None and r["op"] == "collective_permute" and outer and len(r["branch"]) == 1
@@ -202,8 +202,8 @@ def audit(trainer, report: dict, xla_log: str, topology: str, hosts: int, mfu: f
     records = report["collectives"]
     if plan.pipeline:
         schedule = plan.pipeline.build()
-        records = weigh_branches(records, pipeline_lib.branch_slot_counts(schedule), schedule.num_slots)
-        records = weigh_sends(records, pipeline_lib.send_slot_counts(schedule), schedule.num_slots,
+        records = weigh_branches(records, slot_program.branch_slot_counts(schedule), schedule.num_slots)
+        records = weigh_sends(records, slot_program.send_slot_counts(schedule), schedule.num_slots,
                               math.prod(plan.mesh_sizes.values()))
     rows = attribute(records, expected, plan.mesh_sizes)
     remats = xla_log.count(REMAT_WARNING)
