@@ -58,6 +58,12 @@ class Hooks:
         """The inverse of `rows_in_order`: the layout's sequence order, the rows whole again."""
         return x_BxLxD
 
+    def batch_mean(self, x: jax.Array) -> jax.Array:
+        """The mean over the whole batch of `x`, a mean over the rows this program holds (a mixture's router
+        statistics): the identity where the program sees the whole batch (one device, or jit's global view);
+        a region that splits the rows by hand (a pipeline's, manual over the batch axes) averages its replicas."""
+        return x
+
     def moe_experts(self, x_BxExCxD: jax.Array, experts: Params, expert_fn: Callable) -> jax.Array:
         """Run every expert on its slots of every row (models/moe.py): `expert_fn(experts, x_ExNxD) -> y_ExNxD`
         on the buffers regrouped per expert. A mesh splitting the experts overrides this with all-to-alls."""

@@ -135,10 +135,11 @@ def _mixture(router_DxE: jax.Array, experts: Params, h_BxLxD: jax.Array, cfg: An
     picked = _take_rows(out_BxExCxD.reshape(B, E * cap, D), slot.reshape(B, -1)).reshape(B, -1, L, D)
     weight_BxKxL = (top_w * kept).astype(h_BxLxD.dtype)
     y_BxLxD = jnp.einsum("bkld,bkl->bld", picked, weight_BxKxL)
-    load_E = jnp.mean(jax.nn.one_hot(top_e, E, dtype=jnp.float32), axis=(0, 1, 2))  # fraction routed to each
-    stats = {"moe_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
-             "moe_load_balance_loss": E * jnp.sum(load_E * jnp.mean(probs, axis=(0, 1))),
-             "moe_dropped_fraction": 1.0 - jnp.mean(kept.astype(jnp.float32)), "moe_load": load_E,
+    mean = constrain.batch_mean  # the statistics of the whole batch (or microbatch), however its rows are split
+    load_E = mean(jnp.mean(jax.nn.one_hot(top_e, E, dtype=jnp.float32), axis=(0, 1, 2)))  # fraction routed to each
+    stats = {"moe_z_loss": mean(jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)),
+             "moe_load_balance_loss": E * jnp.sum(load_E * mean(jnp.mean(probs, axis=(0, 1)))),
+             "moe_dropped_fraction": 1.0 - mean(jnp.mean(kept.astype(jnp.float32))), "moe_load": load_E,
              "topk_margin": topk_margin(jax.lax.stop_gradient(logits), top_e)}
     return y_BxLxD, stats
 

@@ -280,15 +280,24 @@ def context_ring(x: Layout) -> list[Expected]:
     if x.pipelined:
         # A split backward runs B and W cells per chunk, except the first chunk's B (pipeline_stages: idle), so
         # the mean device runs 2 - 1/chunks of them per chunk.
-        chunks = x.sizes["pipeline"] * x.pipeline.get("virtual_stages", 1)
-        backwards = 2 - 1 / chunks if _split_backward(x.schedule()) else 1
-        forwards = 1 + backwards * (1 + (cfg.remat == "full"))
+        forwards, backwards = _cell_passes(x, full_remat_only=True)
         whole = 2 * context * cfg.n_layers * block / x.sizes["pipeline"]  # K and V of the stage's layers, gathered
         return [Expected("context K/V all-gather", "all_gather", "context", forwards * whole),
                 Expected("context K/V gradient reduce-scatter", "reduce_scatter", "context", backwards * whole)]
     passes = 2 + (cfg.remat == "full")  # forward, backward (the gradients going back), full remat's recompute
     return [Expected("ring attention K/V blocks", "collective_permute", "context",
                      passes * 2 * (context - 1) * cfg.n_layers * block)]
+
+
+def _cell_passes(x: Layout, full_remat_only: bool = False) -> tuple[float, float]:
+    """(forward passes, backward passes) a pipelined layer runs per microbatch on the mean device: the forward
+    cell, and each backward cell (B and W for a split backward, except the first chunk's B, pipeline_stages: idle,
+    so 2 - 1/chunks of them per chunk) recomputing the forward, once more when remat recomputes the layer inside
+    it (any remat, or only full remat's for work a saved-dots policy keeps)."""
+    chunks = x.sizes["pipeline"] * x.pipeline.get("virtual_stages", 1)
+    backwards = 2 - 1 / chunks if _split_backward(x.schedule()) else 1
+    again = x.cfg.remat == "full" if full_remat_only else x.cfg.remat != "none"
+    return 1 + backwards * (1 + again), backwards
 
 
 def _split_backward(schedule: schedules.Schedule) -> bool:
@@ -299,12 +308,18 @@ def _split_backward(schedule: schedules.Schedule) -> bool:
 
 def expert_all_to_alls(x: Layout) -> list[Expected]:
     """Per mixture layer the dispatch and combine all-to-alls of the device's buffers over `expert`, forward
-    and backward (and again when rematerialization recomputes the layer)."""
+    and backward (and again when rematerialization recomputes the layer). Pipelined, the stage's layers in every
+    cell that runs their forward (the forward cell, the backward cell's recompute, and under remat the recompute
+    inside it) and in the backward cell, counted as for the context blocks (`_cell_passes`)."""
     if x.experts is None or x.sizes.get("expert", 1) == 1:
         return []
-    per_layer = 4 + 2 * (x.cfg.remat != "none")
+    if x.pipelined:
+        forwards, backwards = _cell_passes(x)
+        layers, per_layer = x.experts.layers / x.sizes["pipeline"], 2 * (forwards + backwards)
+    else:
+        layers, per_layer = x.experts.layers, 4 + 2 * (x.cfg.remat != "none")
     return [Expected("expert dispatch and combine", "all_to_all", "expert",
-                     x.experts.layers * per_layer * _expert_buffer_bytes(x))]
+                     layers * per_layer * _expert_buffer_bytes(x))]
 
 
 def context_rows(x: Layout) -> list[Expected]:

@@ -30,15 +30,21 @@ def dispatch_combine(mesh: jax.sharding.Mesh, manual: tuple[str, ...], x_BxExCxD
 
     def local(x_bxExCxD, w):
         w = jax.tree.map(lambda a: jax.lax.pcast(a, others, to="varying"), w) if others else w
-        # Dispatch: the slice of experts e goes to device e, which receives every device's rows for its experts.
-        x_BxexCxD = jax.lax.all_to_all(x_bxExCxD, AXIS, split_axis=1, concat_axis=0, tiled=True)
-        B, e, C, D = x_BxexCxD.shape
-        y = expert_fn(w, jnp.swapaxes(x_BxexCxD, 0, 1).reshape(e, B * C, D))
-        y_BxexCxD = jnp.swapaxes(y.reshape(e, B, C, -1), 0, 1)
-        # Combine: the inverse all-to-all returns each row's outputs to the device holding that row.
-        return jax.lax.all_to_all(y_BxexCxD, AXIS, split_axis=0, concat_axis=1, tiled=True)
+        return exchange(x_bxExCxD, w, expert_fn)
 
     rows = P(manual if len(manual) > 1 else manual[0])
     weight_specs = jax.tree.map(lambda _: P(AXIS), experts)
     return jax.shard_map(local, mesh=mesh, in_specs=(rows, weight_specs), out_specs=rows,
                          axis_names=set(manual), check_vma=True)(x_BxExCxD, experts)
+
+
+def exchange(x_bxExCxD: jax.Array, w: Any, expert_fn: Callable) -> jax.Array:
+    """Inside a region manual over `expert` (this device's rows' buffers for all E experts, the weights of its E/e):
+    dispatch, run the local experts on every device's rows for them, combine."""
+    # Dispatch: the slice of experts e goes to device e, which receives every device's rows for its experts.
+    x_BxexCxD = jax.lax.all_to_all(x_bxExCxD, AXIS, split_axis=1, concat_axis=0, tiled=True)
+    B, e, C, D = x_BxexCxD.shape
+    y = expert_fn(w, jnp.swapaxes(x_BxexCxD, 0, 1).reshape(e, B * C, D))
+    y_BxexCxD = jnp.swapaxes(y.reshape(e, B, C, -1), 0, 1)
+    # Combine: the inverse all-to-all returns each row's outputs to the device holding that row.
+    return jax.lax.all_to_all(y_BxexCxD, AXIS, split_axis=0, concat_axis=1, tiled=True)

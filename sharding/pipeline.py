@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 import models
 from mesh.layout import axis_sizes
 from sharding import context as context_lib
+from sharding import experts as experts_lib
 from sharding import pipeline_stages as stages
 from sharding import schedules
 from sharding import specs as sharding_specs
@@ -28,6 +29,9 @@ PIPELINE = "pipeline"
 # FSDP inside the pipeline region: stage weights gathered (and gradients reduce-scattered) once per step;
 # see StageProgram. The compile report carries this so an audit knows to expect one fsdp all-gather per weight.
 FSDP_GATHER = "once_per_step"
+# Manual axes a weight stays split over in the region: its stage over `pipeline`, its experts over `expert` (their
+# tokens come to them by all-to-all); the others (fsdp) are gathered once per step.
+KEPT_SPLIT = (PIPELINE, experts_lib.AXIS)
 
 
 # ----------------------------------------------------------------------------- layer order
@@ -73,8 +77,8 @@ class AutoAxesHints(models.contract.Hooks):
     """Inside the pipeline's shard_map: activation hints for the automatic (tensor) axes only, and with `context`
     manual there (`context` > 1 ways), each device's slice of the zigzag sequence and the ring over them."""
 
-    def __init__(self, rules, sizes, context: int = 1):
-        self.rules, self.sizes, self.context = rules, sizes, context
+    def __init__(self, rules, sizes, context: int = 1, batch_axes: tuple[str, ...] = ()):
+        self.rules, self.sizes, self.context, self.batch_axes = rules, sizes, context, batch_axes
 
     def __call__(self, x, names):
         return jax.lax.with_sharding_constraint(x, sharding_specs.mesh_spec(P(*names), self.rules, x.shape, self.sizes))
@@ -86,6 +90,17 @@ class AutoAxesHints(models.contract.Hooks):
         order_CxL = jnp.asarray(context_lib.zigzag_order(length * self.context, self.context)).reshape(self.context,
                                                                                                       length)
         return order_CxL[jax.lax.axis_index(context_lib.AXIS)]
+
+    def batch_mean(self, x):
+        """The replicas' rows together: a mixture's router statistics are those of the whole microbatch, as one
+        device accumulating over the microbatches computes them (one all-reduce of a few scalars per layer)."""
+        return jax.lax.pmean(x, self.batch_axes) if self.batch_axes else x
+
+    def moe_experts(self, x_BxExCxD, experts, expert_fn):
+        """With `expert` manual here (a batch axis of the region): the experts' all-to-alls, directly."""
+        if self.sizes.get(experts_lib.AXIS, 1) == 1:
+            return super().moe_experts(x_BxExCxD, experts, expert_fn)
+        return experts_lib.exchange(x_BxExCxD, experts, expert_fn)
 
     def causal_attention(self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL=None):
         """With `context` manual, the ring on this device's slice, its K/V blocks all-gathered (context._next_block)
@@ -182,7 +197,8 @@ class StageProgram:
         auto_rules = {k: tuple(a for a in axes if a not in manual) for k, axes in rules.items()}
         self.automatic = tuple(a for a in mesh.axis_names if a not in manual and sizes[a] > 1)
         self.context = sizes.get(context_lib.AXIS, 1)
-        self.constrain = AutoAxesHints(auto_rules, sizes, self.context)
+        self.constrain = AutoAxesHints(auto_rules, sizes, self.context,
+                                       tuple(a for a in self.batch_axes if a != context_lib.AXIS))
 
         self.program = slot_program(schedule, train)
         self.sends = send_patterns(self.program, p)
@@ -287,7 +303,7 @@ class StageProgram:
 
     def gather(self, x: jax.Array, spec: P) -> jax.Array:
         """FSDP: the whole stage's weights, once per step."""
-        sharded = sharding_specs.sharded_dims(_only(spec, self.manual, drop=(PIPELINE,)))
+        sharded = sharding_specs.sharded_dims(_only(spec, self.manual, drop=KEPT_SPLIT))
         if not sharded:
             return x
         return _on_local_shards(functools.partial(_all_gather, sharded=sharded), x, spec, self.automatic)
@@ -295,10 +311,10 @@ class StageProgram:
     def reduce(self, g: jax.Array, spec: P, is_layer: bool) -> jax.Array:
         """Once per step: scatter back to the FSDP shards (first, so the all-reduce moves a shard rather than
         the whole stage), then sum over the other batch axes; mean over the batch replicas."""
-        sharded = sharding_specs.sharded_dims(_only(spec, self.manual, drop=(PIPELINE,)))
+        sharded = sharding_specs.sharded_dims(_only(spec, self.manual, drop=KEPT_SPLIT))
         if sharded:
             g = _on_local_shards(functools.partial(_reduce_scatter, sharded=sharded), g, spec, self.automatic)
-        in_spec = {a for _, axes in sharded for a in axes}
+        in_spec = set(sharding_specs.spec_axes(_only(spec, self.manual)))  # and `expert`: distinct experts
         # Embedding and head gradients exist on the first and last stage only; every stage holds a replica.
         summed = tuple(a for a in self.batch_axes if a not in in_spec) + (() if is_layer else (PIPELINE,))
         return (jax.lax.psum(g, summed) if summed else g) / self.replicas

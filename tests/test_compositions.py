@@ -56,10 +56,11 @@ def test_dense_composition_matches_single_device(mesh, sequence_parallel):
 
 
 # Mixtures of experts, held to moe-tiny on one device (test_moe's seed keeps the routing away from ties); a
-# pipeline's router losses are per microbatch, so it is held to one device accumulating over as many slices.
+# pipeline's router losses are per microbatch (averaged over the replicas' rows of it: `expert` or `data` beside
+# it), so it is held to one device accumulating over as many slices.
 MOE = [({"expert": 2, "fsdp": 2, "data": 2}, False), ({"expert": 2, "data": 2, "tensor": 2}, True),
        ({"context": 2, "data": 2, "tensor": 2}, False), ({"context": 2, "expert": 2, "data": 2}, False),
-       ({"pipeline": 2, "tensor": 2}, False)]
+       ({"pipeline": 2, "expert": 2, "tensor": 2}, False), ({"pipeline": 2, "data": 2, "tensor": 2}, False)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,10 +178,14 @@ def test_audit_of_experts_under_context_and_expert_parallelism():
 
 
 def test_audit_of_experts_in_a_pipeline():
-    """Each stage's experts split over `tensor` like any MLP: their all-reduces move the expert buffers in the
-    forward, the backward cell's recomputed forward and the backward, on the stage holding the layer."""
+    """Each stage's experts split over `expert` (their all-to-alls in the forward cell, the backward cell's
+    recomputed forward and its backward) and their MLPs over `tensor` (all-reduces moving the expert buffers in
+    the same cells), on the stage holding the layer; `expert` splits the rows, so the gradients are summed over
+    it, and the router statistics of each microbatch averaged over it (a few scalars, within the gradient row's
+    5%)."""
     rows = _audit(moe_trainer(tuple(MOE[4][0].items()), False))
     assert sorted((r["purpose"], tuple(r["axes"])) for r in rows) == [
         ("activation all-reduce (Megatron)", ("tensor",)),
-        ("embedding/head gradient all-reduce (on every stage)", ("pipeline",)),
+        ("embedding/head gradient all-reduce (on every stage)", ("pipeline", "expert")),
+        ("expert dispatch and combine", ("expert",)), ("gradient all-reduce", ("expert",)),
         ("stage activations and gradients", ("pipeline",))]

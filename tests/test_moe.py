@@ -186,7 +186,6 @@ def test_sizes_count_every_expert_and_flops_the_active_ones():
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"mesh.pipeline": 2, "mesh.expert": 2, "mesh.data": 2}, "mesh.pipeline=2 with mesh.expert=2"),
     ({"mesh.pipeline": 2, "mesh.context": 2, "mesh.data": 2}, "mesh.pipeline=2 with mesh.context=2"),
     ({"mesh.pipeline": 2, "mesh.tensor": 2, "mesh.data": 2, "sharding.sequence_parallel": True},
      "mesh.pipeline=2 with sharding.sequence_parallel=True"),

@@ -36,12 +36,13 @@ def test_impossible_layouts_are_skipped_and_counted():
     assert skipped == {"heads not divisible by tensor=8": 1}
     assert ranked[0].fits and all(p.candidate.sizes["tensor"] < 8 for p in ranked)
     ranked, skipped = search.explore(_model("moe-tiny"), 16, CPU8, {})
-    assert skipped["expert with pipeline unsupported"] > 0
-    assert any(p.fits and p.candidate.sizes["pipeline"] > 1 for p in ranked)  # experts inside pipelines
+    assert set(skipped) == {"layers not divisible by pipeline=4", "layers not divisible by pipeline=8"}  # 2 groups
+    assert any(p.fits and p.candidate.sizes["pipeline"] > 1 and p.candidate.sizes["expert"] > 1
+               for p in ranked)  # expert parallelism inside pipelines
     assert any(p.fits and p.candidate.sizes["expert"] > 1 for p in ranked)  # experts are searched
     assert any(p.candidate.sizes["expert"] > 1 and p.candidate.sizes["fsdp"] > 1 for p in ranked)  # with fsdp
-    with pytest.raises(search.PlanError, match=r"skipped: expert with pipeline unsupported\); change"):
-        search.explore(_model("moe-tiny"), 16, CPU8, {"pipeline": 2, "expert": 2})
+    with pytest.raises(search.PlanError, match=r"skipped: experts with context in a pipeline unsupported\); change"):
+        search.explore(_model("moe-tiny"), 16, CPU8, {"pipeline": 2, "context": 2})
 
 
 @pytest.mark.parametrize("preset", ["llama3-tiny", "moe-tiny"])

@@ -224,16 +224,12 @@ def _check_model_splits(model: models.ModelConfig, rules: dict, mesh_sizes: dict
 
 def _check_experts(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str, int], rows: int) -> None:
     """The layouts a mixture of experts supports (README, "Mixture of experts"): data, fsdp, expert, tensor,
-    context and pipeline (without expert or context); the `expert` axis must split both the batch and the experts,
+    context and pipeline (without context); the `expert` axis must split both the batch and the experts,
     as every built-in strategy does.
     `rows`: the rows of one update (the batch over train.grad_accum_steps)."""
     if not models.is_moe(model):
         return
-    context, expert = mesh_sizes.get("context", 1), mesh_sizes.get("expert", 1)
-    if mesh_sizes.get("pipeline", 1) > 1 and expert > 1:
-        raise ConfigError(f"mesh.pipeline={mesh_sizes['pipeline']} with mesh.expert={expert}: expert parallelism "
-                          f"does not run inside a pipeline yet; set mesh.expert=1 (each stage then holds its "
-                          f"experts, split like any weight) or mesh.pipeline=1")
+    context = mesh_sizes.get("context", 1)
     if mesh_sizes.get("pipeline", 1) > 1 and "tensor" in rules.get("seq", ()):
         # Gathering a mixture's rows over tensor inside the cells left collectives that, on CPU, paired up across
         # stages running different cells (wrong losses or a rendezvous abort, depending on timing).
