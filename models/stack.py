@@ -20,7 +20,7 @@ def run_stack(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: An
     x_ExNxD, cfg) -> y_ExNxD` one expert's MLP. Returns (x, aux): 0.0 for a dense stack (it adds nothing to the
     loss), the router's losses and statistics for a mixture (moe.run_groups)."""
     layers = lora.freeze(layers, cfg)
-    segment_ids, positions = _segments(inputs_BxL, cfg, constrain)
+    segment_ids, positions = _segments(inputs_BxL, x_BxLxD.shape[1], cfg, constrain)
 
     def dense(p, x):
         return block(p, x, segment_ids, positions)
@@ -35,17 +35,23 @@ def run_stack(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: An
     return x_BxLxD, None
 
 
-def _segments(inputs_BxL: jax.Array, cfg: Any, constrain: Constrain) -> tuple[jax.Array | None, jax.Array | None]:
-    """Packed documents' (segment ids, positions), in the layout's sequence order. A context-parallel layout's
-    permuted sequence keeps its global rotary positions; its documents are found in the global order (they run
-    along it) and their ids and positions permuted like the inputs."""
-    order = constrain.context_order(inputs_BxL.shape[1])
+def _segments(inputs_BxL: jax.Array, length: int, cfg: Any,
+              constrain: Constrain) -> tuple[jax.Array | None, jax.Array | None]:
+    """Packed documents' (segment ids, positions) of the `length` positions the stack runs. A context-parallel
+    layout's permuted sequence keeps its global rotary positions; its documents are found in the global order
+    (they run along it) and their ids and positions permuted like the inputs. `inputs_BxL` is the stack's own
+    sequence (L = length), or, where it runs a slice of each row (a pipeline cell under context parallelism), the
+    whole rows in order (L > length): the positions are then the slice's and the segment ids the whole rows' in
+    order, for the layout's attention to read every block's ids."""
+    order = constrain.context_order(length)
     if order is None:
         return documents.segments(inputs_BxL, cfg)
-    segment_ids, positions = documents.segments(jnp.take(inputs_BxL, jnp.argsort(order), axis=1), cfg)
+    whole = inputs_BxL.shape[1] > length
+    segment_ids, positions = documents.segments(
+        inputs_BxL if whole else jnp.take(inputs_BxL, jnp.argsort(order), axis=1), cfg)
     if segment_ids is None:
         return None, order
-    return jnp.take(segment_ids, order, axis=1), jnp.take(positions, order, axis=1)
+    return (segment_ids if whole else jnp.take(segment_ids, order, axis=1)), jnp.take(positions, order, axis=1)
 
 
 def layer_aux(x_BxLxD: jax.Array, stats: dict | None) -> tuple[jax.Array, LayerAux]:

@@ -108,11 +108,13 @@ class AutoAxesHints(models.contract.Hooks):
         whole heads, XLA replicated K and V over `tensor` first, moving `tensor` times the bytes)."""
         if self.context == 1:
             return super().causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL)
-        assert implementation == "xla" and segment_ids_BxL is None, implementation  # train/config.py rejects them
+        assert implementation == "xla", implementation  # train/config.py rejects cuDNN under context
         kv_spec = sharding_specs.mesh_spec(P("batch", "seq", "heads", "kv"), self.rules, k_BxLxGxK.shape, self.sizes)
         gather = functools.partial(_on_local_shards, context_lib.all_gather_blocks, spec=kv_spec,
                                    automatic=sharding_specs.spec_axes(kv_spec))
-        return context_lib.ring(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.context, gather=gather)
+        # Packed documents: the ids of the whole rows in order (models/stack.py), laid out as the ring reads them.
+        segments = None if segment_ids_BxL is None else context_lib.to_zigzag(segment_ids_BxL, self.context)
+        return context_lib.ring(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.context, segments, gather=gather)
 
 
 def manual_axes(rules: Rules, mesh_sizes: Mapping[str, int]) -> tuple[str, ...]:
@@ -204,9 +206,7 @@ class StageProgram:
         self.sends = send_patterns(self.program, p)
         self.split = train and has_split_backward(schedule)
         self.act_entries, self.grad_entries = (int(n) for n in self.program.pop("sizes"))
-        self.count_targets = models.target_counter(cfg)
-        # Counted targets weigh whole rows, not a device's slice of them: train/config.py rejects the pair.
-        assert self.context == 1 or self.count_targets is None, "packed documents or a loss mask under context"
+        self.count_targets = _slice_counter(cfg, self.constrain) if models.target_counter(cfg) else None
 
     def region(self, params: Any, tokens: jax.Array) -> Any:
         """The body of the shard_map: gather the stage, scan the slot program, reduce loss and gradients."""
@@ -351,11 +351,22 @@ def _on_local_shards(fn: Callable, x: jax.Array, spec: P, automatic: tuple[str, 
                          check_vma=True)(x)
 
 
+def _slice_counter(cfg: Any, constrain: AutoAxesHints) -> Callable[[jax.Array], jax.Array]:
+    """tokens [b, seq+1] -> the counted targets of the positions this device computes: the whole rows, or under
+    context parallelism its slice of them (each device's loss is the mean over its slice's counted targets)."""
+    def count(tokens: jax.Array) -> jax.Array:
+        counted = models.split_row(tokens, cfg)[2]
+        order = constrain.context_order((tokens.shape[1] - 1) // constrain.context)
+        return jnp.sum(counted if order is None else jnp.take(counted, order, axis=1), dtype=jnp.float32)
+    return count
+
+
 def _microbatch_weight(count_targets: Callable, tokens: jax.Array, batch_axes: tuple[str, ...],
                        replicas: int) -> Callable[[jax.Array], jax.Array]:
     """A microbatch's tokens -> its loss weight when not every target counts (packed documents): its counted
-    targets over the mean count per batch replica, so the weighted microbatch means, summed over the
-    microbatches and averaged over the replicas, are the mean over the global batch's counted targets."""
+    targets over the mean count per batch replica (`context` among the batch axes: a device's slice of the rows),
+    so the weighted microbatch means, summed over the microbatches and averaged over the replicas, are the mean
+    over the global batch's counted targets."""
     local = count_targets(tokens)
     per_replica = (jax.lax.psum(local, batch_axes) if batch_axes else local) / replicas
     return lambda micro_tokens: count_targets(micro_tokens) / jnp.maximum(per_replica, 1.0)

@@ -110,7 +110,9 @@ class Cells:
     def layers(self, chunk: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
         """(x, this chunk's share of the aux loss, varying like the loss so its seed has its type, and of the
         layers' metrics)."""
-        y, (aux, metrics) = self.family.run_layers(chunk, x, self.rows(tokens)[0], self.cfg, self.constrain)
+        # Under context parallelism the whole rows in order, so packed documents are found along them (stack.py).
+        inputs = models.split_row(tokens, self.cfg)[0] if self.context > 1 else self.rows(tokens)[0]
+        y, (aux, metrics) = self.family.run_layers(chunk, x, inputs, self.cfg, self.constrain)
         share = jax.tree.map(lambda a: a / self.chunks, (aux, metrics))
         return y, make_varying(share[0], self.manual), share[1]
 

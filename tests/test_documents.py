@@ -121,12 +121,3 @@ def test_document_mask_needs_a_datadir_eos(tmp_path):
     config.data.update(path=str(flat), document_mask=True)
     with pytest.raises(ConfigError, match="data.document_mask"):
         resolve(config, 8)
-
-
-def test_packed_documents_refuse_context_inside_a_pipeline(tmp_path):
-    """A pipeline's devices over `context` weigh every target alike, which packed documents do not allow."""
-    config = _config(_datadir(tmp_path / "data"), pipeline=2, context=2)
-    with pytest.raises(ConfigError, match=r"^mesh.context=2 with mesh.pipeline=2 .*data.document_mask"):
-        resolve(config, 4)
-    config.mesh.pipeline = 1
-    assert resolve(config, 2).mesh_sizes["context"] == 2

@@ -292,10 +292,6 @@ def _long_sequences(config: ml_collections.ConfigDict, model: models.ModelConfig
     if sp and "tensor" not in rules.get("heads", ()):
         raise ConfigError(f"sharding.sequence_parallel=True needs a tensor-parallel strategy (`heads` on `tensor`), "
                           f"not sharding.strategy={config.sharding.strategy!r}; use tensor_parallel or fsdp_tensor")
-    if context > 1 and mesh_sizes["pipeline"] > 1 and models.target_counter(model) is not None:
-        raise ConfigError(f"mesh.context={context} with mesh.pipeline={mesh_sizes['pipeline']} weighs every target "
-                          f"alike: packed documents (data.document_mask) and loss masks need mesh.pipeline=1 or "
-                          f"mesh.context=1")
     if context > 1:
         if model.seq_len % (2 * context):
             raise ConfigError(f"model.seq_len={model.seq_len} is not divisible by 2 x mesh.context={context} (the "

@@ -66,8 +66,6 @@ def _sequence(cfg: models.ModelConfig, sizes: Mapping[str, int]) -> str | None:
     context = sizes["context"]
     if context > 1 and cfg.seq_len % (2 * context):
         return f"sequence not divisible by 2 x context={context}"
-    if context > 1 and sizes["pipeline"] > 1 and models.target_counter(cfg) is not None:
-        return "context with pipeline on packed documents or a loss mask"
     return None
 
 
