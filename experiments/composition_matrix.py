@@ -30,7 +30,9 @@ TEST_FILES = ("tests/test_compositions.py", "tests/test_context.py", "tests/test
               "tests/test_equivalence.py")
 DOCUMENT_TESTS = {("data", "tensor"): "test_documents::test_masked_loss_is_the_global_mean_in_every_layout",
                   ("data", "pipeline"): "test_documents::test_masked_loss_is_the_global_mean_in_every_layout",
-                  ("pipeline", "tensor"): "test_documents::test_masked_loss_is_the_global_mean_in_every_layout"}
+                  ("pipeline", "tensor"): "test_documents::test_masked_loss_is_the_global_mean_in_every_layout",
+                  ("pipeline", "sp"): "test_documents::test_masked_loss_is_the_global_mean_in_every_layout",
+                  ("data", "sp"): "test_documents::test_masked_loss_is_the_global_mean_in_every_layout"}
 _MARKDOWN = flags.DEFINE_bool("markdown", False, "Print the README's table rather than JSON lines.")
 
 

@@ -308,29 +308,39 @@ def _split_backward(schedule: schedules.Schedule) -> bool:
 
 def expert_all_to_alls(x: Layout) -> list[Expected]:
     """Per mixture layer the dispatch and combine all-to-alls of the device's buffers over `expert`, forward
-    and backward (and again when rematerialization recomputes the layer). Pipelined, the stage's layers in every
-    cell that runs their forward (the forward cell, the backward cell's recompute, and under remat the recompute
-    inside it) and in the backward cell, counted as for the context blocks (`_cell_passes`)."""
+    and backward (and again when rematerialization recomputes the layer); pipelined, in every cell pass over
+    the stage's layers."""
     if x.experts is None or x.sizes.get("expert", 1) == 1:
         return []
+    return [Expected("expert dispatch and combine", "all_to_all", "expert",
+                     _mixture_all_to_alls(x) * _expert_buffer_bytes(x))]
+
+
+def _mixture_all_to_alls(x: Layout) -> float:
+    """All-to-alls per step of a pair the mixture layers run (there and back) on the mean device: per layer 2 in
+    the forward and 2 in the backward, 2 more when remat recomputes the layer; pipelined, 2 per cell pass over
+    the stage's layers (`_cell_passes`)."""
     if x.pipelined:
         forwards, backwards = _cell_passes(x)
-        layers, per_layer = x.experts.layers / x.sizes["pipeline"], 2 * (forwards + backwards)
-    else:
-        layers, per_layer = x.experts.layers, 4 + 2 * (x.cfg.remat != "none")
-    return [Expected("expert dispatch and combine", "all_to_all", "expert",
-                     layers * per_layer * _expert_buffer_bytes(x))]
+        return x.experts.layers / x.sizes["pipeline"] * 2 * (forwards + backwards)
+    return x.experts.layers * (4 + 2 * (x.cfg.remat != "none"))
 
 
 def context_rows(x: Layout) -> list[Expected]:
     """A mixture under context parallelism trades its input's sequence split for a row split and back, per layer
     forward and backward (and again when rematerialization recomputes the layer): all-to-alls of the device's
-    [rows, seq / context, d_model] activations."""
+    [rows, seq / context, d_model] activations. Pipelined, the last all-to-all of a backward cell's recomputed
+    forward (rows back to `context`) makes nothing but the chunk's output, which is dead there (the gradient comes
+    from the next stage) when the chunk holds one group, with no layer loop around it: XLA drops it on every chunk
+    but the last, whose output feeds the head (as for Megatron's all-reduces; measured without remat)."""
     if not _rows_over_context(x):
         return []
     act = x.rows * (x.cfg.seq_len // x.sizes["context"]) * x.cfg.d_model * x.itemsize
-    per_layer = 4 + 2 * (x.cfg.remat != "none")
-    return [Expected("mixture rows over context", "all_to_all", "context", x.experts.layers * per_layer * act)]
+    units = _mixture_all_to_alls(x)
+    if x.pipelined:
+        chunks = x.sizes["pipeline"] * x.pipeline.get("virtual_stages", 1)
+        units -= (chunks - 1) / x.sizes["pipeline"] if models.stack_length(x.cfg) == chunks else 0
+    return [Expected("mixture rows over context", "all_to_all", "context", units * act)]
 
 
 def stage_sends(x: Layout) -> list[Expected]:

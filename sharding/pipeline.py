@@ -93,8 +93,25 @@ class AutoAxesHints(models.contract.Hooks):
 
     def batch_mean(self, x):
         """The replicas' rows together: a mixture's router statistics are those of the whole microbatch, as one
-        device accumulating over the microbatches computes them (one all-reduce of a few scalars per layer)."""
+        device accumulating over the microbatches computes them (one all-reduce of a few scalars per layer; over
+        `context` too, which splits the mixture's rows, `rows_in_order`)."""
         return jax.lax.pmean(x, self.batch_axes) if self.batch_axes else x
+
+    def rows_in_order(self, x_BxLxD):
+        """With `context` manual: this device's slice of its b rows' sequence -> b / context whole rows in order
+        (one all-to-all over `context`: every device sends each other its rows' share, which arrives in device
+        order, i.e. zigzag; then the zigzag undone by slices), so a mixture routes whole rows."""
+        if self.context == 1:
+            return x_BxLxD
+        x_BxLxD = jax.lax.all_to_all(x_BxLxD, context_lib.AXIS, split_axis=0, concat_axis=1, tiled=True)
+        return context_lib.from_zigzag(x_BxLxD, self.context)
+
+    def rows_to_context(self, x_BxLxD):
+        """The inverse of `rows_in_order`: the rows' zigzag slices back to the devices holding the rows."""
+        if self.context == 1:
+            return x_BxLxD
+        x_BxLxD = context_lib.to_zigzag(x_BxLxD, self.context)
+        return jax.lax.all_to_all(x_BxLxD, context_lib.AXIS, split_axis=1, concat_axis=0, tiled=True)
 
     def moe_experts(self, x_BxExCxD, experts, expert_fn):
         """With `expert` manual here (a batch axis of the region): the experts' all-to-alls, directly."""
@@ -199,8 +216,7 @@ class StageProgram:
         auto_rules = {k: tuple(a for a in axes if a not in manual) for k, axes in rules.items()}
         self.automatic = tuple(a for a in mesh.axis_names if a not in manual and sizes[a] > 1)
         self.context = sizes.get(context_lib.AXIS, 1)
-        self.constrain = AutoAxesHints(auto_rules, sizes, self.context,
-                                       tuple(a for a in self.batch_axes if a != context_lib.AXIS))
+        self.constrain = AutoAxesHints(auto_rules, sizes, self.context, self.batch_axes)
 
         self.program = slot_program(schedule, train)
         self.sends = send_patterns(self.program, p)

@@ -56,11 +56,11 @@ def test_dense_composition_matches_single_device(mesh, sequence_parallel):
 
 
 # Mixtures of experts, held to moe-tiny on one device (test_moe's seed keeps the routing away from ties); a
-# pipeline's router losses are per microbatch (averaged over the replicas' rows of it: `expert` or `data` beside
-# it), so it is held to one device accumulating over as many slices.
+# pipeline's router losses are per microbatch (averaged over the replicas' rows of it: `expert`, `data` or the
+# rows split over `context` beside it), so it is held to one device accumulating over as many slices.
 MOE = [({"expert": 2, "fsdp": 2, "data": 2}, False), ({"expert": 2, "data": 2, "tensor": 2}, True),
        ({"context": 2, "data": 2, "tensor": 2}, False), ({"context": 2, "expert": 2, "data": 2}, False),
-       ({"pipeline": 2, "expert": 2, "tensor": 2}, False), ({"pipeline": 2, "data": 2, "tensor": 2}, False)]
+       ({"pipeline": 2, "expert": 2, "tensor": 2}, False), ({"pipeline": 2, "context": 2, "data": 2}, False)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -192,4 +192,16 @@ def test_audit_of_experts_in_a_pipeline():
         ("activation all-reduce (Megatron)", ("tensor",)),
         ("embedding/head gradient all-reduce (on every stage)", ("pipeline", "expert")),
         ("expert dispatch and combine", ("expert",)), ("gradient all-reduce", ("expert",)),
+        ("stage activations and gradients", ("pipeline",))]
+
+
+def test_audit_of_a_mixture_with_context_in_a_pipeline():
+    """Each cell's mixture takes its rows over `context` and gives them back (all-to-alls in every cell pass but
+    the dead last one of a recompute), beside the cells' K/V all-gathers; every gradient summed over the batch
+    axes and `context` at once."""
+    rows = _audit(moe_trainer(tuple(MOE[5][0].items()), False))
+    assert sorted((r["purpose"], tuple(r["axes"])) for r in rows) == [
+        ("context K/V all-gather", ("context",)), ("context K/V gradient reduce-scatter", ("context",)),
+        ("embedding/head gradient all-reduce (on every stage)", ("data", "pipeline", "context")),
+        ("gradient all-reduce", ("data", "context")), ("mixture rows over context", ("context",)),
         ("stage activations and gradients", ("pipeline",))]

@@ -82,8 +82,9 @@ def _loss_and_grads(trainer: Trainer, batch):
 
 
 def test_masked_loss_is_the_global_mean_in_every_layout(tmp_path):
-    """Gradient accumulation on data x tensor and a pipeline (4 microbatches, data x tensor inside) give the
-    single device's loss and gradients, though slices and microbatches hold different numbers of documents."""
+    """Gradient accumulation on data x tensor and a pipeline (4 microbatches, data x tensor with sequence
+    parallelism inside) give the single device's loss and gradients, though slices and microbatches hold different
+    numbers of documents."""
     path = _datadir(tmp_path / "data")
     one = Trainer.build(_config(path), num_devices=1)
     assert one.plan.model.document_eos_id == EOS
@@ -104,6 +105,7 @@ def test_masked_loss_is_the_global_mean_in_every_layout(tmp_path):
 
     piped_config = _config(path, pipeline=2, data=2, tensor=2)
     piped_config.pipeline.update(schedule="1f1b", microbatches=4)
+    piped_config.sharding.sequence_parallel = True  # each document's tokens split over `tensor` between matmuls
     piped = Trainer.build(piped_config)
     loss, grads = _loss_and_grads(piped, piped.batch(0))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)

@@ -41,8 +41,8 @@ def test_impossible_layouts_are_skipped_and_counted():
                for p in ranked)  # expert parallelism inside pipelines
     assert any(p.fits and p.candidate.sizes["expert"] > 1 for p in ranked)  # experts are searched
     assert any(p.candidate.sizes["expert"] > 1 and p.candidate.sizes["fsdp"] > 1 for p in ranked)  # with fsdp
-    with pytest.raises(search.PlanError, match=r"skipped: experts with context in a pipeline unsupported\); change"):
-        search.explore(_model("moe-tiny"), 16, CPU8, {"pipeline": 2, "context": 2})
+    with pytest.raises(search.PlanError, match=r"skipped: layers not divisible by pipeline=4\); change"):
+        search.explore(_model("moe-tiny"), 16, CPU8, {"pipeline": 4})
 
 
 @pytest.mark.parametrize("preset", ["llama3-tiny", "moe-tiny"])

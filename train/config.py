@@ -222,11 +222,13 @@ def _check_model_splits(model: models.ModelConfig, rules: dict, mesh_sizes: dict
                                   f"`{logical}`); change mesh.* or the model")
 
 
-def _check_experts(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str, int], rows: int) -> None:
+def _check_experts(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str, int], rows: int,
+                   batch_setting: str) -> None:
     """The layouts a mixture of experts supports (README, "Mixture of experts"): data, fsdp, expert, tensor,
-    context and pipeline (without context); the `expert` axis must split both the batch and the experts,
+    context and pipeline; the `expert` axis must split both the batch and the experts,
     as every built-in strategy does.
-    `rows`: the rows of one update (the batch over train.grad_accum_steps)."""
+    `rows`: the rows the mixture takes at once (the batch over train.grad_accum_steps, and over the microbatches
+    of a pipeline), set by `batch_setting`."""
     if not models.is_moe(model):
         return
     context = mesh_sizes.get("context", 1)
@@ -236,15 +238,11 @@ def _check_experts(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str,
         raise ConfigError(f"mesh.pipeline={mesh_sizes['pipeline']} with sharding.sequence_parallel=True and "
                           f"model.n_experts={model.n_experts}: a mixture inside a pipeline does not take sequence "
                           f"parallelism yet; set sharding.sequence_parallel=False")
-    if mesh_sizes.get("pipeline", 1) > 1 and context > 1:
-        raise ConfigError(f"mesh.pipeline={mesh_sizes['pipeline']} with mesh.context={context} and "
-                          f"model.n_experts={model.n_experts}: a mixture does not take rows split over context "
-                          f"inside a pipeline yet; set mesh.context=1 or mesh.pipeline=1")
     replicas = math.prod(mesh_sizes[a] for a in rules.get("batch", ()) if a in mesh_sizes)
     if context > 1 and (rows // replicas) % context:
         raise ConfigError(f"mesh.context={context} with model.n_experts={model.n_experts}: the mixture splits each "
                           f"device's {rows // replicas} rows over context; make them a multiple of {context} "
-                          f"(train.global_batch_size)")
+                          f"({batch_setting})")
     if mesh_sizes.get("expert", 1) > 1 and ("expert" not in rules.get("batch", ())
                                             or rules.get("experts", ()) != ("expert",)):
         raise ConfigError("mesh.expert > 1 needs sharding rules batch -> (..., 'expert') and experts -> ('expert',), "
@@ -330,7 +328,10 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str |
     rules = sharding_rules.resolve(config.sharding.strategy, config.sharding.rules.to_dict(), mesh_sizes)
     rules = _long_sequences(config, model, mesh_sizes, rules)
     _check_model_splits(model, rules, mesh_sizes)
-    _check_experts(model, rules, mesh_sizes, config.train.global_batch_size // config.train.grad_accum_steps)
+    micro = config.pipeline.get("microbatches", 1) if mesh_sizes["pipeline"] > 1 else 1
+    micro = micro if isinstance(micro, int) and micro > 0 else 1  # checked with the pipeline settings below
+    _check_experts(model, rules, mesh_sizes, config.train.global_batch_size // config.train.grad_accum_steps // micro,
+                   "train.global_batch_size" if micro == 1 else "train.global_batch_size or pipeline.microbatches")
     t = config.train
     _positive(t, "train", ("steps", "global_batch_size", "log_every", "grad_accum_steps"))
     _positive(t, "train", ("eval_every", "eval_batches"), allow_zero=("eval_every", "eval_batches"))

@@ -72,8 +72,6 @@ def _sequence(cfg: models.ModelConfig, sizes: Mapping[str, int]) -> str | None:
 def _experts(cfg: models.ModelConfig, sizes: Mapping[str, int], global_batch: int) -> str | None:
     if not has_experts(cfg):
         return "expert axis on a dense model" if sizes["expert"] > 1 else None
-    if sizes["pipeline"] > 1 and sizes["context"] > 1:
-        return "experts with context in a pipeline unsupported"
     if sizes["context"] > 1 and (global_batch // replicas(sizes)) % sizes["context"]:
         return f"rows not divisible by context={sizes['context']} for the experts"
     return None
