@@ -114,9 +114,23 @@ def predict(cfg: models.ModelConfig, c: Candidate, global_batch: int, donated: b
     slots, gradients = expert_buffer_bytes(cfg, c, global_batch)
     kept = 0.0 if c.remat == "full" else slots  # full remat keeps layer inputs only
     parts = {"params": params, "optimizer_state": moments, "gradients": grads, "outputs": outputs,
-             "batch": batch, "activations": activations + kept, "temporaries": working + logits + gradients}
+             "batch": batch, "activations": activations + kept,
+             "temporaries": working + logits + gradients + gathered_kv_bytes(cfg, c, tokens)}
     parts["total"] = sum(parts.values())
     return parts
+
+
+def gathered_kv_bytes(cfg: models.ModelConfig, c: Candidate, tokens: float) -> float:
+    """Context parallelism inside a pipeline: a cell all-gathers one layer's K and V over `context` at a time
+    (sharding/context.py, _next_block) and its backward holds their gradients before the reduce-scatter, all c
+    blocks of the rows' whole sequence on each device's heads; `tokens`: the device's slice of a microbatch. 0
+    elsewhere (the ring holds one block in flight)."""
+    sizes = c.sizes
+    if sizes["pipeline"] == 1 or sizes["context"] == 1:
+        return 0.0
+    kv_heads = models.family_of(cfg).kv_heads(cfg) / math.gcd(models.family_of(cfg).kv_heads(cfg), sizes["tensor"])
+    per_token = 2 * kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize  # K and V
+    return 2 * tokens * sizes["context"] * per_token  # the blocks and their gradients
 
 
 def expert_buffer_bytes(cfg: models.ModelConfig, c: Candidate, global_batch: int) -> tuple[float, float]:
