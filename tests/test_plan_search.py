@@ -45,12 +45,13 @@ def test_impossible_layouts_are_skipped_and_counted():
         search.explore(_model("moe-tiny"), 16, CPU8, {"pipeline": 4})
 
 
-@pytest.mark.parametrize("preset", ["llama3-tiny", "moe-tiny"])
-def test_every_planned_layout_passes_the_runs_validation(preset):
-    """The skip rules mirror train.config: each searched layout resolves as a run would (one per pipeline shape)."""
+@pytest.mark.parametrize("preset,fixed", [("llama3-tiny", {}), ("moe-tiny", {}), ("moe-tiny", {"context": 2})])
+def test_every_planned_layout_passes_the_runs_validation(preset, fixed):
+    """The skip rules mirror train.config: each searched layout resolves as a run would (one per pipeline shape);
+    a mixture under context splits each microbatch's rows over it, in a pipeline too."""
     config = tiny_config()
     config.model.preset = preset
-    ranked = search.search(models.from_dict(config.model.to_dict()), 16, CPU8, {})
+    ranked = search.search(models.from_dict(config.model.to_dict()), 16, CPU8, fixed)
     shapes = {(p.candidate.mesh, p.candidate.schedule, p.candidate.microbatches, p.candidate.virtual_stages,
                p.candidate.grad_accum_steps): p.candidate for p in ranked}
     for c in shapes.values():

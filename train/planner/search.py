@@ -74,11 +74,15 @@ def evaluate(cfg: models.ModelConfig, c: Candidate, global_batch: int, topo: top
 
 
 def _candidates(sizes: dict[str, int], n_layers: int, replica_rows: int, accum: int,
-                fixed: Mapping[str, Any]) -> Iterator[Candidate]:
+                fixed: Mapping[str, Any], rows_multiple: int = 1) -> Iterator[Candidate]:
+    """`rows_multiple`: what a replica's rows per update and microbatch must be a multiple of (a mixture splits
+    them over `context`)."""
     mesh = mesh_of(sizes)
     shards = (False, True) if sizes["data"] > 1 else (False,)  # it shards over `data`: a no-op without it
     shards = tuple(s for s in shards if fixed.get("shard_opt_state", s) == s)
     for name, m, v in pipeline_options(sizes["pipeline"], n_layers, replica_rows // accum):
+        if (replica_rows // accum // m) % rows_multiple:
+            continue
         for remat in REMATS:
             for shard in shards:
                 c = Candidate(mesh, name, m, v, remat, shard, accum)
@@ -95,7 +99,8 @@ def _layout(cfg: models.ModelConfig, sizes: dict[str, int], global_batch: int, t
     out: list[Prediction] = []
     for accum in [a for a in accums if replica_rows % a == 0]:
         found = [evaluate(cfg, c, global_batch, topo, donated)
-                 for c in _candidates(sizes, models.stack_length(cfg), replica_rows, accum, fixed)]
+                 for c in _candidates(sizes, models.stack_length(cfg), replica_rows, accum, fixed,
+                                      sizes["context"] if feasible.has_experts(cfg) else 1)]
         out += found
         if any(p.fits for p in found):
             break  # more accumulation only adds steps once the layout fits
