@@ -37,10 +37,12 @@ import math
 from typing import Any, Callable, Mapping
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import models
 from sharding import schedule_buffers, schedules
+from sharding.slot_program import has_split_backward
 from sharding.specs import spec_axes
 
 
@@ -82,6 +84,11 @@ class Layout:
     @property
     def pipelined(self) -> bool:
         return bool(self.pipeline) and self.sizes.get("pipeline", 1) > 1
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks of the pipeline (stages x virtual stages), when pipelined."""
+        return self.sizes["pipeline"] * self.pipeline.get("virtual_stages", 1)
 
     def schedule_key(self) -> tuple[str, int, int, int]:
         """(schedule name, stages, microbatches, virtual stages) of the pipeline (when pipelined)."""
@@ -249,7 +256,7 @@ def tensor_activations(x: Layout) -> list[Expected]:
         return []
     cfg = x.cfg
     act = x.rows * (cfg.seq_len // x.sizes.get("context", 1)) * cfg.d_model * x.itemsize  # one device's rows
-    chunks = x.sizes["pipeline"] * x.pipeline.get("virtual_stages", 1) if x.pipelined else 0
+    chunks = x.chunks if x.pipelined else 0
     stages = x.sizes["pipeline"] if x.pipelined else 1
     mixture = 0.0 if x.experts is None else x.experts.layers / stages  # MoE layers per device
     buffers = mixture * (3 if x.pipelined else 2) * (_expert_buffer_bytes(x) - act) if mixture else 0.0
@@ -294,16 +301,9 @@ def _cell_passes(x: Layout, full_remat_only: bool = False) -> tuple[float, float
     cell, and each backward cell (B and W for a split backward, except the first chunk's B, pipeline_stages: idle,
     so 2 - 1/chunks of them per chunk) recomputing the forward, once more when remat recomputes the layer inside
     it (any remat, or only full remat's for work a saved-dots policy keeps)."""
-    chunks = x.sizes["pipeline"] * x.pipeline.get("virtual_stages", 1)
-    backwards = 2 - 1 / chunks if _split_backward(x.schedule()) else 1
+    backwards = 2 - 1 / x.chunks if has_split_backward(x.schedule()) else 1
     again = x.cfg.remat == "full" if full_remat_only else x.cfg.remat != "none"
     return 1 + backwards * (1 + again), backwards
-
-
-def _split_backward(schedule: schedules.Schedule) -> bool:
-    """Whether the table splits backwards into B and W cells (each recomputes the chunk's forward)."""
-    kinds = schedule.table[:, :, schedules.KIND]
-    return bool(((kinds == schedules.INPUT_GRAD) | (kinds == schedules.WEIGHT_GRAD)).any())
 
 
 def expert_all_to_alls(x: Layout) -> list[Expected]:
@@ -337,9 +337,8 @@ def context_rows(x: Layout) -> list[Expected]:
         return []
     act = x.rows * (x.cfg.seq_len // x.sizes["context"]) * x.cfg.d_model * x.itemsize
     units = _mixture_all_to_alls(x)
-    if x.pipelined:
-        chunks = x.sizes["pipeline"] * x.pipeline.get("virtual_stages", 1)
-        units -= (chunks - 1) / x.sizes["pipeline"] if models.stack_length(x.cfg) == chunks else 0
+    if x.pipelined and models.stack_length(x.cfg) == x.chunks:
+        units -= (x.chunks - 1) / x.sizes["pipeline"]
     return [Expected("mixture rows over context", "all_to_all", "context", units * act)]
 
 
@@ -357,25 +356,24 @@ def stage_sends(x: Layout) -> list[Expected]:
                      messages_per_step(*x.schedule_key()) * act)]
 
 
-@functools.lru_cache(maxsize=1024)
 def messages_per_step(name: str, p: int, m: int, v: int) -> float:
     """Messages one device sends per step, the mean over the stages: the messages the buffer plans receive from
-    another stage (what stays on a device at a V's turn is not sent). Cached: the planner asks for the same few
-    schedules for every layout it searches."""
-    schedule = schedules.build(name, p, m, v)
-    plans = (schedule_buffers.activation_buffers(schedule), schedule_buffers.gradient_buffers(schedule))
-    received = sum(int((write >= 0).sum()) for plan in plans for channel, write in plan.writes.items()
-                   if channel != schedule_buffers.SELF)
-    return received / p
+    another stage (what stays on a device at a V's turn is not sent)."""
+    return sum(int(r.sum()) for r in _received(name, p, m, v)) / p
+
+
+def sends_per_step(name: str, p: int, m: int, v: int) -> int:
+    """Permutes a step issues: per channel, the slots in which some stage sends on it (the others run none)."""
+    return sum(int(r.any(axis=1).sum()) for r in _received(name, p, m, v))
 
 
 @functools.lru_cache(maxsize=1024)
-def sends_per_step(name: str, p: int, m: int, v: int) -> int:
-    """Permutes a step issues: per channel, the slots in which some stage sends on it (the others run none)."""
+def _received(name: str, p: int, m: int, v: int) -> list[np.ndarray]:
+    """bool [slots, p] per channel between stages: which stage receives a message in which slot (the buffer
+    plans' writes). Cached: the planner asks for the same few schedules for every layout it searches."""
     schedule = schedules.build(name, p, m, v)
     plans = (schedule_buffers.activation_buffers(schedule), schedule_buffers.gradient_buffers(schedule))
-    return sum(int((write >= 0).any(axis=1).sum()) for plan in plans for channel, write in plan.writes.items()
-               if channel != schedule_buffers.SELF)
+    return [write >= 0 for plan in plans for channel, write in plan.writes.items() if channel != schedule_buffers.SELF]
 
 
 # One rule per kind of parallelism, in the order the table lists them.

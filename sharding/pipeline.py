@@ -370,11 +370,7 @@ def _on_local_shards(fn: Callable, x: jax.Array, spec: P, automatic: tuple[str, 
 def _slice_counter(cfg: Any, constrain: AutoAxesHints) -> Callable[[jax.Array], jax.Array]:
     """tokens [b, seq+1] -> the counted targets of the positions this device computes: the whole rows, or under
     context parallelism its slice of them (each device's loss is the mean over its slice's counted targets)."""
-    def count(tokens: jax.Array) -> jax.Array:
-        counted = models.split_row(tokens, cfg)[2]
-        order = constrain.context_order((tokens.shape[1] - 1) // constrain.context)
-        return jnp.sum(counted if order is None else jnp.take(counted, order, axis=1), dtype=jnp.float32)
-    return count
+    return lambda tokens: jnp.sum(stages.device_rows(tokens, cfg, constrain, constrain.context)[2], dtype=jnp.float32)
 
 
 def _microbatch_weight(count_targets: Callable, tokens: jax.Array, batch_axes: tuple[str, ...],

@@ -50,6 +50,17 @@ def make_varying(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
+def device_rows(tokens: jax.Array, cfg: Any, constrain: Constrain,
+                context: int) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(inputs, targets, loss mask or None) [b, seq / context] of a microbatch's tokens [b, seq+1]: what this
+    device computes (the whole rows without context parallelism, else its slice of their zigzag order)."""
+    inputs, targets, counted = models.split_row(tokens, cfg)
+    if context == 1:
+        return inputs, targets, counted
+    order = constrain.context_order(inputs.shape[1] // context)
+    return tuple(None if a is None else jnp.take(a, order, axis=1) for a in (inputs, targets, counted))
+
+
 LossScale = Union[float, Callable[[jax.Array], jax.Array]]  # 1/m, or a microbatch's tokens -> its weight
 
 
@@ -99,20 +110,14 @@ class Cells:
         return make_varying(jax.tree.map(jnp.zeros_like, tree), self.manual)
 
     def rows(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        """(inputs, targets, loss mask or None) [b, seq / context] of a microbatch's tokens [b, seq+1]: what this
-        device computes (the whole rows without context parallelism)."""
-        inputs, targets, counted = models.split_row(tokens, self.cfg)
-        if self.context == 1:
-            return inputs, targets, counted
-        order = self.constrain.context_order(inputs.shape[1] // self.context)
-        return tuple(None if a is None else jnp.take(a, order, axis=1) for a in (inputs, targets, counted))
+        return device_rows(tokens, self.cfg, self.constrain, self.context)
 
     def layers(self, chunk: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
         """(x, this chunk's share of the aux loss, varying like the loss so its seed has its type, and of the
         layers' metrics)."""
-        # Under context parallelism the whole rows in order, so packed documents are found along them (stack.py).
-        inputs = models.split_row(tokens, self.cfg)[0] if self.context > 1 else self.rows(tokens)[0]
-        y, (aux, metrics) = self.family.run_layers(chunk, x, inputs, self.cfg, self.constrain)
+        # The whole rows' inputs in order: under context parallelism packed documents are found along them (stack.py).
+        y, (aux, metrics) = self.family.run_layers(chunk, x, models.split_row(tokens, self.cfg)[0], self.cfg,
+                                                   self.constrain)
         share = jax.tree.map(lambda a: a / self.chunks, (aux, metrics))
         return y, make_varying(share[0], self.manual), share[1]
 

@@ -128,7 +128,8 @@ def gathered_kv_bytes(cfg: models.ModelConfig, c: Candidate, tokens: float) -> f
     sizes = c.sizes
     if sizes["pipeline"] == 1 or sizes["context"] == 1:
         return 0.0
-    kv_heads = models.family_of(cfg).kv_heads(cfg) / math.gcd(models.family_of(cfg).kv_heads(cfg), sizes["tensor"])
+    kv = models.family_of(cfg).kv_heads(cfg)
+    kv_heads = kv / math.gcd(kv, sizes["tensor"])  # heads split over `tensor`, or one each when fewer
     per_token = 2 * kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize  # K and V
     return 2 * tokens * sizes["context"] * per_token  # the blocks and their gradients
 
