@@ -58,6 +58,11 @@ class Hooks:
         """The inverse of `rows_in_order`: the layout's sequence order, the rows whole again."""
         return x_BxLxD
 
+    def weight(self, w: jax.Array, names: tuple) -> jax.Array:
+        """The parameter `w` (logical `names`) as a matmul takes it: a layout may pin it gathered over the axes
+        that only store it split (FSDP's), where XLA would otherwise move its shards elsewhere; else as is."""
+        return w
+
     def batch_mean(self, x: jax.Array) -> jax.Array:
         """The mean over the whole batch of `x`, a mean over the rows this program holds (a mixture's router
         statistics): the identity where the program sees the whole batch (one device, or jit's global view);

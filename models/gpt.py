@@ -24,6 +24,10 @@ from models.gpt_config import GPT_PRESETS, GPTConfig
 from models.layers import decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, rms_norm, rotary
 from models.stack import layer_aux, run_stack
 
+# Each block matrix's logical axes (after the leading `layers`), as declared and as the matmuls take them.
+AXES = {"wqkv": ("embed", None, "heads", "kv"), "wo": ("heads", "kv", "embed"), "w_in": ("embed", "mlp"),
+        "w_out": ("mlp", "embed")}
+
 
 class Layers(nnx.Module):
     """The stacked transformer blocks: every weight has a leading `layers` dimension (or the `lead` dimensions
@@ -35,12 +39,12 @@ class Layers(nnx.Module):
         dt = jnp.dtype(cfg.param_dtype)
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2: residual projections scaled by depth
         self.attn_norm = param(rngs, (*S, D), (*A, "embed"), dt, None)
-        self.wqkv = param(rngs, (*S, D, 3, H, K), (*A, "embed", None, "heads", "kv"), dt, 0.02)
-        self.wo = param(rngs, (*S, H, K, D), (*A, "heads", "kv", "embed"), dt, out_std)
+        self.wqkv = param(rngs, (*S, D, 3, H, K), (*A, *AXES["wqkv"]), dt, 0.02)
+        self.wo = param(rngs, (*S, H, K, D), (*A, *AXES["wo"]), dt, out_std)
         self.mlp_norm = param(rngs, (*S, D), (*A, "embed"), dt, None)
         if with_mlp:
-            self.w_in = param(rngs, (*S, D, F), (*A, "embed", "mlp"), dt, 0.02)
-            self.w_out = param(rngs, (*S, F, D), (*A, "mlp", "embed"), dt, out_std)
+            self.w_in = param(rngs, (*S, D, F), (*A, *AXES["w_in"]), dt, 0.02)
+            self.w_out = param(rngs, (*S, F, D), (*A, *AXES["w_out"]), dt, out_std)
 
 
 class Experts(nnx.Module):
@@ -99,13 +103,17 @@ def abstract_params(cfg: GPTConfig) -> tuple[Params, dict]:
 
 # ----------------------------------------------------------------------------- the forward pass
 
+def weight(p: Params, name: str, cfg: Any, constrain: Constrain, axes: dict | None = None) -> jax.Array:
+    """One layer's matrix `name` in the compute dtype, as the layout's hooks hand it to its matmul."""
+    return constrain.weight(p[name], (axes or AXES)[name]).astype(jnp.dtype(cfg.compute_dtype))
+
+
 def attention(p: Params, h_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain,
               segment_ids_BxL: jax.Array | None = None, positions: jax.Array | None = None, cache: Any = None):
     """Causal multi-head attention of the normed input; with `cache` = (k, v, length) it decodes over the KV
     cache (models/attention.attend_cached). Returns (the output projection, the new cache or None)."""
-    cdt = jnp.dtype(cfg.compute_dtype)
     # Pinning the projection's output (heads split) makes sequence parallelism gather the normed input, not the weight.
-    qkv = constrain(jnp.einsum("bld,dthk->tblhk", h_BxLxD, p["wqkv"].astype(cdt)),
+    qkv = constrain(jnp.einsum("bld,dthk->tblhk", h_BxLxD, weight(p, "wqkv", cfg, constrain)),
                     (None, "batch", "seq", "heads", "kv"))
     q, k, v = (constrain(lora.add(t, p, name, h_BxLxD, cfg), ("batch", "seq", "heads", "kv"))
                for t, name in zip((qkv[0], qkv[1], qkv[2]), "qkv"))
@@ -115,15 +123,17 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrai
     else:
         o_BxLxHxK, cache = attend_cached(q, k, v, *cache)
     o_BxLxHxK = constrain(o_BxLxHxK, ("batch", "seq", "heads", "kv"))
-    out_BxLxD = lora.add(jnp.einsum("blhk,hkd->bld", o_BxLxHxK, p["wo"].astype(cdt)), p, "o", o_BxLxHxK, cfg)
+    projected = jnp.einsum("blhk,hkd->bld", o_BxLxHxK, weight(p, "wo", cfg, constrain))
+    out_BxLxD = lora.add(projected, p, "o", o_BxLxHxK, cfg)
     return constrain(out_BxLxD, ("batch", "seq", "embed")), cache
 
 
 def mlp(p: Params, h_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain) -> jax.Array:
-    cdt = jnp.dtype(cfg.compute_dtype)
-    pre_BxLxF = lora.add(jnp.einsum("bld,df->blf", h_BxLxD, p["w_in"].astype(cdt)), p, "mlp_in", h_BxLxD, cfg)
+    pre_BxLxF = lora.add(jnp.einsum("bld,df->blf", h_BxLxD, weight(p, "w_in", cfg, constrain)), p, "mlp_in", h_BxLxD,
+                         cfg)
     u_BxLxF = constrain(jax.nn.gelu(pre_BxLxF), ("batch", "seq", "mlp"))
-    return lora.add(jnp.einsum("blf,fd->bld", u_BxLxF, p["w_out"].astype(cdt)), p, "mlp_out", u_BxLxF, cfg)
+    out_BxLxD = jnp.einsum("blf,fd->bld", u_BxLxF, weight(p, "w_out", cfg, constrain))
+    return lora.add(out_BxLxD, p, "mlp_out", u_BxLxF, cfg)
 
 
 def block(p: Params, x_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain = no_constraint,
@@ -190,6 +200,7 @@ def head_loss(params: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: G
 
 def mean_head_loss(h_BxLxD, head_DxV, targets_BxL, cfg, constrain, loss_mask_BxL):
     """Mean cross entropy over the counted targets of the final-normed `h` through the head `head_DxV`."""
+    head_DxV = constrain.weight(head_DxV, ("embed", "vocab"))
     total, count = lm_loss.head_loss(h_BxLxD, head_DxV.astype(jnp.dtype(cfg.compute_dtype)), targets_BxL,
                                      loss_mask_BxL, cfg.loss_chunk_size, constrain)
     return total / jnp.maximum(count, 1.0)

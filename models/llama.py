@@ -24,6 +24,10 @@ from models.layers import decode_with_cache, empty_kv_cache, logical_axes, param
 from models.llama_config import LLAMA_PRESETS, LlamaConfig
 from models.stack import layer_aux, run_stack
 
+# Each block matrix's logical axes (after the leading `layers`), as declared and as the matmuls take them.
+AXES = {"wqkv": ("embed", "heads", None, "kv"), "wo": ("heads", "kv", "embed"), "w_in": ("embed", None, "mlp"),
+        "w_down": ("mlp", "embed")}
+
 
 class Layers(nnx.Module):
     """The stacked blocks (leading `layers`, or the `lead` dimensions given; as gpt.Layers)."""
@@ -34,12 +38,12 @@ class Layers(nnx.Module):
         dt = jnp.dtype(cfg.param_dtype)
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
         self.attn_norm = param(rngs, (*S, D), (*A, "embed"), dt, None)
-        self.wqkv = param(rngs, (*S, D, G, H // G + 2, K), (*A, "embed", "heads", None, "kv"), dt, 0.02)
-        self.wo = param(rngs, (*S, H, K, D), (*A, "heads", "kv", "embed"), dt, out_std)
+        self.wqkv = param(rngs, (*S, D, G, H // G + 2, K), (*A, *AXES["wqkv"]), dt, 0.02)
+        self.wo = param(rngs, (*S, H, K, D), (*A, *AXES["wo"]), dt, out_std)
         self.mlp_norm = param(rngs, (*S, D), (*A, "embed"), dt, None)
         if with_mlp:
-            self.w_in = param(rngs, (*S, D, 2, F), (*A, "embed", None, "mlp"), dt, 0.02)
-            self.w_down = param(rngs, (*S, F, D), (*A, "mlp", "embed"), dt, out_std)
+            self.w_in = param(rngs, (*S, D, 2, F), (*A, *AXES["w_in"]), dt, 0.02)
+            self.w_down = param(rngs, (*S, F, D), (*A, *AXES["w_down"]), dt, out_std)
 
 
 class Experts(nnx.Module):
@@ -107,16 +111,19 @@ def rope_frequencies(cfg: LlamaConfig) -> jax.Array:
     return jnp.where(medium, smoothed, scaled)
 
 
+def weight(p: Params, name: str, cfg: LlamaConfig, constrain: Constrain) -> jax.Array:
+    return gpt.weight(p, name, cfg, constrain, AXES)
+
+
 def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain,
               positions_L: jax.Array | None = None, cache: Any = None, segment_ids_BxL: jax.Array | None = None):
     """Grouped-query causal attention, within packed documents when `segment_ids_BxL` is given. With `cache` =
     (k, v, length) of [B, S, G, K] buffers, the new keys and values are written at `length` and attention runs
     over the cache (decoding); returns (out, new cache)."""
-    cdt = jnp.dtype(cfg.compute_dtype)
     freqs = rope_frequencies(cfg)
     names = ("batch", "seq", "heads", "kv")
     # Pinned with its heads split, so sequence parallelism gathers the normed input rather than the weight.
-    qkv_BxLxGxRxK = constrain(jnp.einsum("bld,dgrk->blgrk", h_BxLxD, p["wqkv"].astype(cdt)),
+    qkv_BxLxGxRxK = constrain(jnp.einsum("bld,dgrk->blgrk", h_BxLxD, weight(p, "wqkv", cfg, constrain)),
                               ("batch", "seq", "heads", None, "kv"))
     B, L, G, R2, K = qkv_BxLxGxRxK.shape
     q_BxLxGxRxK = lora.add(qkv_BxLxGxRxK[:, :, :, :-2], p, "q", h_BxLxD, cfg)
@@ -129,18 +136,17 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constr
     else:
         o, cache = attend_cached(q, k, v, *cache)
     o = constrain(o, names)
-    out_BxLxD = lora.add(jnp.einsum("blhk,hkd->bld", o, p["wo"].astype(cdt)), p, "o", o, cfg)
+    out_BxLxD = lora.add(jnp.einsum("blhk,hkd->bld", o, weight(p, "wo", cfg, constrain)), p, "o", o, cfg)
     return constrain(out_BxLxD, ("batch", "seq", "embed")), cache
 
 
 def mlp(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain) -> jax.Array:
-    cdt = jnp.dtype(cfg.compute_dtype)
-    gate_up = jnp.einsum("bld,dtf->tblf", h_BxLxD, p["w_in"].astype(cdt))
+    gate_up = jnp.einsum("bld,dtf->tblf", h_BxLxD, weight(p, "w_in", cfg, constrain))
     if lora.KEY in p:  # the adapter's output is [B, L, 2, F]
         gate_up = jnp.moveaxis(lora.add(jnp.moveaxis(gate_up, 0, 2), p, "mlp_in", h_BxLxD, cfg), 2, 0)
     gate_up = constrain(gate_up, (None, "batch", "seq", "mlp"))
     u_BxLxF = constrain(jax.nn.silu(gate_up[0]) * gate_up[1], ("batch", "seq", "mlp"))
-    return lora.add(jnp.einsum("blf,fd->bld", u_BxLxF, p["w_down"].astype(cdt)), p, "mlp_out", u_BxLxF, cfg)
+    return lora.add(jnp.einsum("blf,fd->bld", u_BxLxF, weight(p, "w_down", cfg, constrain)), p, "mlp_out", u_BxLxF, cfg)
 
 
 def block(p: Params, x_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain = no_constraint,

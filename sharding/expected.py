@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 import models
 from sharding import schedule_buffers, schedules
 from sharding.slot_program import has_split_backward
-from sharding.specs import spec_axes
+from sharding.specs import pins_weights, spec_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +160,8 @@ def fsdp_gathers(x: Layout) -> list[Expected]:
     """FSDP on each batch axis that splits weights: gathered forward and backward (lookup tables forward
     only; once per step under a pipeline), gradients reduce-scattered. Experts held apart are neither; experts
     split over `expert` too are gathered once without rematerialization: the all-to-all region takes them whole
-    over `fsdp` and keeps that copy for its backward."""
+    over `fsdp` and keeps that copy for its backward, as the backward keeps a weight the model's hooks pin gathered
+    (sharding.specs.pins_weights)."""
     expert_axes = set(x.rules.get("experts", ()))
     apart = {a for a in expert_axes if x.sizes.get(a, 1) > 1}
     out = []
@@ -169,11 +170,13 @@ def fsdp_gathers(x: Layout) -> list[Expected]:
         for leaf, spec, is_lookup in zip(x.leaves, x.specs, x.lookup):
             if axis in spec_axes(spec) and axis not in expert_axes:
                 full = _shard_bytes(leaf, spec, x.sizes, drop=axis)
-                once = x.pipelined or is_lookup or (x.cfg.remat == "none" and bool(apart & set(spec_axes(spec))))
+                kept = x.cfg.remat == "none" and (bool(apart & set(spec_axes(spec))) or pins_weights(x.rules, x.sizes))
+                once = x.pipelined or is_lookup or kept
                 gathered += full
                 gathers += full if once else 2 * full
         if gathered:
             purpose = "weight all-gather (once per step, pipeline)" if x.pipelined else \
+                "weight all-gather (forward, kept for the backward)" if gathers == gathered else \
                 "weight all-gather (forward + backward)"
             out.append(Expected(purpose, "all_gather", axis, gathers))
             out.append(Expected("gradient reduce-scatter", "reduce_scatter", axis, gathered))
@@ -274,7 +277,7 @@ def tensor_activations(x: Layout) -> list[Expected]:
 
 def context_ring(x: Layout) -> list[Expected]:
     """Ring attention passes every layer's K and V blocks c-1 hops forward and their gradients c-1 hops back
-    (again under full remat's recompute). In a pipeline's cells the blocks are all-gathered instead and their
+    (again where the backward recomputes attention: full remat and save_dots). In a pipeline's cells the blocks are all-gathered instead and their
     gradients reduce-scattered (sharding/context.py, _next_block), by every cell that runs a chunk's forward: the
     forward cell, and each backward cell (B and W for a split backward) that recomputes it, full remat again."""
     context = x.sizes.get("context", 1)
@@ -291,7 +294,9 @@ def context_ring(x: Layout) -> list[Expected]:
         whole = 2 * context * cfg.n_layers * block / x.sizes["pipeline"]  # K and V of the stage's layers, gathered
         return [Expected("context K/V all-gather", "all_gather", "context", forwards * whole),
                 Expected("context K/V gradient reduce-scatter", "reduce_scatter", "context", backwards * whole)]
-    passes = 2 + (cfg.remat == "full")  # forward, backward (the gradients going back), full remat's recompute
+    # forward, backward (the gradients going back), and the recompute of full remat or save_dots (which saves no
+    # attention matmul: they have batch dimensions)
+    passes = 2 + (cfg.remat in ("full", "save_dots"))
     return [Expected("ring attention K/V blocks", "collective_permute", "context",
                      passes * 2 * (context - 1) * cfg.n_layers * block)]
 

@@ -130,6 +130,18 @@ def test_audit_of_sequence_and_context_parallelism_in_a_pipeline():
         ("gradient all-reduce", ("context",)), ("stage activations and gradients", ("pipeline",))]
 
 
+def test_audit_of_fsdp_beside_context_and_sequence_parallelism():
+    """Each block weight and the head pinned whole over `fsdp` as their matmuls take them, and kept for the
+    backward under remat none (sharding.specs.pins_weights); over `context` only the ring and the gradients'
+    sum, no activation gathered."""
+    rows = _audit(dense_trainer(tuple(DENSE[0][0].items()), True))
+    assert sorted((r["purpose"], tuple(r["axes"])) for r in rows) == [
+        ("activation all-gather (sequence parallel)", ("tensor",)),
+        ("activation reduce-scatter (sequence parallel)", ("tensor",)), ("gradient all-reduce", ("context",)),
+        ("gradient reduce-scatter", ("fsdp",)), ("ring attention K/V blocks", ("context",)),
+        ("weight all-gather (forward, kept for the backward)", ("fsdp",))]
+
+
 @pytest.fixture(scope="module")
 def documents(tmp_path_factory) -> dict:
     """Packed documents (an EOS about every 9 tokens) on one device: the DATADIR, 3 losses, first gradients."""

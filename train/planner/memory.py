@@ -113,11 +113,29 @@ def predict(cfg: models.ModelConfig, c: Candidate, global_batch: int, donated: b
     logits = 2 * tokens * cfg.vocab_size / t * 4  # float32 logits and their gradient
     slots, gradients = expert_buffer_bytes(cfg, c, global_batch)
     kept = 0.0 if c.remat == "full" else slots  # full remat keeps layer inputs only
+    if c.remat == "none":
+        kept += pinned_weight_bytes(cfg, c)
     parts = {"params": params, "optimizer_state": moments, "gradients": grads, "outputs": outputs,
              "batch": batch, "activations": activations + kept,
              "temporaries": working + logits + gradients + gathered_kv_bytes(cfg, c, tokens)}
     parts["total"] = sum(parts.values())
     return parts
+
+
+@functools.lru_cache(maxsize=4096)
+def pinned_weight_bytes(cfg: models.ModelConfig, c: Candidate) -> float:
+    """The blocks' weights gathered over `fsdp` where the model's hooks pin them so (sharding.specs.pins_weights):
+    without remat the backward keeps every layer's gathered copy (the norms counted with them, a rounding error;
+    a mixture's experts are gathered apart). 0 elsewhere."""
+    abstract, specs, rules = layout_specs(cfg, c.mesh, c.sequence_parallel)
+    sizes = c.sizes
+    if not sharding_specs.pins_weights(rules, sizes):
+        return 0.0
+    leaves = jax.tree_util.tree_flatten_with_path(abstract[models.LAYERS])[0]
+    pspecs = jax.tree.leaves(specs[models.LAYERS], is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return sum(math.prod(leaf.shape) * leaf.dtype.itemsize / _ways(sharding_specs.without_axis(spec, "fsdp"), sizes)
+               for (path, leaf), spec in zip(leaves, pspecs)
+               if "fsdp" in sharding_specs.spec_axes(spec) and "experts" not in jax.tree_util.keystr(path))
 
 
 def gathered_kv_bytes(cfg: models.ModelConfig, c: Candidate, tokens: float) -> float:

@@ -111,7 +111,8 @@ def _count(e, cfg: models.ModelConfig, c: Candidate, layers_per_device: int) -> 
     if e.op == "collective_permute" and e.axes == ("pipeline",):  # idle slots send nothing
         return sends_per_step(c.schedule, c.sizes["pipeline"], c.microbatches, c.virtual_stages) * accum
     if e.op == "collective_permute" and e.axes == ("context",):  # ring attention: K and V, each hop, each pass
-        return (2 + (cfg.remat == "full")) * 2 * (c.sizes["context"] - 1) * layers_per_device * c.microbatches * accum
+        passes = 2 + (cfg.remat in ("full", "save_dots"))  # save_dots recomputes attention as full remat does
+        return passes * 2 * (c.sizes["context"] - 1) * layers_per_device * c.microbatches * accum
     if e.op == "collective_permute":
         return 4 * (c.virtual_stages * c.microbatches + c.sizes["pipeline"] - 1) * accum
     return 1  # gradients: XLA combines them into one all-reduce
