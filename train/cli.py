@@ -15,6 +15,7 @@ or failing config file, an unknown flag, a missing required flag, absl's UsageEr
 """
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from typing import Any, Callable, NoReturn
@@ -129,6 +130,9 @@ def run(main: Callable[[list[str]], int | None]) -> NoReturn:
             status = exit_codes.status_of(e)  # expected failures end with their documented status
             if status is None:
                 raise
+            # The line is the last word: a failed save's abandoned write tasks, collected at shutdown, would
+            # log their exceptions again after it ("Task exception was never retrieved").
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
             print(e if isinstance(e, exit_codes.Stop) else f"error: {e}", file=sys.stderr, flush=True)
             return status
 
