@@ -110,9 +110,11 @@ def slots(top_e_BxKxL: jax.Array, n_experts: int, cap: int):
 
 
 def _take_rows(x_BxNxD: jax.Array, index_BxM: jax.Array) -> jax.Array:
-    """x[b, index[b, m]] with a zero row appended at N (what empty slots and dropped tokens read)."""
-    padded = jnp.concatenate([x_BxNxD, jnp.zeros_like(x_BxNxD[:, :1])], axis=1)
-    return jnp.take_along_axis(padded, index_BxM[..., None], axis=1)
+    """x[b, index[b, m]], zeros where the index is N (what empty slots and dropped tokens read). A gather that
+    fills out of range rather than a zero row appended: the append's transpose, a split along the rows, became a
+    collective permute over `tensor` under sequence parallelism, which inside a pipeline's cells waits for stages
+    running other cells."""
+    return jnp.take_along_axis(x_BxNxD, index_BxM[..., None], axis=1, mode="fill", fill_value=0)
 
 
 def moe_mlp(router_DxE: jax.Array, experts: Params, h_BxLxD: jax.Array, cfg: Any, constrain: Constrain,

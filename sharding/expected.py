@@ -277,9 +277,10 @@ def tensor_activations(x: Layout) -> list[Expected]:
 
 def context_ring(x: Layout) -> list[Expected]:
     """Ring attention passes every layer's K and V blocks c-1 hops forward and their gradients c-1 hops back
-    (again where the backward recomputes attention: full remat and save_dots). In a pipeline's cells the blocks are all-gathered instead and their
-    gradients reduce-scattered (sharding/context.py, _next_block), by every cell that runs a chunk's forward: the
-    forward cell, and each backward cell (B and W for a split backward) that recomputes it, full remat again."""
+    (again where the backward recomputes attention: full remat and save_dots). In a pipeline's cells the blocks are
+    all-gathered instead and their gradients reduce-scattered (sharding/context.py, _next_block), by every cell that
+    runs a chunk's forward: the forward cell, and each backward cell (B and W for a split backward) that recomputes
+    it, full remat again."""
     context = x.sizes.get("context", 1)
     if context == 1:
         return []

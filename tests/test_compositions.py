@@ -60,7 +60,7 @@ def test_dense_composition_matches_single_device(mesh, sequence_parallel):
 # rows split over `context` beside it), so it is held to one device accumulating over as many slices.
 MOE = [({"expert": 2, "fsdp": 2, "data": 2}, False), ({"expert": 2, "data": 2, "tensor": 2}, True),
        ({"context": 2, "data": 2, "tensor": 2}, False), ({"context": 2, "expert": 2, "data": 2}, False),
-       ({"pipeline": 2, "expert": 2, "tensor": 2}, False), ({"pipeline": 2, "context": 2, "data": 2}, False)]
+       ({"pipeline": 2, "expert": 2, "tensor": 2}, True), ({"pipeline": 2, "context": 2, "data": 2}, False)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,13 +195,14 @@ def test_audit_of_experts_under_context_and_expert_parallelism():
 
 def test_audit_of_experts_in_a_pipeline():
     """Each stage's experts split over `expert` (their all-to-alls in the forward cell, the backward cell's
-    recomputed forward and its backward) and their MLPs over `tensor` (all-reduces moving the expert buffers in
-    the same cells), on the stage holding the layer; `expert` splits the rows, so the gradients are summed over
-    it, and the router statistics of each microbatch averaged over it (a few scalars, within the gradient row's
-    5%)."""
-    rows = _audit(moe_trainer(tuple(MOE[4][0].items()), False))
+    recomputed forward and its backward) and their MLPs over `tensor` (under sequence parallelism, the mixture's
+    rows gathered whole and its buffers' reductions scattered in the same cells, no permute inside a cell), on the
+    stage holding the layer; `expert` splits the rows, so the gradients are summed over it, and the router
+    statistics of each microbatch averaged over it (a few scalars, within the gradient row's 5%)."""
+    rows = _audit(moe_trainer(tuple(MOE[4][0].items()), MOE[4][1]))
     assert sorted((r["purpose"], tuple(r["axes"])) for r in rows) == [
-        ("activation all-reduce (Megatron)", ("tensor",)),
+        ("activation all-gather (sequence parallel)", ("tensor",)),
+        ("activation reduce-scatter (sequence parallel)", ("tensor",)),
         ("embedding/head gradient all-reduce (on every stage)", ("pipeline", "expert")),
         ("expert dispatch and combine", ("expert",)), ("gradient all-reduce", ("expert",)),
         ("stage activations and gradients", ("pipeline",))]

@@ -188,8 +188,6 @@ def test_sizes_count_every_expert_and_flops_the_active_ones():
 @pytest.mark.parametrize("settings, message", [
     ({"mesh.pipeline": 2, "mesh.context": 2, "mesh.data": 2, "pipeline.microbatches": 8},
      "device's 1 rows over context; make them a multiple of 2 (train.global_batch_size or pipeline.microbatches)"),
-    ({"mesh.pipeline": 2, "mesh.tensor": 2, "mesh.data": 2, "sharding.sequence_parallel": True},
-     "mesh.pipeline=2 with sharding.sequence_parallel=True"),
     ({"mesh.pipeline": 2, "mesh.data": 4, "model.moe_every": 4}, "groups are not divisible by mesh.pipeline=2"),
     ({"mesh.context": 2, "mesh.expert": 2, "mesh.data": 2, "train.global_batch_size": 4},
      "device's 1 rows over context; make them a multiple of 2"),

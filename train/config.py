@@ -232,12 +232,6 @@ def _check_experts(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str,
     if not models.is_moe(model):
         return
     context = mesh_sizes.get("context", 1)
-    if mesh_sizes.get("pipeline", 1) > 1 and "tensor" in rules.get("seq", ()):
-        # Gathering a mixture's rows over tensor inside the cells left collectives that, on CPU, paired up across
-        # stages running different cells (wrong losses or a rendezvous abort, depending on timing).
-        raise ConfigError(f"mesh.pipeline={mesh_sizes['pipeline']} with sharding.sequence_parallel=True and "
-                          f"model.n_experts={model.n_experts}: a mixture inside a pipeline does not take sequence "
-                          f"parallelism yet; set sharding.sequence_parallel=False")
     replicas = math.prod(mesh_sizes[a] for a in rules.get("batch", ()) if a in mesh_sizes)
     if context > 1 and (rows // replicas) % context:
         raise ConfigError(f"mesh.context={context} with model.n_experts={model.n_experts}: the mixture splits each "
