@@ -3,14 +3,15 @@ predicted and compiled memory per device, their errors, the median absolute erro
 (Spearman) of predicted against measured time.
 
     python -m experiments.plan_vs_measured [--configs=tiny,default,llama3-tiny,moe-tiny] [--steps=10]
-        [--topology=local] [--json=FILE]
+        [--topology=local] [--json=FILE] [--profile]
 
 The links are the `--topology` file (default `local`, fitted by `python -m mesh.bench --fit`); the matmul
 efficiency curve, the memory bandwidth and the peak come from `python -m train.plan --calibrate`'s sweep, run first
 on this machine, every virtual device at once. A layout's measured time is its fastest timed step, as the
 calibration keeps its best repeat. Memory on CPU: the step does not donate its state, so the prediction is made
 undonated and set against the compiled arguments + outputs + temporaries (XLA's CPU temporaries reuse little; see
-docs).
+docs). With --profile, a second table sets the share of the step the planner gives its matmuls against the share
+of the traced kernel time they took, beside the other kinds of kernel (experiments/kernel_profile.py).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import numpy as np
 from absl import app, flags
 
 import models
+from experiments import kernel_profile
 from mesh import use_cpu_devices
 from train.planner import auto, calibrate, compile_report, search
 from train.planner.candidate import Candidate, mesh_of
@@ -50,6 +52,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("steps", 10, "Timed steps per layout (after 2 warm-up steps); the fastest counts.")
     flags.DEFINE_string("topology", "local", "Links: a topology name or file (calibrated on top).")
     flags.DEFINE_string("json", "", "Also write the rows to this JSON file.")
+    flags.DEFINE_bool("profile", False, "Also trace 3 steps per layout and print where their kernel time went.")
 WARMUP = 2
 
 
@@ -76,9 +79,10 @@ def _candidate(trainer: Trainer) -> Candidate:
                      "tensor" in plan.rules.get("seq", ()))
 
 
-def _measure(trainer: Trainer) -> tuple[float, int]:
-    """(the fastest of the timed steps, compiled arguments + outputs + temporaries per device). The fastest, as
-    the calibration keeps its best repeat: both then see the machine at an unloaded moment."""
+def _measure(trainer: Trainer) -> tuple[float, int, dict | None]:
+    """(the fastest of the timed steps, compiled arguments + outputs + temporaries per device, the kernel profile
+    with --profile). The fastest, as the calibration keeps its best repeat: both then see the machine at an
+    unloaded moment."""
     compiled = trainer.compile()
     memory = compile_report.memory_per_device(compiled)
     state = trainer.init_state()
@@ -91,7 +95,8 @@ def _measure(trainer: Trainer) -> tuple[float, int]:
         t = time.perf_counter()
         state, metrics = jax.block_until_ready(compiled(state, batch))
         best = min(best, time.perf_counter() - t)
-    return best, memory["argument_bytes"] + memory["output_bytes"] + memory["temp_bytes"]
+    kernels = kernel_profile.profile(compiled, state, batch) if FLAGS.profile else None
+    return best, memory["argument_bytes"] + memory["output_bytes"] + memory["temp_bytes"], kernels
 
 
 def row(name: str, mesh: dict[str, int], extras, topology: str) -> dict:
@@ -100,12 +105,14 @@ def row(name: str, mesh: dict[str, int], extras, topology: str) -> dict:
     plan = trainer.plan
     topo = auto.devices_topology(config, jax.device_count(), plan.model.compute_dtype)
     predicted = search.evaluate(plan.model, _candidate(trainer), plan.global_batch, topo, donated=False)
-    seconds, compiled_bytes = _measure(trainer)
+    seconds, compiled_bytes, kernels = _measure(trainer)
     layout = ", ".join(f"{a}={s}" for a, s in mesh.items()) + (" sp" if extras == "sp" else "") + \
         (f" {extras[0]} m={extras[1]}" if isinstance(extras, tuple) else "")
     return {"config": name, "layout": layout, "predicted_s": predicted.step_time_s, "measured_s": seconds,
             "time_error": predicted.step_time_s / seconds - 1, "predicted_bytes": predicted.memory["total"],
-            "compiled_bytes": compiled_bytes, "memory_error": predicted.memory["total"] / compiled_bytes - 1}
+            "compiled_bytes": compiled_bytes, "memory_error": predicted.memory["total"] / compiled_bytes - 1,
+            "predicted_matmul_share": predicted.compute_s / (predicted.compute_s + predicted.memory_bound_s),
+            "kernels": kernels}
 
 
 def _ranks(values: list[float]) -> np.ndarray:
@@ -132,6 +139,19 @@ def summary(rows: list[dict]) -> dict:
             "median_abs_memory_error": statistics.median(memory_errors), "spearman": float(rho)}
 
 
+def print_profiles(rows: list[dict]) -> None:
+    """The planner's matmul share of a step's work (matmuls over matmuls + memory-bound work) against the traced
+    compute kernels' time by kind, and the collectives' share of all kernel time."""
+    print("\n| config | layout | predicted matmul share | " + " | ".join(kernel_profile.KINDS) +
+          " | collectives (waits included) | kernels per step (all devices) |")
+    print("|---|---|---:|" + "---:|" * (len(kernel_profile.KINDS) + 2))
+    for r in rows:
+        k = r["kernels"]
+        print(f"| {r['config']} | {r['layout']} | {100 * r['predicted_matmul_share']:.0f}% | "
+              + " | ".join(f"{100 * k['share'][name]:.0f}%" for name in kernel_profile.KINDS)
+              + f" | {100 * k['collective']:.0f}% | {k['kernels_per_step']:,.0f} |")
+
+
 def main(argv) -> None:
     del argv
     use_cpu_devices(8)
@@ -153,6 +173,8 @@ def main(argv) -> None:
     s = summary(rows)
     print(f"{s['layouts']} layouts: median absolute time error {100 * s['median_abs_time_error']:.0f}%, Spearman "
           f"{s['spearman']:.2f}, median absolute memory error {100 * s['median_abs_memory_error']:.0f}%")
+    if FLAGS.profile:
+        print_profiles(rows)
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
             json.dump({"rows": rows, "summary": s}, f, indent=2)

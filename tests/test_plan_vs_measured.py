@@ -5,8 +5,8 @@ paper's."""
 import pytest
 
 import models
+from experiments import kernel_profile, published_runs
 from experiments import plan_vs_measured as pvm
-from experiments import published_runs
 from train import config as run_config
 
 
@@ -38,3 +38,23 @@ def test_published_runs_flop_convention_recomputes_the_blocks():
         head = 6.0 * published_runs.VOCAB * d
         per_token = 4 / 3 * (models.flops_per_token(cfg) - head) + head
         assert published_runs.paper_flops(batch, layers, d) == pytest.approx(per_token * batch * published_runs.SEQ)
+
+
+def test_kernel_profile_sorts_kernel_names_by_kind():
+    """XLA:CPU's thunk names and XLA:GPU's kernel names to their kind; the trace's control and host events are not
+    kernels."""
+    kinds = {name: kernel_profile.kind(name) for name in (
+        "ynn_fusion.20", "dot.3", "cutlass_80_tensorop_gemm", "copy_bitcast_fusion.8", "transpose_copy_fusion",
+        "bitcast_dynamic-update-slice_fusion.25", "dynamic-slice_bitcast_fusion", "wrapped_broadcast.12",
+        "multiply_tanh_fusion", "loop_add_fusion", "all-reduce.40", "ppermute.25", "psum_invariant.70",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ThunkExecutor::Execute", "Wait: pending_threads=1/8",
+        "while.83", "$api.py:2479 block_until_ready", "end: copy")}
+    assert kinds == {
+        "ynn_fusion.20": "matmul", "dot.3": "matmul", "cutlass_80_tensorop_gemm": "matmul",
+        "copy_bitcast_fusion.8": "copy/transpose", "transpose_copy_fusion": "copy/transpose",
+        "bitcast_dynamic-update-slice_fusion.25": "scan stacks", "dynamic-slice_bitcast_fusion": "scan stacks",
+        "wrapped_broadcast.12": "fill", "multiply_tanh_fusion": "other", "loop_add_fusion": "other",
+        "all-reduce.40": "collective", "ppermute.25": "collective", "psum_invariant.70": "collective",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "collective", "ThunkExecutor::Execute": None,
+        "Wait: pending_threads=1/8": None, "while.83": None, "$api.py:2479 block_until_ready": None,
+        "end: copy": None}
