@@ -295,11 +295,14 @@ def context_ring(x: Layout) -> list[Expected]:
         whole = 2 * context * cfg.n_layers * block / x.sizes["pipeline"]  # K and V of the stage's layers, gathered
         return [Expected("context K/V all-gather", "all_gather", "context", forwards * whole),
                 Expected("context K/V gradient reduce-scatter", "reduce_scatter", "context", backwards * whole)]
-    # forward, backward (the gradients going back), and the recompute of full remat or save_dots (which saves no
-    # attention matmul: they have batch dimensions)
-    passes = 2 + (cfg.remat in ("full", "save_dots"))
     return [Expected("ring attention K/V blocks", "collective_permute", "context",
-                     passes * 2 * (context - 1) * cfg.n_layers * block)]
+                     ring_passes(cfg.remat) * 2 * (context - 1) * cfg.n_layers * block)]
+
+
+def ring_passes(remat: str) -> int:
+    """Times a step runs the ring over each layer: forward, backward (the gradients going back), and the recompute
+    of full remat or save_dots (which saves no attention matmul: they have batch dimensions)."""
+    return 2 + (remat in ("full", "save_dots"))
 
 
 def _cell_passes(x: Layout, full_remat_only: bool = False) -> tuple[float, float]:

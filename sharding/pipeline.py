@@ -91,13 +91,10 @@ class AutoAxesHints(models.contract.Hooks):
                                                                                                       length)
         return order_CxL[jax.lax.axis_index(context_lib.AXIS)]
 
-    def whole_rows(self, x_BxLxD):
-        """Under sequence parallelism, a mixture's rows gathered over `tensor` (its slots are read from whole rows):
-        left split, XLA read the slots from each device's part and all-reduced the buffers, 8x the bytes on
-        moe-tiny."""
-        if "tensor" not in self.rules.get("seq", ()):
-            return x_BxLxD
-        return self(x_BxLxD, ("batch", "seq_context", "embed"))
+    # Under sequence parallelism, a mixture's rows gathered over `tensor` as outside the region (the same rule on
+    # the region's automatic axes): left split, XLA read the slots from each device's part and all-reduced the
+    # buffers, 8x the bytes on moe-tiny.
+    whole_rows = sharding_specs.ActivationSharding.whole_rows
 
     def batch_mean(self, x):
         """The replicas' rows together: a mixture's router statistics are those of the whole microbatch, as one

@@ -25,7 +25,7 @@ import models
 from mesh import cost, layout, placement
 from mesh import topology as topology_lib
 from sharding import schedules
-from sharding.expected import expected_traffic, sends_per_step
+from sharding.expected import expected_traffic, ring_passes, sends_per_step
 from train.planner import memory, memory_bound
 from train.planner.candidate import Candidate
 
@@ -111,8 +111,7 @@ def _count(e, cfg: models.ModelConfig, c: Candidate, layers_per_device: int) -> 
     if e.op == "collective_permute" and e.axes == ("pipeline",):  # idle slots send nothing
         return sends_per_step(c.schedule, c.sizes["pipeline"], c.microbatches, c.virtual_stages) * accum
     if e.op == "collective_permute" and e.axes == ("context",):  # ring attention: K and V, each hop, each pass
-        passes = 2 + (cfg.remat in ("full", "save_dots"))  # save_dots recomputes attention as full remat does
-        return passes * 2 * (c.sizes["context"] - 1) * layers_per_device * c.microbatches * accum
+        return ring_passes(cfg.remat) * 2 * (c.sizes["context"] - 1) * layers_per_device * c.microbatches * accum
     if e.op == "collective_permute":
         return 4 * (c.virtual_stages * c.microbatches + c.sizes["pipeline"] - 1) * accum
     return 1  # gradients: XLA combines them into one all-reduce
