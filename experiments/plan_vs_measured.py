@@ -15,8 +15,10 @@ of the traced kernel time they took, beside the other kinds of kernel (experimen
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
+import pathlib
 import statistics
 import tempfile
 import time
@@ -105,11 +107,14 @@ def row(name: str, mesh: dict[str, int], extras, topology: str) -> dict:
     plan = trainer.plan
     topo = auto.devices_topology(config, jax.device_count(), plan.model.compute_dtype)
     predicted = search.evaluate(plan.model, _candidate(trainer), plan.global_batch, topo, donated=False)
+    roofline = search.evaluate(plan.model, _candidate(trainer), plan.global_batch,
+                               dataclasses.replace(topo, step_overhead=1.0), donated=False)
     seconds, compiled_bytes, kernels = _measure(trainer)
     layout = ", ".join(f"{a}={s}" for a, s in mesh.items()) + (" sp" if extras == "sp" else "") + \
         (f" {extras[0]} m={extras[1]}" if isinstance(extras, tuple) else "")
     return {"config": name, "layout": layout, "predicted_s": predicted.step_time_s, "measured_s": seconds,
-            "time_error": predicted.step_time_s / seconds - 1, "predicted_bytes": predicted.memory["total"],
+            "time_error": predicted.step_time_s / seconds - 1,
+            "roofline_time_error": roofline.step_time_s / seconds - 1, "predicted_bytes": predicted.memory["total"],
             "compiled_bytes": compiled_bytes, "memory_error": predicted.memory["total"] / compiled_bytes - 1,
             "predicted_matmul_share": predicted.compute_s / (predicted.compute_s + predicted.memory_bound_s),
             "kernels": kernels}
@@ -135,7 +140,9 @@ def summary(rows: list[dict]) -> dict:
     time_errors = [abs(r["time_error"]) for r in rows]
     memory_errors = [abs(r["memory_error"]) for r in rows]
     rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    roofline = statistics.median(abs(r["roofline_time_error"]) for r in rows)
     return {"layouts": len(rows), "median_abs_time_error": statistics.median(time_errors),
+            "median_abs_roofline_time_error": roofline,
             "median_abs_memory_error": statistics.median(memory_errors), "spearman": float(rho)}
 
 
@@ -152,26 +159,44 @@ def print_profiles(rows: list[dict]) -> None:
               + f" | {100 * k['collective']:.0f}% | {k['kernels_per_step']:,.0f} |")
 
 
+def calibrated(measured, name: str, tmp: str) -> tuple[str, float]:
+    """A topology file: this machine's sweep with `name`'s own reference step on top, as `python -m train.plan
+    --calibrate` writes for one config. Taken just before the config's layouts run, so both see the machine in
+    the same state (a VM's speed drifts over minutes)."""
+    config = _config(name, {}, None, FLAGS.topology)
+    cfg, batch = models.from_dict(config.model.to_dict()), int(config.train.global_batch_size)
+    topo = calibrate.with_step(measured, cfg, batch)
+    path = pathlib.Path(tmp) / f"{name}.json"
+    calibrate.save(topo, path, "experiments.plan_vs_measured", cfg, batch)
+    return str(path), topo.step_overhead
+
+
 def main(argv) -> None:
     del argv
     use_cpu_devices(8)
+    measured = calibrate.measure(FLAGS.topology, "float32")
+    device = jax.devices()[0]
+    print(f"# {device.platform} x {jax.device_count()}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}, "
+          f"links {FLAGS.topology}, calibrated {measured.hbm_gbps} GB/s per device")
+    print("| config | layout | predicted ms | measured ms | time error | predicted MiB | compiled MiB | "
+          "memory error |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    rows, overheads = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        topology = str(calibrate.write(FLAGS.topology, f"{tmp}/calibrated.json", "float32"))
-        device = jax.devices()[0]
-        print(f"# {device.platform} x {jax.device_count()}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}, "
-              f"links {FLAGS.topology}, calibrated {json.loads(open(topology).read())['hbm_gbps']} GB/s per device")
-        print("| config | layout | predicted ms | measured ms | time error | predicted MiB | compiled MiB | "
-              "memory error |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|")
-        rows = []
-        for name, mesh, extras in [x for x in LAYOUTS if x[0] in FLAGS.configs]:
-            r = row(name, mesh, extras, topology)
-            rows.append(r)
-            print(f"| {name} | {r['layout']} | {1e3 * r['predicted_s']:.1f} | {1e3 * r['measured_s']:.1f} | "
-                  f"{100 * r['time_error']:+.0f}% | {r['predicted_bytes'] / 2**20:.1f} | "
-                  f"{r['compiled_bytes'] / 2**20:.1f} | {100 * r['memory_error']:+.0f}% |", flush=True)
+        for name in FLAGS.configs:
+            topology, overheads[name] = calibrated(measured, name, tmp)
+            for _, mesh, extras in [x for x in LAYOUTS if x[0] == name]:
+                r = row(name, mesh, extras, topology)
+                rows.append(r)
+                print(f"| {name} | {r['layout']} | {1e3 * r['predicted_s']:.1f} | {1e3 * r['measured_s']:.1f} | "
+                      f"{100 * r['time_error']:+.0f}% | {r['predicted_bytes'] / 2**20:.1f} | "
+                      f"{r['compiled_bytes'] / 2**20:.1f} | {100 * r['memory_error']:+.0f}% |", flush=True)
     s = summary(rows)
-    print(f"{s['layouts']} layouts: median absolute time error {100 * s['median_abs_time_error']:.0f}%, Spearman "
+    s["step_overhead"] = overheads
+    print("step_overhead (each config's reference step over its roofline): " +
+          ", ".join(f"{name} {v:.2f}" for name, v in overheads.items()))
+    print(f"{s['layouts']} layouts: median absolute time error {100 * s['median_abs_time_error']:.0f}% "
+          f"({100 * s['median_abs_roofline_time_error']:.0f}% from the roofline alone, step_overhead 1), Spearman "
           f"{s['spearman']:.2f}, median absolute memory error {100 * s['median_abs_memory_error']:.0f}%")
     if FLAGS.profile:
         print_profiles(rows)

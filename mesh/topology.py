@@ -72,9 +72,11 @@ class Topology:
     `device_memory_gb` per device (GB = 1e9 bytes), dense `peak_tflops` per dtype name, `storage_gbps`
     (one host's checkpoint write bandwidth, GB/s), `matmul_efficiency` {dtype: [[dim, fraction of
     peak], ...]} and `hbm_gbps` (one device's memory bandwidth, GB/s: a datasheet's, or measured by
-    `python -m train.plan --calibrate`) (0 / empty = unknown). `shared_host`: the devices are virtual devices
-    of one machine (XLA's CPU devices) that share its cores and memory bus, so every device's work queues on
-    the same compute and a device with nothing to do lends its cores to the others (see train/planner/timing.py).
+    `python -m train.plan --calibrate`) (0 / empty = unknown). `step_overhead`: a measured step's time over
+    the roofline's work for it (train/planner/reference_step.py; 1 = the roofline, where nothing was measured).
+    `shared_host`: the devices are virtual devices of one machine (XLA's CPU devices) that share its cores and
+    memory bus, so every device's work queues on the same compute and a device with nothing to do lends its
+    cores to the others (see train/planner/timing.py).
     """
     name: str
     hosts: int
@@ -88,6 +90,7 @@ class Topology:
     matmul_efficiency: Mapping[str, list] = dataclasses.field(default_factory=dict)
     hbm_gbps: float = 0.0
     shared_host: bool = False
+    step_overhead: float = 1.0
 
     def __post_init__(self):
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -95,10 +98,10 @@ class Topology:
         if self.intra.dims and math.prod(self.intra.dims) != self.devices_per_host:
             raise TopologyError(f"topology {self.name}: intra dims {self.intra.dims} must multiply to "
                                 f"devices_per_host={self.devices_per_host}")
-        if min(self.device_memory_gb, self.storage_gbps, self.hbm_gbps) < 0 or \
+        if min(self.device_memory_gb, self.storage_gbps, self.hbm_gbps) < 0 or self.step_overhead <= 0 or \
                 any(v <= 0 for v in self.peak_tflops.values()):
-            raise TopologyError(f"topology {self.name}: device_memory_gb, storage_gbps and hbm_gbps must be >= 0 "
-                                f"and every peak_tflops value > 0")
+            raise TopologyError(f"topology {self.name}: device_memory_gb, storage_gbps and hbm_gbps must be >= 0, "
+                                f"step_overhead and every peak_tflops value > 0")
 
     @property
     def num_devices(self) -> int:
@@ -233,10 +236,12 @@ def topology_from_dict(d: Mapping, source: str = "topology") -> Topology:
                         storage_gbps=float(d.get("storage_gbps", 0.0)), hbm_gbps=float(d.get("hbm_gbps", 0.0)),
                         matmul_efficiency={str(k): [[float(x), float(e)] for x, e in v]
                                            for k, v in d.get("matmul_efficiency", {}).items()},
-                        shared_host=bool(d.get("shared_host", False)))
+                        shared_host=bool(d.get("shared_host", False)),
+                        step_overhead=float(d.get("step_overhead", 1.0)))
     except (TypeError, ValueError, AttributeError):
-        raise TopologyError(f"{source}: device_memory_gb, storage_gbps and hbm_gbps must be numbers, peak_tflops "
-                            f"{{dtype: TFLOP/s}} and matmul_efficiency {{dtype: [[dim, fraction], ...]}}") from None
+        raise TopologyError(f"{source}: device_memory_gb, storage_gbps, hbm_gbps and step_overhead must be numbers, "
+                            f"peak_tflops {{dtype: TFLOP/s}} and matmul_efficiency "
+                            f"{{dtype: [[dim, fraction], ...]}}") from None
     return Topology(name=str(d.get("name", pathlib.Path(source).stem)), hosts=int(d["hosts"]),
                     devices_per_host=int(d["devices_per_host"]), intra=level("intra", d["intra"]),
                     inter=level("inter", d["inter"]),

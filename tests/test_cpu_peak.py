@@ -47,7 +47,7 @@ def test_calibration_and_mfu_share_the_peak(fake_machine, tmp_path):
     """A topology without a CPU peak gets the measured one, per virtual device; the curve is a fraction of it."""
     bare = tmp_path / "bare.json"
     T.save_topology(dataclasses.replace(T.get_topology("dgx-h100"), peak_tflops={}), bare)
-    topo = T.get_topology(str(calibrate.write(str(bare), str(tmp_path / "cal.json"), "float32")))
+    topo = calibrate.measure(str(bare), "float32")
     assert topo.peak_tflops["float32"] * 1e12 == pytest.approx(hardware.peak_flops_per_device("float32"))
     curve = dict((int(n), e) for n, e in topo.matmul_efficiency["float32"])
     assert curve[1024] == pytest.approx(1.0) and curve[512] == pytest.approx(0.6)

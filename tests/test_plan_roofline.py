@@ -1,7 +1,8 @@
 """The planner's roofline: memory-bound work priced at the device's memory bandwidth, attention by kernel, the
 optimizer update's bytes, devices that share one host, sequence parallelism, a mixture's padded expert slots, and
-`--calibrate` measuring the bandwidth beside the matmul curve."""
+`--calibrate` measuring the bandwidth beside the matmul curve and a reference step's overhead over its roofline."""
 import dataclasses
+import json
 
 import pytest
 
@@ -52,13 +53,31 @@ def test_memory_bound_seconds_add_to_the_step_at_the_bandwidth():
     assert with_bw.as_json()["breakdown"]["memory_bound_s"] == with_bw.memory_bound_s
 
 
-def test_calibrate_measures_memory_bandwidth(tmp_path, monkeypatch):
-    monkeypatch.setattr(calibrate, "REPEATS", 2)  # what the file holds is checked here, not how steady the figures are
-    path = calibrate.write("dgx-h100", str(tmp_path / "calibrated.json"), "float32")
+def test_calibrate_measures_memory_bandwidth_and_a_reference_step(tmp_path, monkeypatch):
+    # what the file holds is checked here, not how steady the figures are
+    monkeypatch.setattr(calibrate, "REPEATS", 2)
+    monkeypatch.setattr(calibrate, "STEP_REPEATS", 2)
+    cfg = models.from_dict({"preset": "tiny", "n_layers": 4, "d_model": 64, "n_heads": 4, "seq_len": 32})
+    path = calibrate.write("dgx-h100", str(tmp_path / "calibrated.json"), cfg, 8)
     topo = T.get_topology(str(path))
     assert topo.hbm_gbps > 0 and topo.hbm_gbps != H100.hbm_gbps
     assert [n for n, _ in topo.matmul_efficiency["float32"]] == [128.0, 256.0, 512.0, 1024.0]
     assert topo.shared_host  # measured on this machine's virtual CPU devices, all at once
+    assert topo.step_overhead > 0 and topo.step_overhead != 1.0  # the reference step, set against its roofline
+    reference = json.loads(path.read_text())["provenance"]["step_overhead_reference"]
+    assert reference == "2 layers of gpt d_model=64, 1 x 32 tokens per device"
+
+
+def test_the_step_overhead_multiplies_the_work_not_the_communication():
+    cfg = models.from_dict({"preset": "tiny"})
+    c = Candidate(mesh_of({"fsdp": 2, "tensor": 4}))
+    base = timing.predict(cfg, c, 16, H100)
+    slow = timing.predict(cfg, c, 16, dataclasses.replace(H100, step_overhead=2.5))
+    for key in ("compute_s", "memory_bound_s", "bubble_s"):
+        assert slow[key] == pytest.approx(2.5 * base[key])
+    assert slow["communication_total_s"] == base["communication_total_s"]
+    with pytest.raises(T.TopologyError, match="step_overhead"):
+        dataclasses.replace(H100, step_overhead=0.0)
 
 
 def test_a_shared_host_charges_no_bubble_and_hides_no_collective():

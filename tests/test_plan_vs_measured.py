@@ -21,10 +21,11 @@ def test_layouts_cover_every_kind_and_resolve():
 
 
 def test_summary_is_median_error_and_spearman():
-    rows = [{"predicted_s": p, "measured_s": m, "time_error": p / m - 1, "memory_error": e}
-            for p, m, e in ((1.0, 2.0, 0.1), (2.0, 2.5, -0.3), (3.0, 2.4, 0.2))]
+    rows = [{"predicted_s": p, "measured_s": m, "time_error": p / m - 1, "roofline_time_error": p / m / 2 - 1,
+             "memory_error": e} for p, m, e in ((1.0, 2.0, 0.1), (2.0, 2.5, -0.3), (3.0, 2.4, 0.2))]
     s = pvm.summary(rows)
     assert s["median_abs_time_error"] == pytest.approx(0.25)  # |-0.5|, |-0.2|, |+0.25|
+    assert s["median_abs_roofline_time_error"] == pytest.approx(0.6)  # |-0.75|, |-0.6|, |-0.375|
     assert s["median_abs_memory_error"] == pytest.approx(0.2)
     assert s["spearman"] == pytest.approx(0.5)  # ranks (1, 2, 3) against (1, 3, 2)
 

@@ -1,7 +1,8 @@
 """`--calibrate=FILE`: a square-matmul sweep gives the fraction of peak reached at each size, and a streaming read
 the memory bandwidth (`hbm_gbps`), written with the chosen topology into a user topology file (never into the
 package's presets). Virtual CPU devices share one machine, so there every device runs the probes at once, as they
-run a step, and each gets its share (the topology is marked `shared_host`)."""
+run a step, and each gets its share (the topology is marked `shared_host`). Last, the planned model's reference
+step (train/planner/reference_step.py) sets the planner's roofline against a measured step: `step_overhead`."""
 from __future__ import annotations
 
 import datetime
@@ -9,24 +10,24 @@ import pathlib
 
 import jax
 
+import models
 from mesh import topology as topology_lib
+from train.planner import reference_step
 from train.planner.search import PlanError
 from train.runtime import cpu_peak, probes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
 REPEATS = 20  # best of many: on a busy machine one unloaded moment is what the sweep must catch
+STEP_REPEATS = 20
 
 
 def sweep(dtype: str, max_n: int, every_device: bool) -> list[tuple[int, float]]:
     return [(n, probes.measure_matmul_flops(n, REPEATS, dtype, every_device)) for n in SIZES if n <= max_n]
 
 
-def write(topology: str, path: str, dtype: str) -> pathlib.Path:
-    out = pathlib.Path(path).expanduser().resolve()
-    if ROOT in out.parents and out.parent.name not in ("experiments", "topologies") and "tmp" not in out.parts:
-        raise PlanError(f"--calibrate={path}: write calibrations to a user file outside the package, "
-                        f"e.g. ~/.config/spmdtrain/{topology}.json")
+def measure(topology: str, dtype: str) -> topology_lib.Topology:
+    """`topology` with this machine's matmul curve, peak (CPU) and memory bandwidth."""
     topo = topology_lib.get_topology(topology)
     shared = jax.devices()[0].platform == "cpu"
     measured = sweep(dtype, 1024 if shared else 8192, every_device=shared)
@@ -43,13 +44,38 @@ def write(topology: str, path: str, dtype: str) -> pathlib.Path:
     # Virtual CPU devices share the machine's memory bus: all of them read at once and each gets its share.
     hbm = probes.measure_memory_gbps(1 << (28 if shared else 30), REPEATS, every_device=shared)
     hbm /= machine
-    topo = topology_lib.dataclasses.replace(topo, peak_tflops=peaks, hbm_gbps=round(hbm, 2), shared_host=shared,
+    return topology_lib.dataclasses.replace(topo, peak_tflops=peaks, hbm_gbps=round(hbm, 2), shared_host=shared,
                                             matmul_efficiency={**topo.matmul_efficiency, dtype: curve})
-    provenance = {"command": f"python -m train.plan --calibrate={path} --topology={topology}",
-                  "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                  "date": datetime.date.today().isoformat()}
+
+
+def with_step(topo: topology_lib.Topology, cfg: models.ModelConfig, global_batch: int) -> topology_lib.Topology:
+    """`topo` (calibrated) with the `step_overhead` of `cfg`'s reference step, or unchanged (1) where that step
+    cannot be held in memory."""
+    overhead = reference_step.step_overhead(cfg, global_batch, topo, STEP_REPEATS)
+    return topo if overhead is None else topology_lib.dataclasses.replace(topo, step_overhead=round(overhead, 3))
+
+
+def write(topology: str, path: str, cfg: models.ModelConfig, global_batch: int) -> pathlib.Path:
+    """Measure this machine for `cfg` (its compute dtype and its reference step at `global_batch`) and write
+    `topology` so calibrated to `path`."""
+    out = pathlib.Path(path).expanduser().resolve()
+    if ROOT in out.parents and out.parent.name not in ("experiments", "topologies") and "tmp" not in out.parts:
+        raise PlanError(f"--calibrate={path}: write calibrations to a user file outside the package, "
+                        f"e.g. ~/.config/spmdtrain/{topology}.json")
+    topo = with_step(measure(topology, cfg.compute_dtype), cfg, global_batch)
+    save(topo, out, f"python -m train.plan --calibrate={path} --topology={topology}", cfg, global_batch)
+    return out
+
+
+def save(topo: topology_lib.Topology, out: pathlib.Path, command: str, cfg: models.ModelConfig,
+         global_batch: int) -> None:
+    reference = reference_step.reference_model(cfg)
+    provenance = {"command": command, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                  "date": datetime.date.today().isoformat(),
+                  "step_overhead_reference": f"{reference.n_layers} layers of {cfg.family} d_model={cfg.d_model}, "
+                                             f"{reference_step.rows_per_device(global_batch)} x {cfg.seq_len} tokens "
+                                             f"per device"}
     try:
         topology_lib.save_topology(topo, out, provenance=provenance)
     except OSError as e:
-        raise PlanError(f"--calibrate={path}: cannot write there ({e.strerror}); choose a writable file") from None
-    return out
+        raise PlanError(f"--calibrate={out}: cannot write there ({e.strerror}); choose a writable file") from None

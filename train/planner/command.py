@@ -97,8 +97,8 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if _CALIBRATE.value:
-        dtype = models.from_dict(_CONFIG.value.model.to_dict()).compute_dtype
-        path = calibrate.write(_TOPOLOGY.value, _CALIBRATE.value, dtype)
+        cfg = models.from_dict(_CONFIG.value.model.to_dict())
+        path = calibrate.write(_TOPOLOGY.value, _CALIBRATE.value, cfg, int(_CONFIG.value.train.global_batch_size))
         print(f"wrote {path}")
         return exit_codes.OK
     return _plan(_CONFIG.value)  # a user's mistake raises a UserError: cli.run prints it and exits 2

@@ -1,5 +1,6 @@
 """Step time of a candidate, a roofline: matmuls at the topology's peak times a matmul efficiency, the
-memory-bound work (train/planner/memory_bound.py) at the device's memory bandwidth, the communication the layout
+memory-bound work (train/planner/memory_bound.py) at the device's memory bandwidth, both times the topology's
+measured `step_overhead` (train/planner/reference_step.py), the communication the layout
 needs (sharding.expected) priced by mesh.cost on the topology, and the schedule table's bubble over both kinds
 of work. Matmuls and memory-bound work add up: each kernel is bound by one of them and XLA runs them in turn.
 
@@ -159,8 +160,11 @@ def predict(cfg: models.ModelConfig, c: Candidate, global_batch: int, topo: topo
     tokens = memory.rows_per_device(c, global_batch) * cfg.seq_len
     dim = min(tokens, cfg.d_model / sizes["tensor"])  # rows of a microbatch, or a row-parallel matmul's depth
     peak = peak_flops(topo, cfg.compute_dtype)
+    # the roofline's work, times what a measured step took beyond it (topo.step_overhead; 1 where not measured)
+    overhead = topo.step_overhead
     compute = hardware_flops_per_device(cfg, c, global_batch) / (peak * efficiency(topo, cfg.compute_dtype, dim))
-    bound = memory_bound.seconds(cfg, c, global_batch, topo)
+    compute *= overhead
+    bound = {k: v * overhead for k, v in memory_bound.seconds(cfg, c, global_batch, topo).items()}
     work = compute + sum(bound.values())
     rows = communication(cfg, c, global_batch, topo)
     total = sum(r[3] for r in rows)

@@ -4,7 +4,7 @@ or on every local device at once (virtual CPU devices share the machine, so only
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +14,14 @@ from jax.sharding import PartitionSpec as P
 from mesh import make_mesh
 
 
-def _best_seconds(f: Callable[[jax.Array], jax.Array], x: jax.Array, repeats: int) -> float:
-    """The fastest of `repeats` timed calls of jitted `f` on `x`, after one untimed call that compiles it."""
-    f(x).block_until_ready()
+def best_seconds(f: Callable[[jax.Array], Any], x: jax.Array, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of jitted `f` on `x` (any tree of arrays out), after one untimed call
+    that compiles it."""
+    jax.block_until_ready(f(x))
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        f(x).block_until_ready()
+        jax.block_until_ready(f(x))
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -39,7 +40,7 @@ def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype: str = "float32"
     """FLOP/s of an n x n matmul in `dtype` on the first device, or of one per local device at once (their sum),
     best of `repeats`."""
     x = _ones((n, n), dtype, every_device)
-    return 2.0 * n ** 3 * (x.size // (n * n)) / _best_seconds(jax.jit(lambda a: a @ a), x, repeats)
+    return 2.0 * n ** 3 * (x.size // (n * n)) / best_seconds(jax.jit(lambda a: a @ a), x, repeats)
 
 
 def measure_memory_gbps(nbytes: int = 1 << 28, repeats: int = 5, every_device: bool = False) -> float:
@@ -48,4 +49,4 @@ def measure_memory_gbps(nbytes: int = 1 << 28, repeats: int = 5, every_device: b
     copy's fresh output buffer costs page faults on CPU, not bandwidth."""
     k = jax.local_device_count() if every_device else 1
     x = _ones((nbytes // (4 * k),), "float32", every_device)
-    return nbytes / _best_seconds(jax.jit(lambda a: jnp.sum(a, axis=-1)), x, repeats) / 1e9
+    return nbytes / best_seconds(jax.jit(lambda a: jnp.sum(a, axis=-1)), x, repeats) / 1e9

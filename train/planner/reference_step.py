@@ -1,0 +1,80 @@
+"""The measured step `--calibrate` sets against its roofline: the planned model's first layers (one of each kind
+of block), the rows per device of its data-parallel layout (the global batch over the local devices), a whole
+training step (forward, backward, clipped AdamW) on every local device at
+once, each on its own rows and its own copy of the state, so no collective runs. Its fastest time over the
+roofline's work for the same step (matmuls on the calibrated curve, memory-bound bytes at the measured bandwidth)
+is the topology's `step_overhead`: the work a roofline does not see, which the planner then charges every
+layout's compute and memory-bound work. On XLA:CPU that is most of the step (many small copies, transposes,
+scan-stack updates and fills: docs/benchmarks.md); on an accelerator, kernel launches and what fusion leaves."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import models
+from mesh import make_mesh
+from mesh import topology as topology_lib
+from train.planner import memory, timing
+from train.planner.candidate import Candidate, mesh_of
+from train.runtime import hardware, probes
+
+MEMORY_SHARE = 0.5  # of a device's memory the reference step may take
+
+
+def reference_model(cfg: models.ModelConfig) -> models.ModelConfig:
+    """The model's first layers: two, or a mixture's whole group of `moe_every` when that is more."""
+    group = cfg.n_layers // models.stack_length(cfg)
+    return dataclasses.replace(cfg, n_layers=min(cfg.n_layers, max(2, group)))
+
+
+def fits(ref: models.ModelConfig, rows: int) -> bool:
+    """Whether every device can hold its own copy of the reference's training state and its activations."""
+    limit = hardware.memory_per_device()
+    state = models.param_count(ref) * 16  # float32 parameters, gradients and both moments
+    activations = memory.per_token_layer_bytes(ref, ref.remat, 1, False) * rows * ref.seq_len * ref.n_layers
+    return limit is None or state + activations <= MEMORY_SHARE * limit
+
+
+def rows_per_device(global_batch: int) -> int:
+    return max(1, global_batch // jax.local_device_count())
+
+
+def roofline_seconds(ref: models.ModelConfig, topo: topology_lib.Topology, rows: int) -> float:
+    """The planner's compute + memory-bound work for the reference step, before any overhead."""
+    k = jax.local_device_count()
+    c = Candidate(mesh_of({"data": k}), remat=ref.remat)
+    p = timing.predict(ref, c, k * rows, dataclasses.replace(topo, step_overhead=1.0))
+    return p["compute_s"] + p["memory_bound_s"]
+
+
+def measured_seconds(ref: models.ModelConfig, rows: int, repeats: int) -> float:
+    """The fastest of `repeats` reference steps (after one that compiles), every local device at once."""
+    k = jax.local_device_count()
+    mesh = make_mesh({"data": k}, devices=jax.local_devices())
+    # the training step's own kinds of work: its objective, a global-norm clip, AdamW with weight decay
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4, weight_decay=0.1))
+    params = jax.device_put(models.init_params(ref, 0), NamedSharding(mesh, P()))
+    state = jax.jit(optimizer.init)(params)
+    tokens = jax.random.randint(jax.random.key(0), (k * rows, ref.seq_len + 1), 0, ref.vocab_size)
+    tokens = jax.device_put(tokens, NamedSharding(mesh, P("data")))
+
+    def local(p, s, t):
+        grads = jax.grad(lambda q: models.loss_and_metrics(q, t, ref)[0])(p)
+        updates, s = optimizer.update(grads, s, p)
+        return jax.tree.map(lambda x: x[None], (optax.apply_updates(p, updates), s))
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P("data")))
+    return probes.best_seconds(lambda t: step(params, state, t), tokens, repeats)
+
+
+def step_overhead(cfg: models.ModelConfig, global_batch: int, topo: topology_lib.Topology,
+                  repeats: int) -> float | None:
+    """Measured over roofline for `cfg`'s reference step on `topo` (calibrated), or None when it does not fit."""
+    ref, rows = reference_model(cfg), rows_per_device(global_batch)
+    if not fits(ref, rows):
+        return None
+    return measured_seconds(ref, rows, repeats) / roofline_seconds(ref, topo, rows)
