@@ -2,16 +2,19 @@
 predicted and compiled memory per device, their errors, the median absolute error and the rank correlation
 (Spearman) of predicted against measured time.
 
-    python -m experiments.plan_vs_measured [--configs=tiny,default,llama3-tiny,moe-tiny] [--steps=10]
+    python -m experiments.plan_vs_measured [--configs=tiny,default,llama3-tiny,moe-tiny] [--steps=30]
         [--topology=local] [--json=FILE] [--profile]
 
 The links are the `--topology` file (default `local`, fitted by `python -m mesh.bench --fit`); the matmul
 efficiency curve, the memory bandwidth and the peak come from `python -m train.plan --calibrate`'s sweep, run first
-on this machine, every virtual device at once. A layout's measured time is its fastest timed step, as the
-calibration keeps its best repeat. Memory on CPU: the step does not donate its state, so the prediction is made
-undonated and set against the compiled arguments + outputs + temporaries (XLA's CPU temporaries reuse little; see
-docs). With --profile, a second table sets the share of the step the planner gives its matmuls against the share
-of the traced kernel time they took, beside the other kinds of kernel (experiments/kernel_profile.py).
+on this machine, every virtual device at once; each config's `step_overhead` from its own reference step
+(train/planner/reference_step.py), measured just before the config's layouts run so both see the machine in the same
+state. A layout's measured time is its fastest timed step, as the calibration keeps its best repeat. Memory on CPU:
+the step does not donate its state, so the prediction is made undonated and set against the compiled arguments +
+outputs + temporaries (XLA's CPU temporaries reuse little; see docs). The summary also gives the roofline's own
+error (step_overhead 1). With --profile, a second table sets the share of the step the planner gives its matmuls
+against the share of the traced kernel time they took, beside the other kinds of kernel
+(experiments/kernel_profile.py).
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ def define_flags() -> None:
     """The command's flags, defined only when it runs, so tests can import it beside other commands that
     define a --topology of their own."""
     flags.DEFINE_list("configs", ["tiny", "default", "llama3-tiny", "moe-tiny"], "Configs whose layouts run.")
-    flags.DEFINE_integer("steps", 10, "Timed steps per layout (after 2 warm-up steps); the fastest counts.")
+    flags.DEFINE_integer("steps", 30, "Timed steps per layout (after 2 warm-up steps); the fastest counts.")
     flags.DEFINE_string("topology", "local", "Links: a topology name or file (calibrated on top).")
     flags.DEFINE_string("json", "", "Also write the rows to this JSON file.")
     flags.DEFINE_bool("profile", False, "Also trace 3 steps per layout and print where their kernel time went.")

@@ -18,8 +18,8 @@ from train.runtime import cpu_peak, probes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
-REPEATS = 20  # best of many: on a busy machine one unloaded moment is what the sweep must catch
-STEP_REPEATS = 20
+REPEATS = 100  # best of many: small matmuls on shared cores time bimodally; the sweep must catch a fast moment
+STEP_REPEATS = 50  # the reference step is short: as many chances at a fast moment as the layouts it predicts get
 
 
 def sweep(dtype: str, max_n: int, every_device: bool) -> list[tuple[int, float]]:
