@@ -8,7 +8,7 @@ import pytest
 
 import models
 from mesh import topology as T
-from train.planner import calibrate, memory, memory_bound, search, timing
+from train.planner import calibrate, memory, memory_bound, reference_step, search, timing
 from train.planner.candidate import Candidate, mesh_of
 
 H100 = T.get_topology("dgx-h100", hosts=1)
@@ -66,6 +66,20 @@ def test_calibrate_measures_memory_bandwidth_and_a_reference_step(tmp_path, monk
     assert topo.step_overhead > 0 and topo.step_overhead != 1.0  # the reference step, set against its roofline
     reference = json.loads(path.read_text())["provenance"]["step_overhead_reference"]
     assert reference == "2 layers of gpt d_model=64, 1 x 32 tokens per device"
+
+
+def test_the_reference_step_halves_its_rows_to_fit_and_is_skipped_when_nothing_fits(monkeypatch):
+    cfg = models.from_dict({"preset": "tiny"})
+    ref = reference_step.reference_model(cfg)
+    assert ref.n_layers == 2 and reference_step.reference_model(models.from_dict({"preset": "moe-tiny"})).n_layers == 2
+    per_row = memory.per_token_layer_bytes(ref, ref.remat, 1) * ref.seq_len * ref.n_layers
+    four_rows = models.param_count(ref) * 16 + 4 * per_row  # what `fits` counts for 4 rows per device
+    monkeypatch.setattr(reference_step.hardware, "memory_per_device", lambda: int(four_rows / 0.5) + 1)
+    assert reference_step.rows_per_device(ref, 8 * 64) == 4  # 64 rows per device, halved until they fit
+    monkeypatch.setattr(reference_step.hardware, "memory_per_device", lambda: 1000)
+    assert reference_step.rows_per_device(ref, 16) is None
+    assert "not measured" in reference_step.describe(cfg, 16)
+    assert reference_step.step_overhead(cfg, 16, H100, repeats=1) is None
 
 
 def test_the_step_overhead_multiplies_the_work_not_the_communication():

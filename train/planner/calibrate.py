@@ -69,12 +69,9 @@ def write(topology: str, path: str, cfg: models.ModelConfig, global_batch: int) 
 
 def save(topo: topology_lib.Topology, out: pathlib.Path, command: str, cfg: models.ModelConfig,
          global_batch: int) -> None:
-    reference = reference_step.reference_model(cfg)
     provenance = {"command": command, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                   "date": datetime.date.today().isoformat(),
-                  "step_overhead_reference": f"{reference.n_layers} layers of {cfg.family} d_model={cfg.d_model}, "
-                                             f"{reference_step.rows_per_device(global_batch)} x {cfg.seq_len} tokens "
-                                             f"per device"}
+                  "step_overhead_reference": reference_step.describe(cfg, global_batch)}
     try:
         topology_lib.save_topology(topo, out, provenance=provenance)
     except OSError as e:

@@ -1,11 +1,12 @@
 """The measured step `--calibrate` sets against its roofline: the planned model's first layers (one of each kind
-of block), the rows per device of its data-parallel layout (the global batch over the local devices), a whole
-training step (forward, backward, clipped AdamW) on every local device at
-once, each on its own rows and its own copy of the state, so no collective runs. Its fastest time over the
-roofline's work for the same step (matmuls on the calibrated curve, memory-bound bytes at the measured bandwidth)
-is the topology's `step_overhead`: the work a roofline does not see, which the planner then charges every
-layout's compute and memory-bound work. On XLA:CPU that is most of the step (many small copies, transposes,
-scan-stack updates and fills: docs/benchmarks.md); on an accelerator, kernel launches and what fusion leaves."""
+of block), the rows per device of its data-parallel layout (the global batch over the local devices, halved until
+the step fits in half a device's memory), a whole training step (forward, backward, clipped AdamW) on every local
+device at once, each on its own rows and its own copy of the state, so no collective runs. Its fastest time over
+the roofline's work for the same step (matmuls on the calibrated curve, memory-bound bytes at the measured
+bandwidth) is the topology's `step_overhead`: the work a roofline does not see, which the planner then charges
+every layout's compute and memory-bound work. On XLA:CPU that is most of the step (many small copies, transposes,
+scan-stack updates and fills: docs/benchmarks.md); on an accelerator, kernel launches and what fusion leaves.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,23 @@ def fits(ref: models.ModelConfig, rows: int) -> bool:
     return limit is None or state + activations <= MEMORY_SHARE * limit
 
 
-def rows_per_device(global_batch: int) -> int:
-    return max(1, global_batch // jax.local_device_count())
+def rows_per_device(ref: models.ModelConfig, global_batch: int) -> int | None:
+    """The data-parallel layout's rows per device, halved until the step fits (a run would accumulate or
+    pipeline them); None when even one row does not fit."""
+    rows = max(1, global_batch // jax.local_device_count())
+    while rows > 1 and not fits(ref, rows):
+        rows //= 2
+    return rows if fits(ref, rows) else None
+
+
+def describe(cfg: models.ModelConfig, global_batch: int) -> str:
+    """The reference step in words, for the calibrated file's provenance."""
+    ref = reference_model(cfg)
+    rows = rows_per_device(ref, global_batch)
+    what = f"{ref.n_layers} layers of {cfg.family} d_model={cfg.d_model}"
+    if rows is None:
+        return f"{what}: not measured, its state would take more than half a device's memory (step_overhead 1)"
+    return f"{what}, {rows} x {cfg.seq_len} tokens per device"
 
 
 def roofline_seconds(ref: models.ModelConfig, topo: topology_lib.Topology, rows: int) -> float:
@@ -74,7 +90,8 @@ def measured_seconds(ref: models.ModelConfig, rows: int, repeats: int) -> float:
 def step_overhead(cfg: models.ModelConfig, global_batch: int, topo: topology_lib.Topology,
                   repeats: int) -> float | None:
     """Measured over roofline for `cfg`'s reference step on `topo` (calibrated), or None when it does not fit."""
-    ref, rows = reference_model(cfg), rows_per_device(global_batch)
-    if not fits(ref, rows):
+    ref = reference_model(cfg)
+    rows = rows_per_device(ref, global_batch)
+    if rows is None:
         return None
     return measured_seconds(ref, rows, repeats) / roofline_seconds(ref, topo, rows)
