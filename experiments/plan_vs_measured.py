@@ -23,6 +23,7 @@ import importlib
 import json
 import pathlib
 import statistics
+import sys
 import tempfile
 import time
 
@@ -33,6 +34,7 @@ from absl import app, flags
 import models
 from experiments import kernel_profile
 from mesh import use_cpu_devices
+from train.loop import exit_codes
 from train.planner import auto, calibrate, compile_report, search
 from train.planner.candidate import Candidate, mesh_of
 from train.trainer import Trainer
@@ -176,6 +178,11 @@ def calibrated(measured, name: str, tmp: str) -> tuple[str, float]:
 
 def main(argv) -> None:
     del argv
+    unknown = sorted(set(FLAGS.configs) - {x[0] for x in LAYOUTS})
+    if unknown:
+        print(f"error: --configs={','.join(FLAGS.configs)}: no layouts for {', '.join(unknown)}; use "
+              f"{', '.join(dict.fromkeys(x[0] for x in LAYOUTS))}", file=sys.stderr)
+        sys.exit(exit_codes.USER_ERROR)
     use_cpu_devices(8)
     measured = calibrate.measure(FLAGS.topology, "float32")
     device = jax.devices()[0]
@@ -186,7 +193,7 @@ def main(argv) -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     rows, overheads = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in FLAGS.configs:
+        for name in dict.fromkeys(x[0] for x in LAYOUTS if x[0] in FLAGS.configs):
             topology, overheads[name] = calibrated(measured, name, tmp)
             for _, mesh, extras in [x for x in LAYOUTS if x[0] == name]:
                 r = row(name, mesh, extras, topology)

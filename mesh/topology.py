@@ -98,10 +98,10 @@ class Topology:
         if self.intra.dims and math.prod(self.intra.dims) != self.devices_per_host:
             raise TopologyError(f"topology {self.name}: intra dims {self.intra.dims} must multiply to "
                                 f"devices_per_host={self.devices_per_host}")
-        if min(self.device_memory_gb, self.storage_gbps, self.hbm_gbps) < 0 or self.step_overhead <= 0 or \
-                any(v <= 0 for v in self.peak_tflops.values()):
+        if min(self.device_memory_gb, self.storage_gbps, self.hbm_gbps) < 0 or \
+                any(v <= 0 for v in self.peak_tflops.values()) or not 0 < self.step_overhead < math.inf:
             raise TopologyError(f"topology {self.name}: device_memory_gb, storage_gbps and hbm_gbps must be >= 0, "
-                                f"step_overhead and every peak_tflops value > 0")
+                                f"step_overhead and every peak_tflops value > 0 (and finite)")
 
     @property
     def num_devices(self) -> int:

@@ -4,9 +4,12 @@ optimizer update's bytes, devices that share one host, sequence parallelism, a m
 import dataclasses
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import models
+from mesh import make_mesh
 from mesh import topology as T
 from train.planner import calibrate, memory, memory_bound, reference_step, search, timing
 from train.planner.candidate import Candidate, mesh_of
@@ -72,14 +75,24 @@ def test_the_reference_step_halves_its_rows_to_fit_and_is_skipped_when_nothing_f
     cfg = models.from_dict({"preset": "tiny"})
     ref = reference_step.reference_model(cfg)
     assert ref.n_layers == 2 and reference_step.reference_model(models.from_dict({"preset": "moe-tiny"})).n_layers == 2
-    per_row = memory.per_token_layer_bytes(ref, ref.remat, 1) * ref.seq_len * ref.n_layers
-    four_rows = models.param_count(ref) * 16 + 4 * per_row  # what `fits` counts for 4 rows per device
+    four_rows = memory.predict(ref, reference_step._candidate(ref), 8 * 4, donated=False)["total"]  # as `fits` counts
     monkeypatch.setattr(reference_step.hardware, "memory_per_device", lambda: int(four_rows / 0.5) + 1)
     assert reference_step.rows_per_device(ref, 8 * 64) == 4  # 64 rows per device, halved until they fit
     monkeypatch.setattr(reference_step.hardware, "memory_per_device", lambda: 1000)
     assert reference_step.rows_per_device(ref, 16) is None
     assert "not measured" in reference_step.describe(cfg, 16)
     assert reference_step.step_overhead(cfg, 16, H100, repeats=1) is None
+
+
+def test_the_reference_step_trains_each_device_alone():
+    """Each device's copy of the replicated state varies over `data` before the gradient: no all-reduce."""
+    ref = reference_step.reference_model(models.from_dict({"preset": "tiny", "d_model": 32, "n_heads": 2}))
+    mesh = make_mesh({"data": 8})
+    params = models.abstract_params(ref)[0]
+    state = jax.eval_shape(reference_step.OPTIMIZER.init, params)
+    tokens = jax.ShapeDtypeStruct((8, ref.seq_len + 1), jnp.int32)
+    text = reference_step.train_step(ref, mesh, reference_step.OPTIMIZER).lower(params, state, tokens).as_text()
+    assert "all_reduce" not in text and "all-reduce" not in text
 
 
 def test_the_step_overhead_multiplies_the_work_not_the_communication():

@@ -5,12 +5,14 @@ run a step, and each gets its share (the topology is marked `shared_host`). Last
 step (train/planner/reference_step.py) sets the planner's roofline against a measured step: `step_overhead`."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import pathlib
 
 import jax
 
 import models
+from mesh import errors
 from mesh import topology as topology_lib
 from train.planner import reference_step
 from train.planner.search import PlanError
@@ -44,15 +46,16 @@ def measure(topology: str, dtype: str) -> topology_lib.Topology:
     # Virtual CPU devices share the machine's memory bus: all of them read at once and each gets its share.
     hbm = probes.measure_memory_gbps(1 << (28 if shared else 30), REPEATS, every_device=shared)
     hbm /= machine
-    return topology_lib.dataclasses.replace(topo, peak_tflops=peaks, hbm_gbps=round(hbm, 2), shared_host=shared,
-                                            matmul_efficiency={**topo.matmul_efficiency, dtype: curve})
+    # a step overhead the file may hold was taken against its old sweep: 1 until this machine's step is measured
+    return dataclasses.replace(topo, peak_tflops=peaks, hbm_gbps=round(hbm, 2), shared_host=shared, step_overhead=1.0,
+                               matmul_efficiency={**topo.matmul_efficiency, dtype: curve})
 
 
 def with_step(topo: topology_lib.Topology, cfg: models.ModelConfig, global_batch: int) -> topology_lib.Topology:
     """`topo` (calibrated) with the `step_overhead` of `cfg`'s reference step, or unchanged (1) where that step
     cannot be held in memory."""
     overhead = reference_step.step_overhead(cfg, global_batch, topo, STEP_REPEATS)
-    return topo if overhead is None else topology_lib.dataclasses.replace(topo, step_overhead=round(overhead, 3))
+    return topo if overhead is None else dataclasses.replace(topo, step_overhead=round(overhead, 3))
 
 
 def write(topology: str, path: str, cfg: models.ModelConfig, global_batch: int) -> pathlib.Path:
@@ -62,6 +65,7 @@ def write(topology: str, path: str, cfg: models.ModelConfig, global_batch: int) 
     if ROOT in out.parents and out.parent.name not in ("experiments", "topologies") and "tmp" not in out.parts:
         raise PlanError(f"--calibrate={path}: write calibrations to a user file outside the package, "
                         f"e.g. ~/.config/spmdtrain/{topology}.json")
+    errors.check_writable("--calibrate", path, parents=True)  # before minutes of measuring
     topo = with_step(measure(topology, cfg.compute_dtype), cfg, global_batch)
     save(topo, out, f"python -m train.plan --calibrate={path} --topology={topology}", cfg, global_batch)
     return out
@@ -69,6 +73,7 @@ def write(topology: str, path: str, cfg: models.ModelConfig, global_batch: int) 
 
 def save(topo: topology_lib.Topology, out: pathlib.Path, command: str, cfg: models.ModelConfig,
          global_batch: int) -> None:
+    """Write the calibrated `topo` to `out` with what it was measured on (machine, date, command, reference)."""
     provenance = {"command": command, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                   "date": datetime.date.today().isoformat(),
                   "step_overhead_reference": reference_step.describe(cfg, global_batch)}

@@ -47,8 +47,9 @@ class Prediction:
     candidate: Candidate
     memory: dict[str, float]            # bytes per device by part, and "total"
     fits: bool
-    compute_s: float                    # matmuls (and attention's batched matmuls) at the matmul efficiency
-    memory_bound_s: float               # work bound by the device's memory bandwidth
+    compute_s: float                    # matmuls (and attention's batched matmuls) at the matmul efficiency,
+                                        # times the topology's step_overhead
+    memory_bound_s: float               # work bound by the device's memory bandwidth, times step_overhead
     communication_s: float              # exposed (after overlap)
     communication_total_s: float        # every collective, none overlapped
     bubble_s: float

@@ -1,6 +1,7 @@
 """`python -m train.plan --config=FILE --topology=NAME|FILE --hosts=N`: rank every layout of the config's model
 on a cluster by predicted step time, analytically (nothing is compiled); `--calibrate=FILE` measures this
-device's matmul efficiency into a user topology file."""
+machine (its matmul efficiency, memory bandwidth, and the config's model's step against the roofline) into a user
+topology file."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +26,8 @@ _DPH = flags.DEFINE_integer("devices_per_host", 0, "Devices per host (0: the top
 _TOP = flags.DEFINE_integer("top", 10, "Rows of the ranked table.")
 _JSON = flags.DEFINE_string("json", "", "Write the ranked candidates to this JSON file.")
 _CALIBRATE = flags.DEFINE_string("calibrate", "",
-                                  "Measure matmul efficiency here and write --topology plus it to FILE.")
+                                  "Measure this machine (matmul efficiency, memory bandwidth, a step of the "
+                                  "--config model) and write --topology plus them to FILE.")
 _MTBF = flags.DEFINE_float("mtbf_hours", 0.0, "Mean time between failures of one device or host (0: no cadence).")
 _SCOPE = flags.DEFINE_enum("mtbf_scope", "device", ["device", "host"], "What --mtbf_hours describes.")
 _RESTART = flags.DEFINE_float("restart_s", 300.0,
@@ -58,6 +60,8 @@ def _plan(config) -> int:
           f"{len(fitting)} fit" + (f"; meshes {search.skipped_text(skipped)}" if skipped else ""))
     print(report.table(ranked, _TOP.value))
     print(report.breakdown(fitting[0], fitting[1] if len(fitting) > 1 else None))
+    if topo.step_overhead != 1.0:
+        print(f"  (matmuls and memory-bound work include the calibrated step_overhead x{topo.step_overhead:g})")
     flag = flags.FLAGS[_CONFIG.name]
     print(report.run_line(config_flags.get_config_filename(flag), config_flags.get_override_values(flag), fitting[0],
                           bool(config.plan.auto)))

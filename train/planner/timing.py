@@ -155,16 +155,22 @@ def bubble_fraction(c: Candidate) -> float:
                                                            c.virtual_stages))
 
 
+def work_seconds(cfg: models.ModelConfig, c: Candidate, global_batch: int,
+                 topo: topology_lib.Topology) -> tuple[float, dict[str, float]]:
+    """(matmul seconds, {memory-bound part: seconds}) one device works per step, the roofline's times what a
+    measured step took beyond it (topo.step_overhead; 1 where not measured)."""
+    tokens = memory.rows_per_device(c, global_batch) * cfg.seq_len
+    dim = min(tokens, cfg.d_model / c.sizes["tensor"])  # rows of a microbatch, or a row-parallel matmul's depth
+    peak = peak_flops(topo, cfg.compute_dtype)
+    compute = hardware_flops_per_device(cfg, c, global_batch) / (peak * efficiency(topo, cfg.compute_dtype, dim))
+    overhead = topo.step_overhead
+    return compute * overhead, {k: v * overhead for k, v in memory_bound.seconds(cfg, c, global_batch, topo).items()}
+
+
 def predict(cfg: models.ModelConfig, c: Candidate, global_batch: int, topo: topology_lib.Topology) -> dict:
     sizes = c.sizes
-    tokens = memory.rows_per_device(c, global_batch) * cfg.seq_len
-    dim = min(tokens, cfg.d_model / sizes["tensor"])  # rows of a microbatch, or a row-parallel matmul's depth
     peak = peak_flops(topo, cfg.compute_dtype)
-    # the roofline's work, times what a measured step took beyond it (topo.step_overhead; 1 where not measured)
-    overhead = topo.step_overhead
-    compute = hardware_flops_per_device(cfg, c, global_batch) / (peak * efficiency(topo, cfg.compute_dtype, dim))
-    compute *= overhead
-    bound = {k: v * overhead for k, v in memory_bound.seconds(cfg, c, global_batch, topo).items()}
+    compute, bound = work_seconds(cfg, c, global_batch, topo)
     work = compute + sum(bound.values())
     rows = communication(cfg, c, global_batch, topo)
     total = sum(r[3] for r in rows)
