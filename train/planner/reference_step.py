@@ -55,9 +55,11 @@ def rows_per_device(ref: models.ModelConfig, global_batch: int) -> int | None:
     """The data-parallel layout's rows per device, halved until the step fits (a run would accumulate or
     pipeline them); None when even one row does not fit."""
     rows = max(1, global_batch // jax.local_device_count())
-    while rows > 1 and not fits(ref, rows):
+    while not fits(ref, rows):
+        if rows == 1:
+            return None
         rows //= 2
-    return rows if fits(ref, rows) else None
+    return rows
 
 
 def describe(cfg: models.ModelConfig, global_batch: int) -> str:
@@ -77,13 +79,13 @@ def roofline_seconds(ref: models.ModelConfig, topo: topology_lib.Topology, rows:
     return compute + sum(bound.values())
 
 
-def train_step(ref: models.ModelConfig, mesh: jax.sharding.Mesh, optimizer: optax.GradientTransformation):
+def train_step(ref: models.ModelConfig, mesh: jax.sharding.Mesh):
     """jit(params, opt_state, tokens): each device trains its own copy of the replicated state on its rows. The
     copies are cast to vary over `data` first, so the gradients are each device's own: no all-reduce."""
     def local(p, s, t):
         p, s = jax.lax.pcast((p, s), "data", to="varying")
         grads = jax.grad(lambda q: models.loss_and_metrics(q, t, ref)[0])(p)
-        updates, s = optimizer.update(grads, s, p)
+        updates, s = OPTIMIZER.update(grads, s, p)
         return jax.tree.map(lambda x: x[None], (optax.apply_updates(p, updates), s))
 
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P("data")))
@@ -97,7 +99,7 @@ def measured_seconds(ref: models.ModelConfig, rows: int, repeats: int) -> float:
     state = jax.jit(OPTIMIZER.init)(params)
     tokens = jax.random.randint(jax.random.key(0), (k * rows, ref.seq_len + 1), 0, ref.vocab_size)
     tokens = jax.device_put(tokens, NamedSharding(mesh, P("data")))
-    step = train_step(ref, mesh, OPTIMIZER)
+    step = train_step(ref, mesh)
     return probes.best_seconds(lambda t: step(params, state, t), tokens, repeats)
 
 
