@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from models import attention, documents
+from models.hf import HFAdapter
 
 Params = dict[str, Any]
 ModelConfig = Any  # a family's frozen config dataclass (GPTConfig, LlamaConfig, ...)
@@ -147,6 +148,7 @@ class Family:
         parallelism (None: the planner cannot size the family)
     lora_projections(cfg) -> {adapter name: models.lora.Projection}: what each LoRA adapter adds to (None: the
         family takes no adapters)
+    hf: its Hugging Face adapter (models/hf.py): config.json and tensors both ways (None: no HF import or export)
     """
     name: str
     config_cls: type
@@ -169,6 +171,7 @@ class Family:
     attention_flops_per_token: Callable = causal_attention_flops
     layer_bytes_per_token: Callable | None = None
     lora_projections: Callable | None = None
+    hf: HFAdapter | None = None
 
 
 FAMILIES: dict[str, Family] = {}

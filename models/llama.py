@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import contract, gpt, lora, moe
+from models import contract, gpt, llama_hf, lora, moe
 from models.attention import attend_cached
 from models.contract import Constrain, Params, no_constraint
 from models.layers import decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, rms_norm, rotary
@@ -263,4 +263,4 @@ FAMILY = contract.register(contract.Family(
     flops_per_token=flops_per_token, param_count=param_count,
     lookup_keys=lambda cfg: () if cfg.tie_embeddings else ("embed",), divisibility=divisibility,
     init_cache=init_cache, decode=decode, kv_heads=lambda cfg: cfg.n_kv_heads, expert_buffers=moe.expert_buffers,
-    layer_bytes_per_token=layer_bytes_per_token, lora_projections=projections))
+    layer_bytes_per_token=layer_bytes_per_token, lora_projections=projections, hf=llama_hf.ADAPTER))

@@ -1,23 +1,23 @@
-"""Llama parameters <-> the tensors and config.json of transformers' LlamaForCausalLM, in numpy: names,
-transposes ([out, in] there, [in, out] here) and the fused per-kv-group layout of wqkv and w_in (models/llama.py).
-Rotary embeddings are half-split in both, so no rows are permuted."""
+"""The Llama family's Hugging Face adapter (models/hf.py): our parameters <-> the tensors and config.json of
+transformers' LlamaForCausalLM, in numpy: names, transposes ([out, in] there, [in, out] here) and the fused
+per-kv-group layout of wqkv and w_in (models/llama.py). Rotary embeddings are half-split in both, so no rows are
+permuted."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from models.config import ModelConfigError
+from models.hf import HFAdapter, HFConfig, Read, slices, span
 from models.llama_config import LlamaConfig
-
-Read = Callable[[str], np.ndarray]  # an HF tensor by name (may be memory-mapped)
 
 
 def _layer(i: int, name: str) -> str:
     return f"model.layers.{i}.{name}.weight"
 
 
-def hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+def hf_shapes(cfg: LlamaConfig, hf: HFConfig | None = None) -> dict[str, tuple[int, ...]]:
     """Every tensor name a checkpoint of `cfg` holds, with its shape."""
     D, H, G, K, F, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_mlp, cfg.vocab_size
     out = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
@@ -55,53 +55,42 @@ def to_hf(params: dict[str, Any], cfg: LlamaConfig) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def _slices(index: tuple | None, ndim: int) -> tuple:
-    index = tuple(index or ())
-    return index + (slice(None),) * (ndim - len(index))
-
-
-def _span(s: slice, n: int) -> tuple[int, int]:
-    start, stop, step = s.indices(n)
-    assert step == 1, s
-    return start, stop
-
-
 def layer_from_hf(read: Read, key: str, i: int, cfg: LlamaConfig, index: tuple | None = None) -> np.ndarray:
     """Our per-layer leaf `key` of layer i (its block `index`, a tuple of slices, or all of it) from HF tensors,
     reading only the rows that block needs: the device's slice of a sharded import."""
     H, G, K, R = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
     if key in ("attn_norm", "mlp_norm"):
-        (s_d,) = _slices(index, 1)
+        (s_d,) = slices(index, 1)
         return np.asarray(read(_layer(i, "input_layernorm" if key == "attn_norm" else "post_attention_layernorm"))[s_d])
     if key == "wqkv":  # [D, G, R+2, K]: q rows of groups g0..g1 are contiguous in q_proj, k/v rows in k/v_proj
-        s_d, s_g, s_r, s_k = _slices(index, 4)
-        g0, g1 = _span(s_g, G)
+        s_d, s_g, s_r, s_k = slices(index, 4)
+        g0, g1 = span(s_g, G)
         q = np.asarray(read(_layer(i, "self_attn.q_proj"))[g0 * R * K:g1 * R * K, s_d]).T.reshape(-1, g1 - g0, R, K)
         k, v = (np.asarray(read(_layer(i, f"self_attn.{n}_proj"))[g0 * K:g1 * K, s_d]).T.reshape(-1, g1 - g0, 1, K)
                 for n in "kv")
         return np.concatenate([q, k, v], axis=2)[:, :, s_r, s_k]
     if key == "wo":  # [H, K, D] from o_proj [D, H*K]
-        s_h, s_k, s_d = _slices(index, 3)
-        h0, h1 = _span(s_h, H)
+        s_h, s_k, s_d = slices(index, 3)
+        h0, h1 = span(s_h, H)
         o = np.asarray(read(_layer(i, "self_attn.o_proj"))[s_d, h0 * K:h1 * K])
         return o.T.reshape(h1 - h0, K, -1)[:, s_k]
     if key == "w_in":  # [D, 2, F] from gate_proj / up_proj [F, D]
-        s_d, s_t, s_f = _slices(index, 3)
+        s_d, s_t, s_f = slices(index, 3)
         return np.stack([np.asarray(read(_layer(i, f"mlp.{n}_proj"))[s_f, s_d]).T for n in ("gate", "up")],
                         axis=1)[:, s_t]
     if key == "w_down":  # [F, D] from down_proj [D, F]
-        s_f, s_d = _slices(index, 2)
+        s_f, s_d = slices(index, 2)
         return np.asarray(read(_layer(i, "mlp.down_proj"))[s_d, s_f]).T
     raise KeyError(key)
 
 
-def top_from_hf(read: Read, key: str, index: tuple | None = None) -> np.ndarray:
+def top_from_hf(read: Read, key: str, cfg: LlamaConfig | None = None, index: tuple | None = None) -> np.ndarray:
     """A top-level leaf (or its block `index`) from HF tensors."""
     if key == "head":  # [D, V] from lm_head [V, D]
-        s_d, s_v = _slices(index, 2)
+        s_d, s_v = slices(index, 2)
         return np.asarray(read("lm_head.weight")[s_v, s_d]).T
     name = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight"}[key]
-    return np.asarray(read(name)[_slices(index, 1 if key == "final_norm" else 2)])
+    return np.asarray(read(name)[slices(index, 1 if key == "final_norm" else 2)])
 
 
 def hf_config(cfg: LlamaConfig, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
@@ -144,3 +133,15 @@ def fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
                 rope_scaling=None if scaling is None else tuple(float(scaling[k]) for k in (
                     "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")),
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def unsupported(cfg: LlamaConfig) -> str | None:
+    if cfg.n_experts:
+        return (f"a mixture of experts (model.n_experts={cfg.n_experts}) has no LlamaForCausalLM form; only dense "
+                f"Llama models convert")
+    return None
+
+
+ADAPTER = HFAdapter(architectures=("LlamaForCausalLM",), fields_from_hf=fields_from_hf, hf_config=hf_config,
+                    hf_shapes=hf_shapes, to_hf=to_hf, layer_from_hf=layer_from_hf, top_from_hf=top_from_hf,
+                    unsupported=unsupported, ignored=("rotary_emb.inv_freq",))

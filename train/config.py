@@ -24,6 +24,7 @@ from sharding import rules as sharding_rules
 from sharding import schedules
 from train import sections
 from train.data import datadir
+from train.hf import model_config as hf_model_config
 
 
 class ConfigError(UserError):
@@ -298,7 +299,8 @@ def _long_sequences(config: ml_collections.ConfigDict, model: models.ModelConfig
 
 def _model_values(config: ml_collections.ConfigDict, data: datadir.DataSpec | None) -> dict[str, Any]:
     """The model section with what the data decides: the vocabulary, packed documents, the loss mask."""
-    model_values = config.model.to_dict()
+    # Started from hf:DIR: the shapes and options its config.json decides (a contradicting override is an error).
+    model_values = hf_model_config.model_values(config.model.to_dict(), config.checkpoint.get("restore_from", ""))
     if data and data.vocab_size and model_values.get("vocab_size") is None:
         model_values["vocab_size"] = data.vocab_size  # the model's vocabulary comes from meta.json
     eos_id = _document_eos_id(config.data, data)

@@ -1,5 +1,6 @@
 """`python -m train.export_hf --workdir=DIR [--step=N] [--dtype=float32|bfloat16] [--merge_lora] --out=HFDIR`: a
-Llama run's checkpoint (a LoRA run's merged into its base) as a directory transformers' from_pretrained loads: config,
+run's checkpoint (a LoRA run's merged into its base) as a directory transformers' from_pretrained loads, through its
+family's adapter (models/hf.py: Llama as LlamaForCausalLM, GPT with GPT-2's options as GPT2LMHeadModel): config,
 generation_config, model.safetensors or shards with an index, and the run's tokenizer with its bos/eos ids if any."""
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ import models
 from checkpoint import plain, safetensors_io
 from mesh import use_cpu_devices
 from mesh.errors import UserError, check_writable
-from models import llama_hf, lora
+from models import lora
 from train import cli
 from train import config as run_config
 from train.data import tokenizer as tok_lib
+from train.hf import model_config as hf_model_config
 from train.loop import exit_codes
 from train.lora import base as lora_base
 
@@ -47,7 +49,7 @@ def define_flags() -> None:
 def run_model(workdir: pathlib.Path):
     """(the run's config, its model config)."""
     config = run_config.load_run_config(workdir)
-    values = config.model.to_dict()
+    values = hf_model_config.model_values(config.model.to_dict(), config.checkpoint.restore_from)
     data_meta = workdir / "data_meta.json"  # a DATADIR run's vocabulary comes from its meta.json (train.config)
     if values.get("vocab_size") is None and data_meta.is_file():
         values["vocab_size"] = int(json.loads(data_meta.read_text())["vocab_size"])
@@ -90,11 +92,27 @@ def _shards(tensors: dict[str, np.ndarray], max_bytes: float) -> list[dict[str, 
     return shards
 
 
+def used_vocabulary(cfg, params):
+    """(config, params) with the embedding rows padded past `vocab_used` (GPT-2's 50,257 of 50,304) cut off: every
+    dimension whose logical axis is `vocab`; as they are when the model uses every row."""
+    used = getattr(cfg, "vocab_used", 0)
+    if not used or used == cfg.vocab_size:
+        return cfg, params
+    _, axes = models.abstract_params(cfg)
+
+    def cut(arr, spec):
+        return arr[tuple(slice(0, used) if name == "vocab" else slice(None) for name in spec)]
+    params = jax.tree.map(cut, params, axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return dataclasses.replace(cfg, vocab_size=used, vocab_used=0), params
+
+
 def write(out: pathlib.Path, cfg, params, dtype: str, codec=None, max_shard_bytes: float = 5e9) -> None:
     """Write HFDIR (through a temporary sibling, renamed at the end). `codec` is the run's
     train.tokenizer.Codec, or None for a byte-level run (no tokenizer, no bos/eos ids)."""
+    adapter = models.family_of(cfg).hf
+    cfg, params = used_vocabulary(cfg, params)
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
-    tensors = {k: v.astype(np_dtype) for k, v in llama_hf.to_hf(params, cfg).items()}
+    tensors = {k: v.astype(np_dtype) for k, v in adapter.to_hf(params, cfg).items()}
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -111,7 +129,7 @@ def write(out: pathlib.Path, cfg, params, dtype: str, codec=None, max_shard_byte
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     # Byte-level runs have no bos/eos token: None, not LlamaConfig's defaults (eos 2 would stop at byte 0x02).
     bos, eos = (None, None) if codec is None else (codec.bos_id, codec.eos_id)
-    (tmp / "config.json").write_text(json.dumps(llama_hf.hf_config(cfg, dtype, bos, eos), indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(adapter.hf_config(cfg, dtype, bos, eos), indent=2) + "\n")
     generation = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if codec is not None:
@@ -136,11 +154,13 @@ def _check_exportable(workdir: pathlib.Path, cfg, merge_lora: bool) -> None:
                           f"checkpoints hold only them; add --merge_lora to write W + (alpha/rank)·A·B")
     if merge_lora and not lora.enabled(cfg):
         raise ExportError(f"--merge_lora: --workdir={workdir} has no adapters (model.lora_rank=0); drop the flag")
-    if not isinstance(cfg, models.LlamaConfig):
-        raise ExportError(f"--workdir={workdir} trains a {cfg.family} model; only Llama runs export to Hugging Face")
-    if models.is_moe(cfg):
-        raise ExportError(f"--workdir={workdir} trains a mixture of experts (model.n_experts={cfg.n_experts}); its "
-                          f"export is not implemented, only dense Llama runs export")
+    adapter = models.family_of(cfg).hf
+    if adapter is None:
+        raise ExportError(f"--workdir={workdir} trains a {cfg.family} model, a family without a Hugging Face adapter "
+                          f"(models/hf.py); only families with one export")
+    why = adapter.unsupported(cfg)
+    if why:
+        raise ExportError(f"--workdir={workdir}: {why}")
 
 
 def main(argv: list[str]) -> int:

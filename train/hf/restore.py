@@ -1,8 +1,8 @@
-"""`checkpoint.restore_from=hf:HFDIR`: a run starts from Hugging Face Llama weights (parameters only, a fresh
-optimizer, step 0). Everything is checked before anything is written: the config.json must map to the run's
-resolved model, every tensor must be there with its shape, and no tensor may be foreign. Each device's slice
-is read from memory-mapped safetensors (checkpoint/safetensors_io.py), layer by layer, touching only the rows
-of the HF tensors that slice needs."""
+"""`checkpoint.restore_from=hf:HFDIR`: a run starts from Hugging Face weights (parameters only, a fresh optimizer,
+step 0) of any family with an adapter (models/hf.py), the one its config.json's `architectures` names. Everything
+is checked before anything is written: the config.json must map to the run's resolved model, every tensor must be
+there with its shape, and no tensor may be foreign. Each device's slice is read from memory-mapped safetensors
+(checkpoint/safetensors_io.py), layer by layer, touching only the rows of the HF tensors that slice needs."""
 from __future__ import annotations
 
 import json
@@ -16,25 +16,13 @@ import numpy as np
 
 import models
 from checkpoint import safetensors_io
-from checkpoint.errors import RestoreFromError
-from models import llama_hf
+from train.hf import model_config
+from train.hf.model_config import PREFIX
+from train.hf.model_config import directory as _directory
+from train.hf.model_config import fail as _fail
 from train.trainer import Trainer
 
-PREFIX = "hf:"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
-IGNORED = ("rotary_emb.inv_freq",)  # buffers some older exports carry; recomputed here
-
-
-def _fail(spec: str, why: str) -> RestoreFromError:
-    return RestoreFromError(f"checkpoint.restore_from={spec!r}: {why}")
-
-
-def _directory(spec: str) -> pathlib.Path:
-    path = pathlib.Path(spec[len(PREFIX):]).expanduser()
-    if not (path / "config.json").is_file():
-        raise _fail(spec, f"{path / 'config.json'} does not exist; give a directory written by save_pretrained "
-                          f"or python -m train.export_hf")
-    return path
 
 
 def _weight_files(spec: str, path: pathlib.Path) -> list[pathlib.Path]:
@@ -53,13 +41,10 @@ def _weight_files(spec: str, path: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def open_tensors(spec: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(config.json as a dict, every tensor memory-mapped by name)."""
+def open_tensors(spec: str, rename=None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(config.json as a dict, every tensor memory-mapped by name, each name through `rename` when given)."""
     path = _directory(spec)
-    try:
-        hf = json.loads((path / "config.json").read_text())
-    except ValueError:
-        raise _fail(spec, f"{path / 'config.json'} is not JSON") from None
+    hf = model_config.read_config(spec)
     tensors: dict[str, np.ndarray] = {}
     for f in _weight_files(spec, path):
         try:
@@ -67,7 +52,7 @@ def open_tensors(spec: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
             tensors.update(safetensors_io.open_tensors(f))
         except safetensors_io.SafetensorsError as e:
             raise _fail(spec, str(e)) from None
-    return hf, tensors
+    return hf, tensors if rename is None else {rename(k): v for k, v in tensors.items()}
 
 
 def _check_complete(spec: str, f: pathlib.Path) -> None:
@@ -88,22 +73,21 @@ def check(spec: str, trainer: Trainer, workdir: pathlib.Path | None = None) -> d
 
 def check_model(spec: str, cfg: Any, workdir: pathlib.Path | None = None) -> dict[str, np.ndarray]:
     """`check` for a model config (an export merging a LoRA run's base has no Trainer)."""
-    if not isinstance(cfg, models.LlamaConfig):
-        raise _fail(spec, f"Hugging Face import needs a Llama model; set model.preset to a llama preset "
-                          f"(model.family is {cfg.family!r})")
-    hf, tensors = open_tensors(spec)
-    try:
-        theirs = llama_hf.fields_from_hf(hf)
-    except (KeyError, models.ModelConfigError) as e:
-        raise _fail(spec, f"config.json: {e}") from None
+    family = model_config.family_of_hf(spec, model_config.read_config(spec))
+    if family.name != cfg.family:
+        raise _fail(spec, f"config.json is a {family.name} model but the run's model is {cfg.family}; set "
+                          f"model.preset to one of {', '.join(family.presets)}")
+    adapter = family.hf
+    hf, tensors = open_tensors(spec, adapter.rename)
+    theirs = model_config.fields(spec, hf, family)
     differ = [f"model.{k}={getattr(cfg, k)!r} vs {v!r}" for k, v in theirs.items() if getattr(cfg, k) != v]
     if differ:
         raise _fail(spec, f"the run's model differs from config.json ({'; '.join(differ)}); set those model.* "
                           f"values or choose another preset")
-    wanted = llama_hf.hf_shapes(cfg)
+    wanted, kind = adapter.hf_shapes(cfg, hf), type(cfg).__name__.removesuffix("Config")  # "Llama", "GPT"
     for name, arr in tensors.items():
-        if name not in wanted and not name.endswith(IGNORED):
-            raise _fail(spec, f"tensor {name} is not a tensor of this Llama model")
+        if name not in wanted and not name.endswith(adapter.ignored):
+            raise _fail(spec, f"tensor {name} is not a tensor of this {kind} model")
         if name in wanted and tuple(arr.shape) != wanted[name]:
             raise _fail(spec, f"tensor {name} has shape {list(arr.shape)}, the config needs {list(wanted[name])}")
     missing = [n for n in wanted if n not in tensors]
@@ -127,7 +111,7 @@ def read_params(spec: str, cfg: Any, target: Any, order: np.ndarray | None = Non
     """The leaves of `target` (ShapeDtypeStructs with shardings, named as params are) from HFDIR, the layer
     stack in `order` (None: logical order), each device reading only its slices."""
     tensors = check_model(spec, cfg)
-    read = tensors.__getitem__
+    read, adapter = tensors.__getitem__, models.family_of(cfg).hf
     order = order if order is not None else np.arange(cfg.n_layers)
 
     def leaf(path, sds):
@@ -136,9 +120,9 @@ def read_params(spec: str, cfg: Any, target: Any, order: np.ndarray | None = Non
         def piece(index):
             if keys[0] == models.LAYERS:
                 rows = [int(order[j]) for j in range(cfg.n_layers)[index[0]]]
-                arr = np.stack([llama_hf.layer_from_hf(read, keys[1], i, cfg, index[1:]) for i in rows])
+                arr = np.stack([adapter.layer_from_hf(read, keys[1], i, cfg, index[1:]) for i in rows])
             else:
-                arr = llama_hf.top_from_hf(read, keys[0], index)
+                arr = adapter.top_from_hf(read, keys[0], cfg, index)
             return np.asarray(arr, dtype=sds.dtype)
         return jax.make_array_from_callback(sds.shape, sds.sharding, piece)
 
