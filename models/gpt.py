@@ -1,5 +1,6 @@
 """GPT-style decoder in Flax NNX: pre-norm blocks (RMSNorm, causal multi-head attention with rotary
-positions, GELU MLP), untied output head, no biases.
+positions, GELU MLP), untied output head, no biases; or, by its options (models/gpt_config.py), GPT-2's
+architecture: LayerNorm, learned absolute positions, a bias in every projection, a head tied to the embedding.
 
 The layer stack is stored as stacked parameters with a leading `layers` axis and run by `lax.scan`,
 so one compiled block serves every layer and a pipeline stage is just a contiguous slice of the stack.
@@ -17,12 +18,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import contract, lm_loss, lora, moe
+from models import contract, gpt_hf, lm_loss, lora, moe
 from models.attention import attend_cached
+from models.config import ModelConfigError
 from models.contract import Constrain, Params, no_constraint
 from models.gpt_config import GPT_PRESETS, GPTConfig
-from models.layers import decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, rms_norm, rotary
-from models.stack import layer_aux, run_stack
+from models.layers import (
+    decode_with_cache,
+    empty_kv_cache,
+    layer_norm,
+    logical_axes,
+    param,
+    param_dict,
+    rms_norm,
+    rotary,
+    zeros,
+)
+from models.stack import layer_aux, run_stack, segments_and_positions
 
 # Each block matrix's logical axes (after the leading `layers`), as declared and as the matmuls take them.
 AXES = {"wqkv": ("embed", None, "heads", "kv"), "wo": ("heads", "kv", "embed"), "w_in": ("embed", "mlp"),
@@ -45,6 +57,20 @@ class Layers(nnx.Module):
         if with_mlp:
             self.w_in = param(rngs, (*S, D, F), (*A, *AXES["w_in"]), dt, 0.02)
             self.w_out = param(rngs, (*S, F, D), (*A, *AXES["w_out"]), dt, out_std)
+        for name, shape, axes in options_params(cfg, with_mlp):  # zeros: drawing nothing, they move no weight
+            setattr(self, name, zeros((*S, *shape), (*A, *axes), dt))
+
+
+def options_params(cfg: GPTConfig, with_mlp: bool = True) -> list[tuple[str, tuple, tuple]]:
+    """(name, shape, logical axes) of one layer's biases that model.bias and model.norm=layernorm add."""
+    D, H, K, F = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_mlp
+    out = []
+    if getattr(cfg, "norm", "rmsnorm") == "layernorm":
+        out += [("attn_norm_bias", (D,), ("embed",)), ("mlp_norm_bias", (D,), ("embed",))]
+    if getattr(cfg, "bias", False):
+        out += [("wqkv_bias", (3, H, K), (None, "heads", "kv")), ("wo_bias", (D,), ("embed",))]
+        out += [("w_in_bias", (F,), ("mlp",)), ("w_out_bias", (D,), ("embed",))] if with_mlp else []
+    return out
 
 
 class Experts(nnx.Module):
@@ -72,7 +98,12 @@ class GPT(nnx.Module):
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), dt, 0.02)
         self.layers = stack(cfg, rngs)
         self.final_norm = param(rngs, (cfg.d_model,), ("embed",), dt, None)
-        self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dt, 0.02)
+        if cfg.norm == "layernorm":
+            self.final_norm_bias = zeros((cfg.d_model,), ("embed",), dt)
+        if not cfg.tie_embeddings:
+            self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dt, 0.02)
+        if cfg.positions == "learned":  # drawn after the others, so they are those of the same seed with rotary
+            self.positions = param(rngs, (cfg.position_rows, cfg.d_model), (None, "embed"), dt, 0.02)
         if lora.enabled(cfg):  # drawn last, so the base weights are those of the same seed without adapters
             self.layers.lora = lora.Adapters(cfg, projections(cfg), rngs)
 
@@ -108,31 +139,51 @@ def weight(p: Params, name: str, cfg: Any, constrain: Constrain, axes: dict | No
     return constrain.weight(p[name], (axes or AXES)[name]).astype(jnp.dtype(cfg.compute_dtype))
 
 
+def biased(y: jax.Array, p: Params, name: str, cfg: Any) -> jax.Array:
+    """`y` plus the bias `name` (broadcast over its leading dimensions) when the layer has one."""
+    return y + p[name].astype(y.dtype) if name in p else y
+
+
+def norm(x: jax.Array, p: Params, name: str, cfg: Any) -> jax.Array:
+    """The norm `name` of `x`: RMSNorm, or LayerNorm (with its `<name>_bias`) under model.norm=layernorm."""
+    if getattr(cfg, "norm", "rmsnorm") == "layernorm":
+        return layer_norm(x, p[name], p[name + "_bias"], cfg.norm_eps)
+    return rms_norm(x, p[name], cfg.norm_eps)
+
+
+def gelu(x: jax.Array, cfg: Any) -> jax.Array:
+    """GELU, tanh-approximated (GPT-2's gelu_new) unless model.activation=gelu."""
+    return jax.nn.gelu(x, approximate=getattr(cfg, "activation", "gelu_tanh") != "gelu")
+
+
 def attention(p: Params, h_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain,
               segment_ids_BxL: jax.Array | None = None, positions: jax.Array | None = None, cache: Any = None):
     """Causal multi-head attention of the normed input; with `cache` = (k, v, length) it decodes over the KV
     cache (models/attention.attend_cached). Returns (the output projection, the new cache or None)."""
     # Pinning the projection's output (heads split) makes sequence parallelism gather the normed input, not the weight.
-    qkv = constrain(jnp.einsum("bld,dthk->tblhk", h_BxLxD, weight(p, "wqkv", cfg, constrain)),
-                    (None, "batch", "seq", "heads", "kv"))
+    qkv = jnp.einsum("bld,dthk->tblhk", h_BxLxD, weight(p, "wqkv", cfg, constrain))
+    if "wqkv_bias" in p:
+        qkv = qkv + p["wqkv_bias"].astype(qkv.dtype)[:, None, None]
+    qkv = constrain(qkv, (None, "batch", "seq", "heads", "kv"))
     q, k, v = (constrain(lora.add(t, p, name, h_BxLxD, cfg), ("batch", "seq", "heads", "kv"))
                for t, name in zip((qkv[0], qkv[1], qkv[2]), "qkv"))
-    q, k = rotary(q, positions_L=positions), rotary(k, positions_L=positions)
+    if getattr(cfg, "positions", "rotary") == "rotary":
+        q, k = rotary(q, positions_L=positions), rotary(k, positions_L=positions)
     if cache is None:
         o_BxLxHxK = constrain.causal_attention(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
     else:
         o_BxLxHxK, cache = attend_cached(q, k, v, *cache)
     o_BxLxHxK = constrain(o_BxLxHxK, ("batch", "seq", "heads", "kv"))
     projected = jnp.einsum("blhk,hkd->bld", o_BxLxHxK, weight(p, "wo", cfg, constrain))
-    out_BxLxD = lora.add(projected, p, "o", o_BxLxHxK, cfg)
+    out_BxLxD = lora.add(biased(projected, p, "wo_bias", cfg), p, "o", o_BxLxHxK, cfg)
     return constrain(out_BxLxD, ("batch", "seq", "embed")), cache
 
 
 def mlp(p: Params, h_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain) -> jax.Array:
-    pre_BxLxF = lora.add(jnp.einsum("bld,df->blf", h_BxLxD, weight(p, "w_in", cfg, constrain)), p, "mlp_in", h_BxLxD,
-                         cfg)
-    u_BxLxF = constrain(jax.nn.gelu(pre_BxLxF), ("batch", "seq", "mlp"))
-    out_BxLxD = jnp.einsum("blf,fd->bld", u_BxLxF, weight(p, "w_out", cfg, constrain))
+    pre_BxLxF = biased(jnp.einsum("bld,df->blf", h_BxLxD, weight(p, "w_in", cfg, constrain)), p, "w_in_bias", cfg)
+    pre_BxLxF = lora.add(pre_BxLxF, p, "mlp_in", h_BxLxD, cfg)
+    u_BxLxF = constrain(gelu(pre_BxLxF, cfg), ("batch", "seq", "mlp"))
+    out_BxLxD = biased(jnp.einsum("blf,fd->bld", u_BxLxF, weight(p, "w_out", cfg, constrain)), p, "w_out_bias", cfg)
     return lora.add(out_BxLxD, p, "mlp_out", u_BxLxF, cfg)
 
 
@@ -141,10 +192,10 @@ def block(p: Params, x_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain = 
           cache: Any = None) -> jax.Array | tuple[jax.Array, Any]:
     """One pre-norm transformer block on unstacked weights `p` (one layer's slice); packed documents'
     segment ids and positions (models/documents.py) when given. With a KV `cache`, returns (x, new cache)."""
-    a, new_cache = attention(p, rms_norm(x_BxLxD, p["attn_norm"], cfg.norm_eps), cfg, constrain, segment_ids_BxL,
-                             positions_BxL, cache)
+    a, new_cache = attention(p, norm(x_BxLxD, p, "attn_norm", cfg), cfg, constrain, segment_ids_BxL, positions_BxL,
+                             cache)
     x_BxLxD = x_BxLxD + a
-    out = mlp(p, rms_norm(x_BxLxD, p["mlp_norm"], cfg.norm_eps), cfg, constrain)
+    out = mlp(p, norm(x_BxLxD, p, "mlp_norm", cfg), cfg, constrain)
     x_BxLxD = constrain(x_BxLxD + out, ("batch", "seq", "embed"))
     return x_BxLxD if cache is None else (x_BxLxD, new_cache)
 
@@ -168,25 +219,40 @@ def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: G
 def expert_mlp(w: Params, x_ExNxD: jax.Array, cfg: GPTConfig) -> jax.Array:
     """Each expert's GELU MLP on its own rows."""
     cdt = jnp.dtype(cfg.compute_dtype)
-    u_ExNxF = jax.nn.gelu(jnp.einsum("end,edf->enf", x_ExNxD, w["w_in"].astype(cdt)))
+    u_ExNxF = gelu(jnp.einsum("end,edf->enf", x_ExNxD, w["w_in"].astype(cdt)), cfg)
     return jnp.einsum("enf,efd->end", u_ExNxF, w["w_out"].astype(cdt))
 
 
-def embed(params: Params, tokens_BxL: jax.Array, cfg: GPTConfig, constrain: Constrain = no_constraint):
+def embed(params: Params, tokens_BxL: jax.Array, cfg: GPTConfig, constrain: Constrain = no_constraint,
+          positions: jax.Array | None = None):
+    """The token embeddings, plus under model.positions=learned the position table's rows at `positions` ([L] or
+    [B, L]; by default each document's (models/documents.py) or the layout's order, else 0..L-1)."""
     params = lora.freeze(params, cfg)
     # Gather the table's `embed` dimension first (as FSDP does for any weight before use): XLA's
     # partitioner cannot look rows up in a table split along both dimensions without replicating it.
     table = constrain(params["embed"], ("vocab", None))
-    x = jnp.take(table, tokens_BxL, axis=0).astype(jnp.dtype(cfg.compute_dtype))
+    x = jnp.take(table, tokens_BxL, axis=0)
+    if getattr(cfg, "positions", "rotary") == "learned":
+        if positions is None:
+            positions = segments_and_positions(tokens_BxL, tokens_BxL.shape[1], cfg, constrain)[1]
+        if positions is None:
+            positions = jnp.arange(tokens_BxL.shape[1])
+        x = x + jnp.take(constrain(params["positions"], (None, None)), positions, axis=0)
+    x = x.astype(jnp.dtype(cfg.compute_dtype))
     # Looked up whole over `tensor` first: under sequence parallelism XLA would otherwise gather the table.
     x = constrain(x, ("batch", "seq_context", "embed"))
     return constrain(x, ("batch", "seq", "embed"))
 
 
+def head_matrix(params: Params, cfg: GPTConfig) -> jax.Array:
+    """[D, V]: the head, or the embedding table transposed when tied."""
+    return params["embed"].T if cfg.tie_embeddings else params["head"]
+
+
 def logits(params: Params, x_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain = no_constraint):
-    h = rms_norm(x_BxLxD, params["final_norm"], cfg.norm_eps)
-    out = jnp.einsum("bld,dv->blv", h, params["head"].astype(jnp.dtype(cfg.compute_dtype)))
-    return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"))
+    h = norm(x_BxLxD, params, "final_norm", cfg)
+    out = jnp.einsum("bld,dv->blv", h, head_matrix(params, cfg).astype(jnp.dtype(cfg.compute_dtype)))
+    return lm_loss.used(constrain(out.astype(jnp.float32), ("batch", "seq", "vocab")), cfg.vocab_used)
 
 
 def head_loss(params: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: GPTConfig,
@@ -194,7 +260,7 @@ def head_loss(params: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: G
     """Final norm, head and cross entropy: the one function the plain step, eval and the last pipeline
     cell call (in chunks of model.loss_chunk_size positions, see models/lm_loss.py). Returns (loss, no metrics)."""
     params = lora.freeze(params, cfg)
-    return mean_head_loss(rms_norm(x_BxLxD, params["final_norm"], cfg.norm_eps), params["head"], targets_BxL, cfg,
+    return mean_head_loss(norm(x_BxLxD, params, "final_norm", cfg), head_matrix(params, cfg), targets_BxL, cfg,
                           constrain, loss_mask_BxL), {}
 
 
@@ -202,7 +268,7 @@ def mean_head_loss(h_BxLxD, head_DxV, targets_BxL, cfg, constrain, loss_mask_BxL
     """Mean cross entropy over the counted targets of the final-normed `h` through the head `head_DxV`."""
     head_DxV = constrain.weight(head_DxV, ("embed", "vocab"))
     total, count = lm_loss.head_loss(h_BxLxD, head_DxV.astype(jnp.dtype(cfg.compute_dtype)), targets_BxL,
-                                     loss_mask_BxL, cfg.loss_chunk_size, constrain)
+                                     loss_mask_BxL, cfg.loss_chunk_size, constrain, getattr(cfg, "vocab_used", 0))
     return total / jnp.maximum(count, 1.0)
 
 
@@ -214,11 +280,23 @@ def init_cache(cfg: GPTConfig, batch: int, max_len: int) -> dict[str, jax.Array]
 
 def decode(params: Params, tokens_BxT: jax.Array, cache: dict, length: jax.Array, cfg: GPTConfig,
            constrain: Constrain = no_constraint):
-    """Prefill or one step over the KV cache (models/layers.decode_with_cache)."""
+    """Prefill or one step over the KV cache (models/layers.decode_with_cache); learned positions count from each
+    row's first real token (a left-padded row's `start`), as transformers' do from the attention mask."""
     def cached_block(p, x, positions, kv):
         return block(p, x, cfg, constrain, None, positions, kv)
 
-    return decode_with_cache(params, tokens_BxT, cache, length, cfg, constrain, embed, cached_block, logits)
+    embed_fn = embed
+    if cfg.positions == "learned":
+        if cache["k"].shape[2] > cfg.position_rows:
+            raise ModelConfigError(f"model.max_positions={cfg.position_rows}: the learned position table is shorter "
+                                   f"than the prompt and new tokens ({cache['k'].shape[2]}); lower --max_new_tokens")
+        positions = length + jnp.arange(tokens_BxT.shape[1])
+        if "start" in cache:
+            positions = jnp.maximum(positions[None, :] - cache["start"][:, None], 0)
+
+        def embed_fn(params, tokens, cfg, constrain):
+            return embed(params, tokens, cfg, constrain, positions)
+    return decode_with_cache(params, tokens_BxT, cache, length, cfg, constrain, embed_fn, cached_block, logits)
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -232,9 +310,13 @@ def matmul_params(cfg: GPTConfig, active: bool = False) -> int:
 
 
 def param_count(cfg: GPTConfig) -> int:
-    """Every parameter (all experts of a mixture)."""
-    norms = (2 * cfg.n_layers + 1) * cfg.d_model
-    return matmul_params(cfg) + cfg.vocab_size * cfg.d_model + norms
+    """Every parameter (all experts of a mixture): a tied head is the table itself; the position table and the
+    biases of GPT-2's options count too."""
+    norms = (2 * cfg.n_layers + 1) * cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
+    table = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+    positions = cfg.position_rows * cfg.d_model if cfg.positions == "learned" else 0
+    biases = cfg.n_layers * sum(math.prod(shape) for name, shape, _ in options_params(cfg) if "norm" not in name)
+    return matmul_params(cfg) + table + norms + positions + biases
 
 
 def flops_per_token(cfg: GPTConfig) -> float:
@@ -259,6 +341,11 @@ def layer_bytes_per_token(cfg: GPTConfig, remat: str, tensor: int) -> float:
     return b * (4 * d + (6 * d + 2 * f) / t + 2 * a * s / t)
 
 
+def lookup_keys(cfg: GPTConfig) -> tuple[str, ...]:
+    """The tables only looked up: the embedding unless it is the head too, and a learned position table."""
+    return (() if cfg.tie_embeddings else ("embed",)) + (("positions",) if cfg.positions == "learned" else ())
+
+
 def divisibility(cfg: GPTConfig) -> dict:
     return {"heads": (("model.n_heads", cfg.n_heads),), "mlp": (("model.d_mlp", cfg.d_mlp),),
             "vocab": (("model.vocab_size", cfg.vocab_size),), "embed": (("model.d_model", cfg.d_model),),
@@ -268,6 +355,6 @@ def divisibility(cfg: GPTConfig) -> dict:
 FAMILY = contract.register(contract.Family(
     name="gpt", config_cls=GPTConfig, presets=GPT_PRESETS, init_params=init_params, abstract_params=abstract_params,
     embed=embed, run_layers=run_layers, head_loss=head_loss, logits=logits, flops_per_token=flops_per_token,
-    param_count=param_count, lookup_keys=lambda cfg: ("embed",), divisibility=divisibility,
+    param_count=param_count, lookup_keys=lookup_keys, divisibility=divisibility,
     init_cache=init_cache, decode=decode, expert_buffers=moe.expert_buffers,
-    layer_bytes_per_token=layer_bytes_per_token, lora_projections=projections))
+    layer_bytes_per_token=layer_bytes_per_token, lora_projections=projections, hf=gpt_hf.ADAPTER))

@@ -1,4 +1,4 @@
-"""Building blocks the families share: parameters carrying logical axes, RMSNorm, rotary embeddings,
+"""Building blocks the families share: parameters carrying logical axes, RMSNorm and LayerNorm, rotary embeddings,
 rematerialization policies and decoding a stack with a KV cache; pure functions of arrays."""
 from __future__ import annotations
 
@@ -17,6 +17,12 @@ def param(rngs: nnx.Rngs, shape, axes: tuple, dtype, std: float | None) -> nnx.P
     assert len(shape) == len(axes), (shape, axes)
     value = jnp.ones(shape, dtype) if std is None else std * jax.random.normal(rngs.params(), shape, dtype)
     return nnx.Param(value, logical_axes=P(*axes))
+
+
+def zeros(shape, axes: tuple, dtype) -> nnx.Param:
+    """A parameter of zeros (a bias) carrying its logical axis names."""
+    assert len(shape) == len(axes), (shape, axes)
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=P(*axes))
 
 
 def _nest(flat: dict[tuple, Any]) -> dict:
@@ -44,6 +50,14 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm (Ba et al. 2016) over the last axis, in float32: (x - mean) / sqrt(var + eps) * scale + bias."""
+    x32 = x.astype(jnp.float32)
+    centered = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    y = centered * jax.lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 def rotary(x_BxLxHxK: jax.Array, freqs_K2: jax.Array | None = None, positions_L: jax.Array | None = None):

@@ -20,7 +20,7 @@ def run_stack(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: An
     x_ExNxD, cfg) -> y_ExNxD` one expert's MLP. Returns (x, aux): 0.0 for a dense stack (it adds nothing to the
     loss), the router's losses and statistics for a mixture (moe.run_groups)."""
     layers = lora.freeze(layers, cfg)
-    segment_ids, positions = _segments(inputs_BxL, x_BxLxD.shape[1], cfg, constrain)
+    segment_ids, positions = segments_and_positions(inputs_BxL, x_BxLxD.shape[1], cfg, constrain)
 
     def dense(p, x):
         return block(p, x, segment_ids, positions)
@@ -35,7 +35,7 @@ def run_stack(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: An
     return x_BxLxD, None
 
 
-def _segments(inputs_BxL: jax.Array, length: int, cfg: Any,
+def segments_and_positions(inputs_BxL: jax.Array, length: int, cfg: Any,
               constrain: Constrain) -> tuple[jax.Array | None, jax.Array | None]:
     """Packed documents' (segment ids, positions) of the `length` positions the stack runs. A context-parallel
     layout's permuted sequence keeps its global rotary positions; its documents are found in the global order

@@ -174,3 +174,15 @@ def test_export_and_sampling_use_the_runs_tokenizer(exported, tmp_path):
     with pytest.raises(tok_lib.TokenizerError, match=r"^--workdir=.*tokenizer.json"):
         tok_lib.load_run_codec(workdir)
     assert not tok_lib.load_run_codec(tmp_path).from_run  # no tokenizer: bytes
+
+
+def test_an_hf_start_takes_the_shapes_from_config_json(hf_dir):
+    """The preset alone names the family: config.json gives the shapes the preset's differ in."""
+    from train import config as config_lib
+    config = tiny_config()
+    config.model.update(preset="llama3-tiny", seq_len=24)
+    config.checkpoint.restore_from = f"hf:{hf_dir}"
+    cfg = config_lib.resolve(config, 1).model
+    assert (cfg.d_model, cfg.d_mlp, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.rope_theta, cfg.rope_scaling,
+            cfg.tie_embeddings, cfg.seq_len) == (64, 96, 2, 4, 2, 10000.0, (8.0, 1.0, 4.0, 8), False, 24)
+    hf_import.check_model(f"hf:{hf_dir}", cfg)
