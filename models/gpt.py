@@ -95,13 +95,13 @@ class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         dt = jnp.dtype(cfg.param_dtype)
-        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), dt, 0.02)
+        self.embed = param(rngs, (cfg.vocab_rows, cfg.d_model), ("vocab", "embed"), dt, 0.02)
         self.layers = stack(cfg, rngs)
         self.final_norm = param(rngs, (cfg.d_model,), ("embed",), dt, None)
         if cfg.norm == "layernorm":
             self.final_norm_bias = zeros((cfg.d_model,), ("embed",), dt)
         if not cfg.tie_embeddings:
-            self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dt, 0.02)
+            self.head = param(rngs, (cfg.d_model, cfg.vocab_rows), ("embed", "vocab"), dt, 0.02)
         if cfg.positions == "learned":  # drawn after the others, so they are those of the same seed with rotary
             self.positions = param(rngs, (cfg.position_rows, cfg.d_model), (None, "embed"), dt, 0.02)
         if lora.enabled(cfg):  # drawn last, so the base weights are those of the same seed without adapters
@@ -252,7 +252,7 @@ def head_matrix(params: Params, cfg: GPTConfig) -> jax.Array:
 def logits(params: Params, x_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain = no_constraint):
     h = norm(x_BxLxD, params, "final_norm", cfg)
     out = jnp.einsum("bld,dv->blv", h, head_matrix(params, cfg).astype(jnp.dtype(cfg.compute_dtype)))
-    return lm_loss.used(constrain(out.astype(jnp.float32), ("batch", "seq", "vocab")), cfg.vocab_used)
+    return lm_loss.used(constrain(out.astype(jnp.float32), ("batch", "seq", "vocab")), cfg.vocab_size)
 
 
 def head_loss(params: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: GPTConfig,
@@ -268,7 +268,7 @@ def mean_head_loss(h_BxLxD, head_DxV, targets_BxL, cfg, constrain, loss_mask_BxL
     """Mean cross entropy over the counted targets of the final-normed `h` through the head `head_DxV`."""
     head_DxV = constrain.weight(head_DxV, ("embed", "vocab"))
     total, count = lm_loss.head_loss(h_BxLxD, head_DxV.astype(jnp.dtype(cfg.compute_dtype)), targets_BxL,
-                                     loss_mask_BxL, cfg.loss_chunk_size, constrain, getattr(cfg, "vocab_used", 0))
+                                     loss_mask_BxL, cfg.loss_chunk_size, constrain, cfg.vocab_size)
     return total / jnp.maximum(count, 1.0)
 
 
@@ -306,14 +306,14 @@ def matmul_params(cfg: GPTConfig, active: bool = False) -> int:
     all of them, or only the k a token runs through when `active`."""
     attention = 4 * cfg.d_model * cfg.d_model
     mlp = moe.mlp_matmul_params(cfg, 2 * cfg.d_model * cfg.d_mlp, active)
-    return cfg.n_layers * attention + mlp + cfg.d_model * cfg.vocab_size
+    return cfg.n_layers * attention + mlp + cfg.d_model * cfg.vocab_rows
 
 
 def param_count(cfg: GPTConfig) -> int:
     """Every parameter (all experts of a mixture): a tied head is the table itself; the position table and the
     biases of GPT-2's options count too."""
     norms = (2 * cfg.n_layers + 1) * cfg.d_model * (2 if cfg.norm == "layernorm" else 1)
-    table = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+    table = 0 if cfg.tie_embeddings else cfg.vocab_rows * cfg.d_model
     positions = cfg.position_rows * cfg.d_model if cfg.positions == "learned" else 0
     biases = cfg.n_layers * sum(math.prod(shape) for name, shape, _ in options_params(cfg) if "norm" not in name)
     return matmul_params(cfg) + table + norms + positions + biases
@@ -347,9 +347,10 @@ def lookup_keys(cfg: GPTConfig) -> tuple[str, ...]:
 
 
 def divisibility(cfg: GPTConfig) -> dict:
+    padded = cfg.vocab_rows != cfg.vocab_size
+    vocab = "model.vocab_size rounded up to model.vocab_multiple" if padded else "model.vocab_size"
     return {"heads": (("model.n_heads", cfg.n_heads),), "mlp": (("model.d_mlp", cfg.d_mlp),),
-            "vocab": (("model.vocab_size", cfg.vocab_size),), "embed": (("model.d_model", cfg.d_model),),
-            **moe.divisibility(cfg)}
+            "vocab": ((vocab, cfg.vocab_rows),), "embed": (("model.d_model", cfg.d_model),), **moe.divisibility(cfg)}
 
 
 FAMILY = contract.register(contract.Family(

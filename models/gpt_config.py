@@ -17,8 +17,9 @@ class GPTConfig(SharedFields):
     """The defaults are this project's GPT (RMSNorm, rotary positions, no biases, an untied head, the tanh GELU);
     GPT-2's architecture (the `gpt2` preset, HF GPT2LMHeadModel) is positions=learned (a table of max_positions
     rows, 0: seq_len), bias=True (every projection), norm=layernorm (scale and bias), tie_embeddings=True.
-    activation: gelu_tanh (GPT-2's gelu_new) or gelu (the exact erf form). vocab_used: the ids in use when the
-    table is padded (GPT-2's 50,257 of 50,304 rows); the padded rows' logits are -inf. 0: every row."""
+    activation: gelu_tanh (GPT-2's gelu_new) or gelu (the exact erf form). vocab_multiple: the embedding table
+    (and an untied head) has vocab_size rounded up to a multiple of it (GPT-2's 50,257 ids in 50,304 rows); the
+    padded rows' logits are -inf, so nothing samples or scores them."""
     family: ClassVar[str] = "gpt"
     mlp_ratio: int = 4
     positions: str = "rotary"
@@ -27,11 +28,16 @@ class GPTConfig(SharedFields):
     norm: str = "rmsnorm"
     tie_embeddings: bool = False
     activation: str = "gelu_tanh"
-    vocab_used: int = 0
+    vocab_multiple: int = 1
 
     @property
     def d_mlp(self) -> int:
         return self.d_model * self.mlp_ratio
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding table: vocab_size padded to a multiple of vocab_multiple."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     @property
     def position_rows(self) -> int:
@@ -63,9 +69,9 @@ class GPTConfig(SharedFields):
         if self.positions == "learned" and self.seq_len > self.position_rows:
             raise ModelConfigError(f"model.seq_len={self.seq_len} is longer than model.max_positions="
                                    f"{self.max_positions} (the learned position table); lower one or raise the other")
-        if not isinstance(self.vocab_used, int) or not 0 <= self.vocab_used <= self.vocab_size:
-            raise ModelConfigError(f"model.vocab_used={self.vocab_used!r}: the ids in use, an integer from 1 to "
-                                   f"model.vocab_size={self.vocab_size} (0: all of them)")
+        if not isinstance(self.vocab_multiple, int) or isinstance(self.vocab_multiple, bool) or self.vocab_multiple < 1:
+            raise ModelConfigError(f"model.vocab_multiple={self.vocab_multiple!r}: an integer >= 1 (the embedding "
+                                   f"table's rows are model.vocab_size rounded up to a multiple of it; 1: no padding)")
 
 
 # GPU presets compute in bfloat16 with float32 master weights and the loss in chunks (models/config.LOSS_CHUNK).
@@ -84,7 +90,7 @@ GPT_PRESETS: dict[str, dict[str, Any]] = {
                       compute_dtype="bfloat16", loss_chunk_size=LOSS_CHUNK),
     # GPT-2 small's architecture (HF GPT2LMHeadModel, `restore_from=hf:DIR` and train.export_hf): LayerNorm, learned
     # positions, biases, a tied head; its 50,257 ids in a table padded to a multiple of 64.
-    "gpt2": dict(vocab_size=50304, vocab_used=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12, mlp_ratio=4,
+    "gpt2": dict(vocab_size=50257, vocab_multiple=64, seq_len=1024, d_model=768, n_layers=12, n_heads=12, mlp_ratio=4,
                  positions="learned", max_positions=1024, bias=True, norm="layernorm", norm_eps=1e-5,
                  tie_embeddings=True, activation="gelu_tanh", compute_dtype="bfloat16", loss_chunk_size=LOSS_CHUNK),
     # GPT-3 XL shape (Brown et al. 2020, Table 2.1).

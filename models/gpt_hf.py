@@ -1,8 +1,8 @@
 """The GPT family's Hugging Face adapter (models/hf.py): a GPT with GPT-2's options (models/gpt_config.py) <->
 transformers' GPT2LMHeadModel, in numpy. Its Conv1D weights are stored [in, out] as ours are, and c_attn's
 columns are q, k, v, each head by head, so wqkv [D, 3, H, K] is c_attn reshaped: no transposes. The vocabulary
-is padded to a multiple of 64 on import (zero rows, their logits -inf through model.vocab_used) and cut back on
-export (train/hf/export.py)."""
+is padded to a multiple of model.vocab_multiple on import (the gpt2 preset's 64: zero rows, their logits -inf) and
+cut back on export (train/hf/export.py)."""
 from __future__ import annotations
 
 from typing import Any
@@ -11,7 +11,7 @@ import numpy as np
 
 from models.config import ModelConfigError
 from models.gpt_config import GPTConfig
-from models.hf import HFAdapter, HFConfig, Read, padded_vocab, slices
+from models.hf import HFAdapter, HFConfig, Read, slices
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # theirs -> ours
 # What GPT2LMHeadModel is, as our options; export needs them all (tie_embeddings may be either).
@@ -37,9 +37,9 @@ def _ours(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
             "w_in_bias": (F,), "w_out": (F, D), "w_out_bias": (D,)}
 
 
-def hf_shapes(cfg: GPTConfig, hf: HFConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a GPT2LMHeadModel of `cfg` with config.json `hf` (whose vocab_size is the unpadded one)."""
-    V, D = int(hf["vocab_size"]), cfg.d_model
+def hf_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a GPT2LMHeadModel of `cfg`."""
+    V, D = cfg.vocab_size, cfg.d_model
     out = {TOP["embed"]: (V, D), TOP["positions"]: (cfg.position_rows, D), TOP["final_norm"]: (D,),
            TOP["final_norm_bias"]: (D,)}
     if not cfg.tie_embeddings:
@@ -81,12 +81,12 @@ def _padded_rows(arr: np.ndarray, rows: int) -> np.ndarray:
 
 
 def top_from_hf(read: Read, key: str, cfg: GPTConfig, index: tuple | None = None) -> np.ndarray:
-    """A leaf outside the stack (or its block `index`); the embedding and an untied head padded to vocab_size."""
+    """A leaf outside the stack (or its block `index`); the embedding and an untied head padded to vocab_rows."""
     if key == "head":  # [D, V] from lm_head [V, D]
-        return _padded_rows(np.asarray(read("lm_head.weight")), cfg.vocab_size).T[slices(index, 2)]
+        return _padded_rows(np.asarray(read("lm_head.weight")), cfg.vocab_rows).T[slices(index, 2)]
     arr = np.asarray(read(TOP[key]))
     if key == "embed":
-        arr = _padded_rows(arr, cfg.vocab_size)
+        arr = _padded_rows(arr, cfg.vocab_rows)
     return arr[slices(index, arr.ndim)]
 
 
@@ -115,7 +115,7 @@ def fields_from_hf(hf: HFConfig) -> dict[str, Any]:
     inner = int(hf.get("n_inner") or 4 * D)
     if inner % D:
         raise ModelConfigError(f"config.json n_inner={inner}: only a multiple of n_embd={D} imports (model.mlp_ratio)")
-    return dict(vocab_size=padded_vocab(V), vocab_used=V if padded_vocab(V) != V else 0, d_model=D,
+    return dict(vocab_size=V, d_model=D,
                 n_layers=int(hf["n_layer"]), n_heads=int(hf["n_head"]), mlp_ratio=inner // D,
                 max_positions=int(hf["n_positions"]), norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
                 tie_embeddings=bool(hf.get("tie_word_embeddings", True)), activation=ACTIVATIONS[act], **GPT2_OPTIONS)

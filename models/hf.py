@@ -30,8 +30,8 @@ class ToHFConfig(Protocol):
 
 
 class HFShapes(Protocol):
-    def __call__(self, cfg: Any, hf: HFConfig) -> dict[str, tuple[int, ...]]:
-        """Every tensor name a checkpoint of `cfg` (read from config.json `hf`) holds, with its shape."""
+    def __call__(self, cfg: Any) -> dict[str, tuple[int, ...]]:
+        """Every tensor name a checkpoint of `cfg` holds, with its shape."""
 
 
 class ToHF(Protocol):
@@ -95,8 +95,3 @@ def span(s: slice, n: int) -> tuple[int, int]:
     start, stop, step = s.indices(n)
     assert step == 1, s
     return start, stop
-
-
-def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
-    """The embedding rows of a vocabulary padded to a multiple (GPT-2's 50,257 -> 50,304)."""
-    return -(-vocab_size // multiple) * multiple

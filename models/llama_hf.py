@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from models.config import ModelConfigError
-from models.hf import HFAdapter, HFConfig, Read, slices, span
+from models.hf import HFAdapter, Read, slices, span
 from models.llama_config import LlamaConfig
 
 
@@ -17,7 +17,7 @@ def _layer(i: int, name: str) -> str:
     return f"model.layers.{i}.{name}.weight"
 
 
-def hf_shapes(cfg: LlamaConfig, hf: HFConfig | None = None) -> dict[str, tuple[int, ...]]:
+def hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name a checkpoint of `cfg` holds, with its shape."""
     D, H, G, K, F, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_mlp, cfg.vocab_size
     out = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}

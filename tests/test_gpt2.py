@@ -55,7 +55,8 @@ def gpt2_dir(tmp_path_factory):
 
 def _import_config(path, **mesh):
     config = tiny_config(**mesh)
-    config.model.update(seq_len=16)  # the preset names the family; config.json the shapes and GPT-2's options
+    # The preset names the family and what config.json does not carry (the padding multiple among them).
+    config.model.update(preset="gpt2", seq_len=16, compute_dtype="float32", loss_chunk_size=0)
     config.checkpoint.restore_from = f"hf:{path}"
     return config
 
@@ -63,7 +64,7 @@ def _import_config(path, **mesh):
 def test_import_gives_transformers_logits_and_exports_the_same_tensors(gpt2_dir, tmp_path):
     trainer = Trainer.build(_import_config(gpt2_dir, tensor=2), num_devices=2)
     cfg = trainer.plan.model
-    assert (cfg.vocab_size, cfg.vocab_used, cfg.d_model, cfg.max_positions, cfg.norm) == (256, VOCAB, 32, 32,
+    assert (cfg.vocab_size, cfg.vocab_rows, cfg.d_model, cfg.max_positions, cfg.norm) == (VOCAB, 256, 32, 32,
                                                                                           "layernorm")
     assert models.param_count(cfg) == _hf_model(gpt2_dir).num_parameters() + (256 - VOCAB) * 32  # the padded rows
     params = hf_import.load_params(f"hf:{gpt2_dir}", trainer)

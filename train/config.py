@@ -56,10 +56,10 @@ def _model_keys() -> dict:
                 lora_rank=config_dict.placeholder(int), lora_alpha=config_dict.placeholder(float),
                 lora_targets=config_dict.placeholder(str),
                 # GPT's options (models/gpt_config.py; the gpt2 preset sets GPT-2's): rotary|learned positions and
-                # the learned table's rows, biases, rmsnorm|layernorm, gelu_tanh|gelu, ids in use of a padded table
+                # the learned table's rows, biases, rmsnorm|layernorm, gelu_tanh|gelu, the table's rows' multiple
                 positions=config_dict.placeholder(str), max_positions=config_dict.placeholder(int),
                 bias=config_dict.placeholder(bool), norm=config_dict.placeholder(str),
-                activation=config_dict.placeholder(str), vocab_used=config_dict.placeholder(int))
+                activation=config_dict.placeholder(str), vocab_multiple=config_dict.placeholder(int))
 
 
 def base_config() -> ml_collections.ConfigDict:

@@ -93,24 +93,20 @@ def _shards(tensors: dict[str, np.ndarray], max_bytes: float) -> list[dict[str, 
 
 
 def used_vocabulary(cfg, params):
-    """(config, params) with the embedding rows padded past `vocab_used` (GPT-2's 50,257 of 50,304) cut off: every
-    dimension whose logical axis is `vocab`; as they are when the model uses every row."""
-    used = getattr(cfg, "vocab_used", 0)
-    if not used or used == cfg.vocab_size:
-        return cfg, params
+    """`params` with a padded table's rows past model.vocab_size (GPT-2's 50,257 of 50,304) cut off: every dimension
+    whose logical axis is `vocab`."""
     _, axes = models.abstract_params(cfg)
 
     def cut(arr, spec):
-        return arr[tuple(slice(0, used) if name == "vocab" else slice(None) for name in spec)]
-    params = jax.tree.map(cut, params, axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    return dataclasses.replace(cfg, vocab_size=used, vocab_used=0), params
+        return arr[tuple(slice(0, cfg.vocab_size) if name == "vocab" else slice(None) for name in spec)]
+    return jax.tree.map(cut, params, axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
 
 def write(out: pathlib.Path, cfg, params, dtype: str, codec=None, max_shard_bytes: float = 5e9) -> None:
     """Write HFDIR (through a temporary sibling, renamed at the end). `codec` is the run's
     train.tokenizer.Codec, or None for a byte-level run (no tokenizer, no bos/eos ids)."""
     adapter = models.family_of(cfg).hf
-    cfg, params = used_vocabulary(cfg, params)
+    params = used_vocabulary(cfg, params)
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
     tensors = {k: v.astype(np_dtype) for k, v in adapter.to_hf(params, cfg).items()}
     tmp = out.with_name(out.name + ".tmp")

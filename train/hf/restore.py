@@ -84,7 +84,7 @@ def check_model(spec: str, cfg: Any, workdir: pathlib.Path | None = None) -> dic
     if differ:
         raise _fail(spec, f"the run's model differs from config.json ({'; '.join(differ)}); set those model.* "
                           f"values or choose another preset")
-    wanted, kind = adapter.hf_shapes(cfg, hf), type(cfg).__name__.removesuffix("Config")  # "Llama", "GPT"
+    wanted, kind = adapter.hf_shapes(cfg), type(cfg).__name__.removesuffix("Config")  # "Llama", "GPT"
     for name, arr in tensors.items():
         if name not in wanted and not name.endswith(adapter.ignored):
             raise _fail(spec, f"tensor {name} is not a tensor of this {kind} model")
