@@ -135,8 +135,11 @@ def test_bad_directories_and_overrides_are_one_line(gpt2_dir, tmp_path):
     _resolve_error(config, r"config.json has architectures \['GPT2LMHeadModel'\] \(the gpt family\) but "
                            r"model.preset='llama3-tiny' is a llama model")
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"]}))
-    _resolve_error(_import_config(tmp_path), r"config.json has architectures \['BertForMaskedLM'\], which no model "
-                                             r"family reads; supported: GPT2LMHeadModel \(gpt\), LlamaForCausalLM")
+    safetensors_io.write(tmp_path / "model.safetensors", {"w": np.zeros(4, np.float32)})
+    with pytest.raises(RestoreFromError, match=r"^checkpoint.restore_from='hf:.*': config.json has architectures "
+                                               r"\['BertForMaskedLM'\], which no model family reads; supported: "
+                                               r"GPT2LMHeadModel \(gpt\), LlamaForCausalLM \(llama\)$"):
+        hf_import.check_model(f"hf:{tmp_path}", config_lib.resolve(_import_config(tmp_path), 1).model)
     rotary = tiny_config()
     rotary.model.n_layers = 2
     with pytest.raises(RestoreFromError, match="but the run's model is llama"):

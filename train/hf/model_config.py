@@ -43,14 +43,22 @@ def supported() -> str:
                      for a in fam.hf.architectures)
 
 
-def family_of_hf(spec: str, hf: dict[str, Any]) -> models.Family:
-    """The family whose adapter reads one of config.json's `architectures`."""
+def family_named(hf: dict[str, Any]) -> models.Family | None:
+    """The family whose adapter reads one of config.json's `architectures`, or None."""
     found = hf.get("architectures") or []
     for family in models.FAMILIES.values():
-        if family.hf is not None and set(found) & set(family.hf.architectures):
+        if family.hf is not None and isinstance(found, list) and set(found) & set(family.hf.architectures):
             return family
-    raise fail(spec, f"config.json has architectures {found!r}, which no model family reads; supported: "
-                     f"{supported()}")
+    return None
+
+
+def family_of_hf(spec: str, hf: dict[str, Any]) -> models.Family:
+    """`family_named`, or a one-line error naming what config.json has and what is supported."""
+    family = family_named(hf)
+    if family is None:
+        raise fail(spec, f"config.json has architectures {hf.get('architectures')!r}, which no model family reads; "
+                         f"supported: {supported()}")
+    return family
 
 
 def fields(spec: str, hf: dict[str, Any], family: models.Family) -> dict[str, Any]:
@@ -77,7 +85,9 @@ def model_values(values: dict[str, Any], spec: str) -> dict[str, Any]:
     if not spec.startswith(PREFIX) or not (pathlib.Path(spec[len(PREFIX):]).expanduser() / "config.json").is_file():
         return values  # a missing directory is named where a fresh start checks it (a resumed run may not need it)
     hf = read_config(spec)
-    family = family_of_hf(spec, hf)
+    family = family_named(hf)
+    if family is None:  # named, after the weight files' own checks, where a fresh start checks the directory
+        return values
     preset, named = values.get("preset") or None, values.get("family") or None
     theirs = named or (family_of_preset(preset) if preset else family.name)
     if theirs != family.name:

@@ -41,8 +41,8 @@ def _weight_files(spec: str, path: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def open_tensors(spec: str, rename=None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(config.json as a dict, every tensor memory-mapped by name, each name through `rename` when given)."""
+def open_tensors(spec: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(config.json as a dict, every tensor memory-mapped by name)."""
     path = _directory(spec)
     hf = model_config.read_config(spec)
     tensors: dict[str, np.ndarray] = {}
@@ -52,7 +52,7 @@ def open_tensors(spec: str, rename=None) -> tuple[dict[str, Any], dict[str, np.n
             tensors.update(safetensors_io.open_tensors(f))
         except safetensors_io.SafetensorsError as e:
             raise _fail(spec, str(e)) from None
-    return hf, tensors if rename is None else {rename(k): v for k, v in tensors.items()}
+    return hf, tensors
 
 
 def _check_complete(spec: str, f: pathlib.Path) -> None:
@@ -73,12 +73,13 @@ def check(spec: str, trainer: Trainer, workdir: pathlib.Path | None = None) -> d
 
 def check_model(spec: str, cfg: Any, workdir: pathlib.Path | None = None) -> dict[str, np.ndarray]:
     """`check` for a model config (an export merging a LoRA run's base has no Trainer)."""
-    family = model_config.family_of_hf(spec, model_config.read_config(spec))
+    hf, tensors = open_tensors(spec)
+    family = model_config.family_of_hf(spec, hf)
     if family.name != cfg.family:
         raise _fail(spec, f"config.json is a {family.name} model but the run's model is {cfg.family}; set "
                           f"model.preset to one of {', '.join(family.presets)}")
     adapter = family.hf
-    hf, tensors = open_tensors(spec, adapter.rename)
+    tensors = {adapter.rename(k): v for k, v in tensors.items()}
     theirs = model_config.fields(spec, hf, family)
     differ = [f"model.{k}={getattr(cfg, k)!r} vs {v!r}" for k, v in theirs.items() if getattr(cfg, k) != v]
     if differ:
