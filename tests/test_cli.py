@@ -1,7 +1,7 @@
 """Every `python -m train.*` tool fails on a bad command line the way it fails on a bad setting: one line, exit 2.
 Each table runs its command lines in forked children of one warm interpreter (tests/forked.py)."""
 from tests.forked import run_many
-from train.loop import exit_codes
+from train import exit_codes
 
 CASES = {
     "misspelled override": (["--config.model.presett=x", "--workdir=W"],

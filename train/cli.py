@@ -24,7 +24,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from mesh.errors import UserError
-from train.loop import exit_codes
+from train import exit_codes
 
 _CONFIG_FLAGS: list[Any] = []
 
@@ -119,7 +119,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def run(main: Callable[[list[str]], int | None]) -> NoReturn:
     """app.run(main) with one-line, exit-2 errors for flags, config files and every UserError, and the
-    documented exit status of every other expected failure (train/loop/exit_codes.py)."""
+    documented exit status of every other expected failure (train/exit_codes.py)."""
 
     def guarded(argv: list[str]) -> int:
         try:

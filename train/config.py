@@ -18,16 +18,12 @@ from ml_collections import config_dict
 import checkpoint
 import models
 from mesh import resolve_axis_sizes
-from mesh.errors import UserError
 from models import attention as attention_lib
 from sharding import rules as sharding_rules
 from sharding import schedules
 from train import sections
 from train.data import datadir
-
-
-class ConfigError(UserError):
-    """A training setting the user can fix; the message is one line naming the setting."""
+from train.exit_codes import ConfigError
 
 
 def _model_keys() -> dict:

@@ -21,9 +21,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from train.config import ConfigError
 from train.data import corpus, datadir
 from train.data import order as order_lib
+from train.exit_codes import ConfigError
 
 EVAL_STREAM = 1 << 30  # eval batches draw from (seed, EVAL_STREAM + k): never a training step's stream
 

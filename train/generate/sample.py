@@ -16,13 +16,12 @@ import checkpoint
 from checkpoint import format as ckpt_format
 from mesh import use_cpu_devices
 from mesh.layout import AXES
-from train import cli
+from train import cli, exit_codes
 from train import config as run_config
 from train.config import ConfigError, base_config
 from train.data import tokenizer as tok_lib
 from train.generate import decode as generate
 from train.generate import prompt as prompt_lib
-from train.loop import exit_codes
 from train.lora import base as lora_base
 from train.trainer import Trainer
 

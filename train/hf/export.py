@@ -19,10 +19,9 @@ from checkpoint import plain, safetensors_io
 from mesh import use_cpu_devices
 from mesh.errors import UserError, check_writable
 from models import llama_hf, lora
-from train import cli
+from train import cli, exit_codes
 from train import config as run_config
 from train.data import tokenizer as tok_lib
-from train.loop import exit_codes
 from train.lora import base as lora_base
 
 FLAGS = flags.FLAGS

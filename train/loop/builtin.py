@@ -13,7 +13,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from train.loop import exit_codes, faults
+from train import exit_codes
+from train.loop import faults
 from train.loop.info import Action as ActionProtocol
 from train.loop.info import Decision, Services, StepInfo, Update
 from train.runtime import hardware

@@ -20,10 +20,11 @@ from jax.experimental import multihost_utils
 
 import checkpoint
 from mesh.errors import UserError, probe_directory
+from train import exit_codes
 from train.config import ConfigError, Plan
 from train.data import loader as data_lib
 from train.loop import actions as actions_lib
-from train.loop import exit_codes, phases, preemption, resume
+from train.loop import phases, preemption, resume
 from train.loop.builtin import say
 from train.loop.goodput import Goodput
 from train.loop.info import Services
