@@ -208,7 +208,7 @@ def _local_tier(ck: ml_collections.ConfigDict) -> None:
 def _check_model_splits(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str, int]) -> None:
     """Every model size a sharded logical axis has must divide by that axis's mesh ways (e.g. model.n_kv_heads
     by mesh.tensor), named before anything compiles."""
-    for logical, settings in models.family_of(model).divisibility(model).items():
+    for logical, settings in models.family_of(model).parallel.divisibility(model).items():
         axes = [a for a in rules.get(logical, ()) if mesh_sizes.get(a, 1) > 1]
         ways = math.prod(mesh_sizes[a] for a in axes)
         for setting, size in settings:

@@ -40,19 +40,20 @@ def choose(logits_BxV: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
 class Generator:
     """Compiled prefill and step for one model, mesh hook and sampling setting (reused across calls)."""
 
-    def __init__(self, cfg: Any, sampling: Sampling, constrain: Callable = models.contract.no_constraint,
+    def __init__(self, cfg: models.ModelConfig, sampling: Sampling, constrain: Callable = models.contract.no_constraint,
                  mesh: jax.sharding.Mesh | None = None):
         family = models.family_of(cfg)
-        if family.decode is None:
+        if family.decoding is None:
             raise models.ModelConfigError(f"model.family={cfg.family!r} has no KV-cache decoding; "
-                                          f"this family implements none (models/contract.py init_cache, decode)")
-        if getattr(cfg, "n_experts", 0):
-            raise models.ModelConfigError(f"model.n_experts={cfg.n_experts}: KV-cache decoding of a mixture of "
+                                          f"this family implements none (models/contract.py Decoding)")
+        buffers = family.parallel.expert_buffers(cfg)
+        if buffers is not None:
+            raise models.ModelConfigError(f"model.n_experts={buffers.experts}: KV-cache decoding of a mixture of "
                                           f"experts is not implemented; sample from a dense model")
-        self.cfg, self.family, self.sampling, self.mesh = cfg, family, sampling, mesh
+        self.cfg, self.decoding, self.sampling, self.mesh = cfg, family.decoding, sampling, mesh
 
         def run(params, tokens, cache, length, key):
-            logits, cache = family.decode(params, tokens, cache, length, cfg, constrain)
+            logits, cache = family.decoding.decode(params, tokens, cache, length, cfg, constrain)
             return choose(logits, key, sampling), logits, cache
         self._run = jax.jit(run, donate_argnums=(2,))
 
@@ -60,7 +61,7 @@ class Generator:
         """Yields each new token [B] (on device) as it is chosen. `start_B`: each row's first real position,
         for prompts left-padded to one length (models/attention.attend_cached)."""
         B, T = prompt_BxT.shape
-        cache = self.family.init_cache(self.cfg, B, T + max_new_tokens)
+        cache = self.decoding.init_cache(self.cfg, B, T + max_new_tokens)
         if start_B is not None:
             cache["start"] = jnp.asarray(start_B, jnp.int32)
         if self.mesh is not None:  # next to the sharded params; the step's constraints then place it

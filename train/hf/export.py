@@ -73,7 +73,7 @@ def restore_params(workdir: pathlib.Path, step: int | None):
 
 def merged(cfg, params):
     """(the base's config, its params with every adapter merged into its weight)."""
-    projections = models.family_of(cfg).lora_projections(cfg)
+    projections = models.family_of(cfg).forward.lora_projections(cfg)
     return dataclasses.replace(cfg, lora_rank=0), lora.merge(params, cfg, projections)
 
 

@@ -29,10 +29,10 @@ def describe(spec: str) -> str:
 def adapter_count(trainer: Trainer) -> int:
     """The run's trained parameters (the log's "training N parameters" counts the model)."""
     cfg = trainer.plan.model
-    return lora.adapter_count(cfg, models.family_of(cfg).lora_projections(cfg))
+    return lora.adapter_count(cfg, models.family_of(cfg).forward.lora_projections(cfg))
 
 
-def load(spec: str, cfg: Any, seed: int, target: dict[str, Any]) -> dict[str, jax.Array]:
+def load(spec: str, cfg: models.ModelConfig, seed: int, target: dict[str, Any]) -> dict[str, jax.Array]:
     """{saved-tree path: array} for `target` ({'params/...': ShapeDtypeStruct with its sharding}): from `hf:DIR`,
     from the params of a checkpoint `PATH[:STEP]` (every checksum verified), or recomputed from `seed` ('')."""
     nested = plain.nest({k[len(PARAMS):]: v for k, v in target.items()})
@@ -46,7 +46,7 @@ def load(spec: str, cfg: Any, seed: int, target: dict[str, Any]) -> dict[str, ja
     return {PARAMS + k: v for k, v in plain.flatten(got).items()}
 
 
-def initialized(cfg: Any, seed: int, target: Any) -> Any:
+def initialized(cfg: models.ModelConfig, seed: int, target: Any) -> Any:
     """The leaves of `target` (nested like params) as the model's initialization from `seed` makes them, compiled
     for those leaves only (XLA drops the others)."""
     names = set(plain.flatten(target))
