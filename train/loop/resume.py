@@ -67,7 +67,7 @@ def _check_restore_from(trainer: Trainer, workdir: pathlib.Path, wanted: dict[st
     """checkpoint.restore_from (of a run without checkpoints of its own) holds what this config trains."""
     ck = trainer.plan.checkpoint
     if ck.restore_from.startswith(hf_import.PREFIX):
-        hf_import.check(ck.restore_from, trainer, workdir)
+        hf_import.check(ck.restore_from, trainer.placed, workdir)
     elif ck.restore_from:
         source, step = checkpoint.open_source(ck.restore_from)
         try:
@@ -112,7 +112,7 @@ def start(trainer: Trainer, ckpts: checkpoint.Checkpoints, say: Callable[[str], 
             say(f"resuming with changed settings: {'; '.join(changes)}")
         if "order" not in restored.meta.get("config", {}).get("data", {"order": None}):  # written before data.order
             _train_with_random_windows(trainer)
-        state = ckpt_format.from_tree(trainer, restored.tree, lora_base.for_trainer(trainer))
+        state = ckpt_format.from_tree(trainer, restored.tree, lora_base.for_placed(trainer.placed))
         return Start(state, restored.tree["rng"], restored.step,
                      f"resumed from {restored.where}, {restored.tier} tier", True, time.perf_counter() - t0)
     return _from_elsewhere(trainer, t0)
