@@ -18,8 +18,7 @@ from train import step as step_lib
 from train.eval import load as eval_load
 from train.generate import sample as sample_lib
 from train.hf import export as export_hf
-from train.loop import saver
-from train.lora import base as lora_base
+from train.loop import resume, saver
 from train.trainer import Trainer
 
 LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # jax.monitoring: once per program lowered
@@ -45,6 +44,7 @@ def _no_optimizer(monkeypatch):
 
 def _save_run(workdir, trainer, state):
     """A workdir as training leaves it: config.json and a checkpoint of step 2 holding `state`."""
+    workdir.mkdir(exist_ok=True)
     ckpts = checkpoint.Checkpoints(workdir / "checkpoints")
     ckpts.save(2, ckpt_format.to_tree(trainer, state, ckpt_format.rng_of(0, trainer.mesh)),
                saver.describe_run(trainer))
@@ -65,7 +65,6 @@ def run(tmp_path_factory):
     """A llama3-tiny run on data x tensor = 2 x 2, its params perturbed from the initialization: (workdir,
     trainer, the saved params)."""
     workdir = tmp_path_factory.mktemp("placed") / "run"
-    workdir.mkdir()
     trainer = Trainer.build(_llama(data=2, tensor=2), num_devices=4)
     state = trainer.init_state()
     state["params"] = jax.tree.map(lambda x: x + 0.01, state["params"])
@@ -146,15 +145,16 @@ def test_a_lora_run_places_with_adapters_kept_or_merged(run, hf_dir, tmp_path):
     config.model.update(lora_rank=2, lora_alpha=4.0)
     config.checkpoint.restore_from = f"hf:{hf_dir}"
     trainer = Trainer.build(config, num_devices=2)
-    state = lora_base.fresh_state(trainer)
+    empty = checkpoint.Checkpoints(tmp_path / "none", read_only=True)
+    state = resume.start(trainer, empty, lambda _: None).state  # as a LoRA run starts: the base from hf:
     adapters = state["params"]["layers"][lora.KEY]
     state["params"]["layers"][lora.KEY] = jax.tree.map(lambda x: x + 0.02, adapters)  # b starts at zero
-    _save_run(tmp_path, trainer, state)
+    _save_run(tmp_path / "run", trainer, state)
     want = _host(state["params"])
-    kept = placed_lib.from_run(tmp_path, num_devices=2)
+    kept = placed_lib.from_run(tmp_path / "run", num_devices=2)
     _assert_same(kept.params, want)
     _assert_same({**want, "layers": {k: v for k, v in want["layers"].items() if k != lora.KEY}}, saved)  # hf: base
-    merged = placed_lib.from_run(tmp_path, lora="merge", num_devices=2)
+    merged = placed_lib.from_run(tmp_path / "run", lora="merge", num_devices=2)
     assert merged.model.lora_rank == 0 and lora.KEY not in merged.params["layers"]
     _assert_same(merged.params, lora.merge(want, trainer.plan.model,
                                            models.family_of(trainer.plan.model).lora_projections(trainer.plan.model)))

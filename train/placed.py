@@ -64,12 +64,16 @@ class Placed:
         return frozenset("params/" + "/".join(str(k.key) for k in path) for path, _ in paths
                          if not lora_lib.is_adapter(path))
 
+    @functools.cached_property
+    def _reorder(self):
+        """Jitted logical -> in-memory order over the params, compiled once; None for the identity."""
+        if self.layer_order is None:
+            return None
+        return jax.jit(lambda p: pipeline_lib.from_logical(p, self.layer_order), out_shardings=self.layout.params)
+
     def from_logical(self, params: Any) -> Any:
         """Params in logical layer order -> this placement's in-memory order (the same arrays for the identity)."""
-        if self.layer_order is None:
-            return params
-        reorder = jax.jit(lambda p: pipeline_lib.from_logical(p, self.layer_order), out_shardings=self.layout.params)
-        return reorder(params)
+        return params if self._reorder is None else self._reorder(params)
 
 
 def layer_order(plan: Plan) -> np.ndarray | None:

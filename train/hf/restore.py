@@ -11,7 +11,6 @@ import shutil
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import models
@@ -143,12 +142,3 @@ def read_params(spec: str, cfg: Any, target: Any, order: np.ndarray | None = Non
         return jax.make_array_from_callback(sds.shape, sds.sharding, piece)
 
     return jax.tree_util.tree_map_with_path(leaf, target)
-
-
-def load_state(spec: str, trainer: Any) -> tuple[dict[str, Any], str]:
-    """(params from HFDIR with a fresh optimizer state at step 0 in the shardings of `trainer`, a
-    train.trainer.Trainer; where they came from)."""
-    params = load_params(spec, trainer)
-    opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.layout.state["opt_state"])(params)
-    step = jax.device_put(jnp.zeros((), jnp.int32), trainer.layout.state["step"])
-    return {"params": params, "opt_state": opt_state, "step": step}, f"Hugging Face weights of {spec[len(PREFIX):]}"

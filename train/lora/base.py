@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 import checkpoint
 import models
@@ -54,20 +53,6 @@ def initialized(cfg: Any, seed: int, target: Any) -> Any:
     def init():
         return plain.nest({k: v for k, v in plain.flatten(models.init_params(cfg, seed)).items() if k in names})
     return jax.jit(init, out_shardings=jax.tree.map(lambda s: s.sharding, target))()
-
-
-def fresh_state(trainer: Any) -> dict[str, Any]:
-    """A LoRA run's first state (`trainer`: a train.trainer.Trainer): the base from its source, newly initialized
-    adapters, their optimizer state, step 0, in the layout's in-memory order (the base is never initialized at
-    random only to be replaced)."""
-    abstract = trainer.layout.abstract_state
-    adapters = {k: v for k, v in plain.flatten({"params": abstract["params"]}).items() if k not in trainer.frozen}
-    adapters = initialized(trainer.plan.model, trainer.plan.train.seed, plain.nest(adapters)["params"])
-    flat = {**for_placed(trainer.placed), **plain.flatten({"params": adapters})}
-    params = plain.from_plain(plain.nest(flat)["params"], abstract["params"])
-    opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.layout.state["opt_state"])(params)
-    step = jax.device_put(jnp.zeros((), jnp.int32), trainer.layout.state["step"])
-    return trainer.from_logical({"params": params, "opt_state": opt_state, "step": step})
 
 
 def for_placed(placed: Any) -> dict[str, jax.Array] | None:
