@@ -118,10 +118,10 @@ TRAIN_ORDER = (
     "loop",        # the training loop: scheduler, actions, saver, resume
     "planner",     # layout search, memory and time models
     "generate",    # sampling with the KV cache
-    "lora",        # LoRA runs: the frozen base and the adapters' fresh state
     "trainer",     # a placed model + optimizer, data and jitted steps
     "step",
     "placed",      # a model on a mesh with its params, no training
+    "lora",        # a LoRA run's frozen base, read from its source
     "hf",          # Hugging Face tensors and config.json
     "state",
     "config",

@@ -3,7 +3,7 @@ jitted decode step per token; greedy at temperature 0, else sampling with top-k 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -79,12 +79,3 @@ class Generator:
         """(new tokens [B, N], logits of each choice [B, N, V] as numpy)."""
         out, all_logits = zip(*self.stream(params, prompt_BxT, max_new_tokens))
         return np.asarray(jnp.stack(out, 1)), np.asarray(jnp.stack(all_logits, 1))
-
-
-def fold_stack_axes(mesh: Any) -> None:
-    """A run's mesh config made fit for decoding: `pipeline` and `context` folded into `data`, since decoding
-    runs the whole layer stack on every device, one new token at a time."""
-    folded = mesh.pipeline * mesh.context
-    mesh.pipeline = mesh.context = 1
-    if mesh.data != -1:
-        mesh.data *= folded

@@ -13,16 +13,15 @@ import ml_dtypes
 import numpy as np
 from absl import app, flags, logging
 
-import checkpoint
 import models
-from checkpoint import plain, safetensors_io
+from checkpoint import safetensors_io
 from mesh import use_cpu_devices
 from mesh.errors import UserError, check_writable
 from models import llama_hf, lora
 from train import cli, exit_codes
 from train import config as run_config
+from train import placed as placed_lib
 from train.data import tokenizer as tok_lib
-from train.lora import base as lora_base
 
 FLAGS = flags.FLAGS
 
@@ -54,21 +53,12 @@ def run_model(workdir: pathlib.Path):
 
 
 def restore_params(workdir: pathlib.Path, step: int | None):
-    """(model config, params as numpy in logical layer order, step) from a run's checkpoint, on one device; a LoRA
-    run's params are its base (read from checkpoint.restore_from) with the adapters from the checkpoint."""
+    """(model config, params as numpy in logical layer order, step) from a run's checkpoint, placed on one device
+    (train.placed); a LoRA run's params are its base (read from checkpoint.restore_from) with its adapters."""
     config, cfg = run_model(workdir)
-    source, step, spec = run_config.run_checkpoints(workdir, step)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract, _ = models.abstract_params(cfg)
-    target = plain.flatten(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                                        {"params": abstract}))
-    base = {k: v for k, v in target.items() if lora.enabled(cfg) and not lora.is_adapter(k.split("/"))}
-    held = plain.nest({k: v for k, v in target.items() if k not in base})
-    got = checkpoint.restore_source(source, step, held, True, spec)
-    if base:
-        base = lora_base.load(config.checkpoint.restore_from, cfg, config.train.seed, base)
-    params = plain.nest({**plain.flatten({"params": got.tree["params"]}), **base})["params"]
-    return cfg, jax.tree.map(np.asarray, jax.device_get(params)), step
+    placed = placed_lib.restore(placed_lib.on_one_device(cfg, config.checkpoint.restore_from, config.train.seed),
+                                workdir, step)
+    return cfg, jax.tree.map(np.asarray, jax.device_get(placed.params)), placed.step
 
 
 def merged(cfg, params):

@@ -11,14 +11,12 @@ import shutil
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import models
 from checkpoint import safetensors_io
 from checkpoint.errors import RestoreFromError
 from models import llama_hf
-from train.trainer import Trainer
 
 PREFIX = "hf:"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
@@ -80,10 +78,10 @@ def _check_complete(spec: str, f: pathlib.Path) -> None:
         raise _fail(spec, f"{f} is truncated ({size:,} bytes, its header needs {end:,}); download or copy it again")
 
 
-def check(spec: str, trainer: Trainer, workdir: pathlib.Path | None = None) -> dict[str, np.ndarray]:
-    """One-line errors for a config or tensor that does not match the run's model; then the tokenizer files
-    are copied into `workdir` (the only write). Returns the memory-mapped tensors."""
-    return check_model(spec, trainer.plan.model, workdir)
+def check(spec: str, placed: Any, workdir: pathlib.Path | None = None) -> dict[str, np.ndarray]:
+    """One-line errors for a config or tensor that does not match the model of `placed` (a train.placed.Placed or
+    a Trainer); then the tokenizer files are copied into `workdir` (the only write). Returns the tensors."""
+    return check_model(spec, placed.model, workdir)
 
 
 def check_model(spec: str, cfg: Any, workdir: pathlib.Path | None = None) -> dict[str, np.ndarray]:
@@ -118,9 +116,10 @@ def check_model(spec: str, cfg: Any, workdir: pathlib.Path | None = None) -> dic
     return tensors
 
 
-def load_params(spec: str, trainer: Trainer) -> Any:
-    """The run's params (its in-memory layer order and shardings), each device reading only its slices."""
-    return read_params(spec, trainer.plan.model, trainer.layout.abstract_state["params"], trainer.layer_order)
+def load_params(spec: str, placed: Any) -> Any:
+    """The params of `placed` (a train.placed.Placed or a Trainer: its in-memory layer order and shardings), each
+    device reading only its slices."""
+    return read_params(spec, placed.model, placed.abstract_params, placed.layer_order)
 
 
 def read_params(spec: str, cfg: Any, target: Any, order: np.ndarray | None = None) -> Any:
@@ -143,11 +142,3 @@ def read_params(spec: str, cfg: Any, target: Any, order: np.ndarray | None = Non
         return jax.make_array_from_callback(sds.shape, sds.sharding, piece)
 
     return jax.tree_util.tree_map_with_path(leaf, target)
-
-
-def load_state(spec: str, trainer: Trainer) -> tuple[dict[str, Any], str]:
-    """(params from HFDIR with a fresh optimizer state at step 0, where they came from)."""
-    params = load_params(spec, trainer)
-    opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.layout.state["opt_state"])(params)
-    step = jax.device_put(jnp.zeros((), jnp.int32), trainer.layout.state["step"])
-    return {"params": params, "opt_state": opt_state, "step": step}, f"Hugging Face weights of {spec[len(PREFIX):]}"
