@@ -63,15 +63,17 @@ class ModelSection(Section):
 
 
 def _config_type(cls: type, field: dataclasses.Field) -> type:
-    """The ConfigDict type of a family field: its annotation where that is a plain type (X | None: X), else str
-    (rope_scaling: a string on the command line)."""
+    """The ConfigDict type of a family field: its annotation where that is a plain type (X | None: X), else its
+    default's type, else str (rope_scaling, typed Any: a string on the command line)."""
     try:
         hint = typing.get_type_hints(cls).get(field.name)
     except (NameError, TypeError):
         hint = None
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    hint = args[0] if len(args) == 1 else hint
-    return hint if hint in (int, float, str, bool) else str
+    for kind in (args[0] if len(args) == 1 else hint, type(field.default)):
+        if kind in (int, float, str, bool):
+            return kind
+    return str
 
 
 def family_fields() -> dict[str, tuple[type, tuple[str, ...]]]:
