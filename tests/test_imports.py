@@ -113,7 +113,7 @@ def test_imports_flow_downward():
 # train/'s own parts, highest first: a part imports only parts below it. The entry points (`python -m train.X`)
 # stand on top; the exit statuses and the command line's error mapping at the bottom, where every part reads them.
 TRAIN_ORDER = (
-    "__main__", "launch", "plan", "prepare", "sample", "export_hf",  # entry points
+    "__main__", "launch", "plan", "prepare", "sample", "export_hf", "config_reference",  # entry points
     "eval",        # lm-evaluation-harness on a placed model (its command too)
     "loop",        # the training loop: scheduler, actions, saver, resume
     "planner",     # layout search, memory and time models
@@ -124,8 +124,10 @@ TRAIN_ORDER = (
     "lora",        # a LoRA run's frozen base, read from its source
     "hf",          # Hugging Face tensors and config.json
     "state",
-    "config",
-    "sections",
+    "config",      # a config validated into a Plan
+    "model_settings",  # the model.* keys, from the families' config dataclasses
+    "sections",    # every other section's settings, declared once
+    "settings",    # how a setting is declared: default, allowed values, help
     "data",
     "runtime",
     "cli",

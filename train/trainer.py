@@ -29,7 +29,7 @@ class Trainer:
     layout: state_lib.Layout
     tx: optax.GradientTransformation
     schedule: optax.Schedule
-    source: data_lib.TokenSource
+    tokens: data_lib.TokenSource  # the loaded token source of plan.data
     loss_and_grad: step_lib.LossAndGrad
     train_step: Any
     eval_step: Any
@@ -40,7 +40,7 @@ class Trainer:
         """Validate (raising a one-line user error), then lay out exactly the layout `config` gives (plan.auto
         is the entry point's: train/loop/runner.py applies the planner first); nothing is compiled or allocated yet."""
         plan = resolve(config, num_devices or jax.device_count())
-        source = data_lib.load(plan.source, plan.model.vocab_size, plan.model.seq_len + 1, plan.data)
+        tokens = data_lib.load(plan.data, plan.model.vocab_size, plan.model.seq_len + 1, plan.data.files)
         placed = placed_lib.of_plan(plan, num_devices)
         mesh = placed.mesh
         tx, schedule = state_lib.make_optimizer(plan.optimizer, plan.decay_steps, lora.enabled(plan.model))
@@ -56,7 +56,7 @@ class Trainer:
                                             models.target_counter(plan.model))
         train_step = step_lib.make_train_step(loss_and_grad, tx, schedule, layout, **step_lib.guard_options(plan))
         eval_step = step_lib.make_eval_step(plan.model, layout, eval_loss, plan.grad_accum)
-        return cls(config, plan, mesh, layout, tx, schedule, source, loss_and_grad, train_step, eval_step, placed)
+        return cls(config, plan, mesh, layout, tx, schedule, tokens, loss_and_grad, train_step, eval_step, placed)
 
     def init_state(self) -> state_lib.State:
         return self.from_logical(state_lib.init_state(self.plan, self.layout, self.tx, self.plan.train.seed))
@@ -103,7 +103,7 @@ class Trainer:
         return state if self._reorder is None else self._reorder[1](state)
 
     def batch(self, step: int, split: str = "train") -> jax.Array:
-        return data_lib.global_batch(self.source, self.layout.batch, self.plan.train.seed, step,
+        return data_lib.global_batch(self.tokens, self.layout.batch, self.plan.train.seed, step,
                                      self.plan.global_batch, self.plan.model.seq_len + 1, split)
 
     def abstract_batch(self) -> jax.ShapeDtypeStruct:

@@ -84,7 +84,7 @@ def sample(workdir: pathlib.Path, step: int | None, request: Request, mesh: dict
     placed = placed_lib.of_plan(plan)
     codec = tok_lib.load_run_codec(workdir)
     if request.eval_batches:
-        source = data_lib.load(plan.source, plan.model.vocab_size, plan.model.seq_len + 1, plan.data)
+        source = data_lib.load(plan.data, plan.model.vocab_size, plan.model.seq_len + 1, plan.data.files)
         placed = placed_lib.restore(placed, workdir, step)
         return held_out(plan, placed, source, request.eval_batches)
     prompt = prompt_lib.prompt_tokens(plan.model.vocab_size, codec, request.prompt, request.prompt_tokens)

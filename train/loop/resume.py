@@ -122,9 +122,9 @@ def start(trainer: Trainer, ckpts: checkpoint.Checkpoints, say: Callable[[str], 
 def _train_with_random_windows(trainer: Trainer) -> None:
     """What a checkpoint from before data.order trained with, so the batches replay exactly (the plan, and so
     the checkpoint meta, say so)."""
-    source = dataclasses.replace(trainer.plan.source, order="random")
-    trainer.plan = dataclasses.replace(trainer.plan, source=source)
-    trainer.source = dataclasses.replace(trainer.source, order="random")
+    data = dataclasses.replace(trainer.plan.data, order="random")
+    trainer.plan = dataclasses.replace(trainer.plan, data=data)
+    trainer.tokens = dataclasses.replace(trainer.tokens, order="random")
 
 
 def _from_elsewhere(trainer: Trainer, t0: float) -> Start:

@@ -186,7 +186,7 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
     if is_main and not options.compile_only:  # a what-if compile leaves the run's own config.json alone
         record = phases.with_history(resolved, phases.read(path), phase["changes"], options.config_file)
         (path / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-        data_lib.copy_tokenizer(plan.data, path)
+        data_lib.copy_tokenizer(plan.data.files, path)
     return Compiled(trainer, compiled, rep, options.peak_tflops, resolved)
 
 
