@@ -1,4 +1,4 @@
-# Two commands: `make train` and `make test`. Both create .venv and install the project when needed.
+# `make train`, `make test` and `make lint` (ruff). Each creates .venv and installs the project when needed.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

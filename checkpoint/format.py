@@ -21,12 +21,18 @@ class _Layout(Protocol):
     abstract_state: dict[str, Any]
 
 
-class Trainer(Protocol):
-    """What a run supplies (train.trainer.Trainer does): its mesh, the abstract state in its shardings, and
-    the maps between its in-memory layer order and the logical order a checkpoint keeps."""
+class Placement(Protocol):
+    """What a model placed on a mesh supplies (train.placed.Placed and train.trainer.Trainer do): its mesh, its
+    abstract params in their shardings, and the saved-tree paths a checkpoint leaves out (read from elsewhere)."""
     mesh: jax.sharding.Mesh
+    abstract_params: Any
+    frozen: frozenset[str]
+
+
+class Trainer(Placement, Protocol):
+    """What a run supplies (train.trainer.Trainer does): a Placement, the abstract state in its shardings, and
+    the maps between its in-memory layer order and the logical order a checkpoint keeps."""
     layout: _Layout
-    frozen: frozenset[str]  # saved-tree paths a checkpoint leaves out (read from elsewhere on restore)
 
     def to_logical(self, state: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -40,16 +46,21 @@ def rng_of(seed: int, mesh: jax.sharding.Mesh) -> jax.Array:
     return jax.device_put(jax.random.key_data(jax.random.key(seed)), NamedSharding(mesh, P()))
 
 
-def _held(trainer: Trainer, tree: dict[str, Any]) -> dict[str, Any]:
+def _held(trainer: Placement, tree: dict[str, Any]) -> dict[str, Any]:
     """The plain tree of `tree` without the run's frozen arrays."""
     frozen = getattr(trainer, "frozen", frozenset())
     return plain.nest({k: v for k, v in plain.flatten(tree).items() if k not in frozen})
 
 
-def frozen_target(trainer: Trainer) -> dict[str, Any]:
+def frozen_target(placed: Placement) -> dict[str, Any]:
     """{path: ShapeDtypeStruct} of the arrays a checkpoint leaves out, in this run's shardings."""
-    flat = plain.flatten({"params": trainer.layout.abstract_state["params"]})
-    return {k: v for k, v in flat.items() if k in trainer.frozen}
+    flat = plain.flatten({"params": placed.abstract_params})
+    return {k: v for k, v in flat.items() if k in placed.frozen}
+
+
+def params_target(placed: Placement) -> dict[str, Any]:
+    """{"params": ...} of the saved tree as ShapeDtypeStructs in these shardings: what a params-only restore fills."""
+    return _held(placed, {"params": placed.abstract_params})
 
 
 def target(trainer: Trainer) -> dict[str, Any]:
@@ -78,9 +89,9 @@ def from_tree(trainer: Trainer, tree: dict[str, Any], frozen: dict[str, Any] | N
     return trainer.from_logical(logical)
 
 
-def params_from_tree(trainer: Trainer, params_tree: dict[str, Any],
+def params_from_tree(placed: Placement, params_tree: dict[str, Any],
                      frozen: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The restored "params" subtree (and the frozen arrays, as in from_tree) -> this run's params, for a
-    params-only (fine-tuning) start."""
+    """The restored "params" subtree (and the frozen arrays, as in from_tree) -> these params in logical layer
+    order, for a params-only (fine-tuning) start or a placed model."""
     flat = {**plain.flatten({"params": params_tree}), **(frozen or {})}
-    return plain.from_plain(plain.nest(flat)["params"], trainer.layout.abstract_state["params"])
+    return plain.from_plain(plain.nest(flat)["params"], placed.abstract_params)

@@ -93,7 +93,7 @@ def input_share(steps: int) -> None:
             step_s.append(time.perf_counter() - t1)
     b, st = float(np.mean(batch_s)), float(np.mean(step_s))
     print(f"| default experiment ({trainer.plan.global_batch} x {trainer.plan.model.seq_len + 1} tokens, "
-          f"data.order={trainer.source.order}) | {1e3 * b:.2f} | {1e3 * st:.1f} | {100 * b / st:.2f}% |")
+          f"data.order={trainer.tokens.order}) | {1e3 * b:.2f} | {1e3 * st:.1f} | {100 * b / st:.2f}% |")
 
 
 def main(argv):

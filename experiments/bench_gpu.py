@@ -24,8 +24,8 @@ import models
 from checkpoint import format as ckpt_format
 from checkpoint import manager as ckpt_manager
 from models import attention
+from train import exit_codes
 from train.config import base_config
-from train.loop import exit_codes
 from train.loop import runner as loop
 from train.loop.saver import describe_run
 from train.planner import compile_report as report

@@ -83,7 +83,7 @@ def minimal_step_time(config) -> float:
         return (optax.apply_updates(params, updates), opt_state), loss
 
     params = models.init_params(cfg, config.train.seed)
-    batch = lambda i: jax.device_put(reference.source.rows(  # noqa: E731
+    batch = lambda i: jax.device_put(reference.tokens.rows(  # noqa: E731
         config.train.seed, i, reference.plan.global_batch, cfg.seq_len + 1, slice(None)))
     return _time_steps(step, (params, tx.init(params)), batch)
 

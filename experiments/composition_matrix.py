@@ -1,4 +1,4 @@
-"""The composition matrix of the README: every pair of parallel axes, two ways each, built by Trainer.build on the
+"""The composition matrix of docs/testing.md: every pair of parallel axes, two ways each, built by Trainer.build on the
 tiny model (moe-tiny with `expert` or `moe`; a packed-documents column for each), each with the one-line error it
 gives or the tests that hold a layout with both axes to one device (read from pytest's ids).
 
@@ -33,7 +33,7 @@ DOCUMENT_TESTS = {("data", "tensor"): "test_documents::test_masked_loss_is_the_g
                   ("pipeline", "tensor"): "test_documents::test_masked_loss_is_the_global_mean_in_every_layout",
                   ("pipeline", "sp"): "test_documents::test_masked_loss_is_the_global_mean_in_every_layout",
                   ("data", "sp"): "test_documents::test_masked_loss_is_the_global_mean_in_every_layout"}
-_MARKDOWN = flags.DEFINE_bool("markdown", False, "Print the README's table rather than JSON lines.")
+_MARKDOWN = flags.DEFINE_bool("markdown", False, "Print the table of docs/testing.md rather than JSON lines.")
 
 
 def _config(axes: tuple[str, ...], documents: pathlib.Path | None = None):

@@ -21,7 +21,7 @@ def get_config(variant: str = ""):
     c.mesh.update(LAYOUTS[variant])
     if variant:
         c.sharding.strategy = variant
-    else:  # the fastest schedule measured by experiments/bench_pipeline.py on CPU (README); bubble 11%
+    else:  # the fastest schedule measured by experiments/bench_pipeline.py on CPU (docs/benchmarks.md); bubble 11%
         c.pipeline.update(schedule="interleaved", virtual_stages=2, microbatches=4)
     c.train.update(steps=300, global_batch_size=32, log_every=10, eval_every=100, eval_batches=4)
     c.optimizer.update(lr=3e-3, warmup_steps=20)

@@ -1,5 +1,5 @@
 """The planner's choice and predicted TFLOP/s per GPU for GPT-style models from 1.3B to 1T parameters on 8 to
-3,072 A100-80GB and H100 GPUs (`python -m experiments.plan_table`); prints a Markdown table for the README.
+3,072 A100-80GB and H100 GPUs (`python -m experiments.plan_table`); prints a Markdown table for docs/benchmarks.md.
 
 Shapes: GPT-3 (Brown et al. 2020, Table 2.1) for 1.3B-175B, and the 1T shape of Narayanan et al. 2021
 (128 layers, d_model 25600, 160 heads); all with 2,048-token sequences and a 50,304-token vocabulary.

@@ -34,7 +34,7 @@ from absl import app, flags
 import models
 from experiments import kernel_profile
 from mesh import use_cpu_devices
-from train.loop import exit_codes
+from train import exit_codes
 from train.planner import auto, calibrate, compile_report, search
 from train.planner.candidate import Candidate, mesh_of
 from train.trainer import Trainer

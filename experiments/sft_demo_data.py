@@ -4,6 +4,8 @@ multiple choice, its prompts rendered in the default chat template (train/data/c
 scored before and after fine-tuning. Repeating is a skill, not a fact: a small model learns it in minutes.
 
     python -m experiments.sft_demo_data --out=demo    # demo/chats.jsonl, demo/tasks/repeat.yaml + repeat.jsonl
+
+experiments/data/chats.jsonl, the README's conversations, is the chats.jsonl of `--conversations=400` (seed 0).
 """
 from __future__ import annotations
 

@@ -5,10 +5,15 @@ from models.config import ModelConfigError, from_dict
 from models.contract import (
                              FAMILIES,
                              LAYERS,
+                             Cost,
+                             Decoding,
                              ExpertBuffers,
                              Family,
+                             Forward,
                              ModelConfig,
+                             Parallel,
                              TensorTraffic,
+                             TransformerConfig,
                              abstract_params,
                              family_of,
                              flops_per_token,
@@ -28,8 +33,8 @@ from models.moe import is_moe, on_whole_rows
 
 PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
 
-__all__ = ["FAMILIES", "ExpertBuffers", "GPT_PRESETS", "GPTConfig", "LAYERS", "LLAMA_PRESETS", "LlamaConfig",
-           "ModelConfigError", "PRESETS", "Family", "ModelConfig", "TensorTraffic", "abstract_params", "family_of",
-           "flops_per_token", "forward", "from_dict", "init_params", "is_moe", "loss", "loss_and_metrics", "loss_mask",
-           "on_whole_rows", "param_count", "register", "split_row", "stack_length", "target_counter",
-           "top_params"]
+__all__ = ["Cost", "Decoding", "ExpertBuffers", "FAMILIES", "Family", "Forward", "GPTConfig", "GPT_PRESETS",
+           "LAYERS", "LLAMA_PRESETS", "LlamaConfig", "ModelConfig", "ModelConfigError", "PRESETS", "Parallel",
+           "TensorTraffic", "TransformerConfig", "abstract_params", "family_of", "flops_per_token", "forward",
+           "from_dict", "init_params", "is_moe", "loss", "loss_and_metrics", "loss_mask", "on_whole_rows",
+           "param_count", "register", "split_row", "stack_length", "target_counter", "top_params"]

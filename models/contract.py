@@ -9,16 +9,18 @@ functions that the plain step, evaluation and the pipeline cells all call: `embe
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import jax
 import jax.numpy as jnp
 
-from models import attention, documents
+from models import attention, documents, lora
 from models.hf import HFAdapter
+from models.protocols import ModelConfig, TransformerConfig
 
-Params = dict[str, Any]
-ModelConfig = Any  # a family's frozen config dataclass (GPTConfig, LlamaConfig, ...)
+Params = dict[str, Any]  # nested dicts of arrays (or ShapeDtypeStructs); a leaf's type is the caller's
+
+
 Metrics = dict[str, jax.Array]  # to log beside the loss: float32 scalars, or vectors [n] logged as name0..name{n-1}
 LayerAux = tuple[jax.Array, Metrics]  # (what the layers add to the objective, their metrics)
 LAYERS = "layers"  # the key of the stacked blocks in every family's parameter dict
@@ -70,7 +72,8 @@ class Hooks:
         a region that splits the rows by hand (a pipeline's, manual over the batch axes) averages its replicas."""
         return x
 
-    def moe_experts(self, x_BxExCxD: jax.Array, experts: Params, expert_fn: Callable) -> jax.Array:
+    def moe_experts(self, x_BxExCxD: jax.Array, experts: Params,
+                    expert_fn: Callable[[Params, jax.Array], jax.Array]) -> jax.Array:
         """Run every expert on its slots of every row (models/moe.py): `expert_fn(experts, x_ExNxD) -> y_ExNxD`
         on the buffers regrouped per expert. A mesh splitting the experts overrides this with all-to-alls."""
         B, E, C, D = x_BxExCxD.shape
@@ -102,76 +105,120 @@ class ExpertBuffers:
     capacity: int
 
 
-def query_heads(cfg: Any) -> int:
+# The family's functions, typed. Shapes are in the argument names: B rows, L positions, D d_model, V vocab.
+InitParams = Callable[[ModelConfig, int], Params]  # (cfg, seed) -> params
+AbstractParams = Callable[[ModelConfig], tuple[Params, dict]]  # cfg -> (shapes, logical-axes PartitionSpecs)
+Embed = Callable[[Params, jax.Array, ModelConfig, Hooks], jax.Array]  # (top, inputs_BxL, cfg, hooks) -> x_BxLxD
+Logits = Callable[[Params, jax.Array, ModelConfig, Hooks], jax.Array]  # (top, x_BxLxD, ...) -> f32 logits_BxLxV
+PerConfig = Callable[[ModelConfig], float]  # a count of the model: FLOPs per token, parameters, heads
+Divisibility = Callable[[ModelConfig], dict[str, tuple[tuple[str, int], ...]]]
+InitCache = Callable[[ModelConfig, int, int], dict[str, jax.Array]]  # (cfg, batch, max_len) -> cache
+
+
+class RunLayers(Protocol):
+    def __call__(self, layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: ModelConfig,
+                 constrain: Hooks) -> tuple[jax.Array, LayerAux]: ...
+
+
+class HeadLoss(Protocol):
+    def __call__(self, top: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: ModelConfig, constrain: Hooks,
+                 loss_mask_BxL: jax.Array | None = None) -> tuple[jax.Array, Metrics]: ...
+
+
+class Decode(Protocol):
+    def __call__(self, params: Params, tokens_BxT: jax.Array, cache: dict[str, jax.Array], length: jax.Array,
+                 cfg: ModelConfig, constrain: Hooks) -> tuple[jax.Array, dict[str, jax.Array]]: ...
+
+
+class LayerBytes(Protocol):
+    def __call__(self, cfg: ModelConfig, remat: str, tensor: int) -> float: ...
+
+
+def query_heads(cfg: TransformerConfig) -> int:
     """Key/value heads when every query head has its own (multi-head attention)."""
     return cfg.n_heads
 
 
-def no_experts(cfg: Any) -> ExpertBuffers | None:
+def no_experts(cfg: ModelConfig) -> ExpertBuffers | None:
     return None
 
 
-def causal_attention_flops(cfg: Any) -> float:
+def causal_attention_flops(cfg: ModelConfig) -> float:
     """Attention scores and values per token, forward and backward: 12 * layers * d_model * seq_len (PaLM, App. B)."""
     return 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len
 
 
 @dataclasses.dataclass(frozen=True)
-class Family:
-    """One model family. Every function takes the family's frozen config `cfg` (which must have the fields
-    vocab_size, seq_len, d_model, n_layers, compute_dtype, remat; optionally `attention`, which train/config.py
-    resolves per platform, `loss_chunk_size`, and document_eos_id: see models/documents.py, whose segment ids and
-    positions `run_layers` applies) and an activation hint `constrain`.
+class Forward:
+    """The model itself, split where a pipeline cuts it (first chunk, any chunk, last chunk).
 
-    embed(top, inputs_BxL, cfg, constrain) -> x_BxLxD
-    run_layers(layers, x_BxLxD, inputs_BxL, cfg, constrain) -> (x_BxLxD, (aux_loss, metrics))
-        `inputs_BxL` lets a family derive positions or document segments per chunk; `aux_loss` is a float32
-        scalar added to the objective (0.0 for dense layers; a mixture's weighted router losses) and `metrics`
-        the scalars the layers log beside the loss (empty for dense layers; a mixture's router statistics).
-    head_loss(top, x_BxLxD, targets_BxL, cfg, constrain, loss_mask_BxL=None) -> (mean loss over counted targets,
-        metrics)
-    logits(top, x_BxLxD, cfg, constrain) -> float32 logits_BxLxV
-    init_params(cfg, seed) -> params;  abstract_params(cfg) -> (shapes, logical axes PartitionSpecs)
-    flops_per_token(cfg), param_count(cfg): model FLOPs (6N + attention) and parameters
-    lookup_keys(cfg): top keys used only as a lookup (gathered by FSDP in the forward pass only)
-    divisibility(cfg): {logical axis: ((setting, size), ...)} that a mesh splitting that axis must divide
-    init_cache(cfg, batch, max_len) -> cache;  decode(params, tokens_BxT, cache, length, cfg, constrain)
-        -> (float32 logits of the last position [B, V], cache): incremental decoding with a KV cache, the
-        T new tokens at positions length..length+T-1 (None: the family cannot sample)
-    What layouts and the planner need to know, without reading a family's fields (cfg.n_heads, d_model,
-    n_layers, seq_len and head_dim are read directly where a family has them):
-    kv_heads(cfg): key/value heads (what context parallelism's ring passes around)
-    expert_buffers(cfg) -> ExpertBuffers, or None for dense layers
-    attention_flops_per_token(cfg): the part of flops_per_token that attention's batched matmuls take
-    layer_bytes_per_token(cfg, remat, tensor): bytes one layer keeps for its backward pass per token of a
-        microbatch on one device, under remat none | save_dots | full, with `tensor` ways of tensor
-        parallelism (None: the planner cannot size the family)
+    run_layers -> (x_BxLxD, (aux_loss, metrics)): `inputs_BxL` lets a family derive positions or document
+        segments per chunk (models/documents.py); `aux_loss` is a float32 scalar added to the objective (0.0 for
+        dense layers; a mixture's weighted router losses), `metrics` what the layers log beside the loss.
+    head_loss -> (mean loss over the counted targets, metrics); logits -> float32 logits of every position.
     lora_projections(cfg) -> {adapter name: models.lora.Projection}: what each LoRA adapter adds to (None: the
-        family takes no adapters)
-    hf: its Hugging Face adapter (models/hf.py): config.json and tensors both ways (None: no HF import or export)
-    """
+        family takes no adapters)."""
+    init_params: InitParams
+    abstract_params: AbstractParams
+    embed: Embed
+    run_layers: RunLayers
+    head_loss: HeadLoss
+    logits: Logits
+    lora_projections: Callable[[ModelConfig], dict[str, lora.Projection]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """Incremental decoding with a KV cache: decode takes the T new tokens at positions length..length+T-1 and
+    returns the float32 logits of the last one [B, V] and the cache."""
+    init_cache: InitCache
+    decode: Decode
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """What layouts need to know of a family without reading its fields.
+
+    lookup_keys(cfg): top keys used only as a lookup (FSDP gathers them in the forward pass only)
+    divisibility(cfg): {logical axis: ((setting, size), ...)} that a mesh splitting that axis must divide
+    kv_heads(cfg): key/value heads (what context parallelism's ring passes around)
+    expert_buffers(cfg) -> ExpertBuffers, or None for dense layers"""
+    lookup_keys: Callable[[ModelConfig], tuple[str, ...]]
+    divisibility: Divisibility
+    kv_heads: Callable[[ModelConfig], int] = query_heads
+    expert_buffers: Callable[[ModelConfig], ExpertBuffers | None] = no_experts
+    tensor_traffic: TensorTraffic = TensorTraffic()
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """The planner's model of the family (train/planner).
+
+    flops_per_token, param_count: model FLOPs (6N + attention) and parameters
+    attention_flops_per_token: the part of flops_per_token that attention's batched matmuls take
+    layer_bytes_per_token(cfg, remat, tensor): bytes one layer keeps for its backward pass per token of a
+        microbatch on one device, under remat none | save_dots | full, with `tensor` ways of tensor parallelism
+        (None: the planner cannot size the family)"""
+    flops_per_token: PerConfig
+    param_count: Callable[[ModelConfig], int]
+    attention_flops_per_token: PerConfig = causal_attention_flops
+    layer_bytes_per_token: LayerBytes | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family: its config dataclass (a ModelConfig; `attention`, which train/config.py resolves per
+    platform, `loss_chunk_size` and `document_eos_id` are read where a family has them) and presets, and its
+    functions grouped by purpose. Each takes the family's config `cfg` and, inside a layer, the Hooks that
+    sharding/ lends it. `hf`: its Hugging Face adapter (models/hf.py), config.json and tensors both ways."""
     name: str
     config_cls: type
     presets: Mapping[str, Mapping[str, Any]]
-    init_params: Callable
-    abstract_params: Callable
-    embed: Callable
-    run_layers: Callable
-    head_loss: Callable
-    logits: Callable
-    flops_per_token: Callable
-    param_count: Callable
-    lookup_keys: Callable
-    divisibility: Callable
-    tensor_traffic: TensorTraffic = TensorTraffic()
-    init_cache: Callable | None = None
-    decode: Callable | None = None
-    kv_heads: Callable = query_heads
-    expert_buffers: Callable = no_experts
-    attention_flops_per_token: Callable = causal_attention_flops
-    layer_bytes_per_token: Callable | None = None
-    lora_projections: Callable | None = None
-    hf: HFAdapter | None = None
+    forward: Forward
+    parallel: Parallel
+    cost: Cost
+    decoding: Decoding | None = None  # None: the family cannot sample
+    hf: HFAdapter | None = None  # None: no Hugging Face import or export
 
 
 FAMILIES: dict[str, Family] = {}
@@ -182,14 +229,14 @@ def register(family: Family) -> Family:
     return family
 
 
-def family_of(cfg: Any) -> Family:
+def family_of(cfg: ModelConfig) -> Family:
     return FAMILIES[cfg.family]
 
 
-def stack_length(cfg: Any) -> int:
+def stack_length(cfg: ModelConfig) -> int:
     """The length of the layer stack's leading `layers` axis, which pipelines split into stages: the layers, or a
     mixture's groups of `moe_every` layers (models/moe.py)."""
-    buffers = family_of(cfg).expert_buffers(cfg)
+    buffers = family_of(cfg).parallel.expert_buffers(cfg)
     return cfg.n_layers if buffers is None else buffers.layers
 
 
@@ -198,26 +245,26 @@ def top_params(params: Params) -> Params:
     return {k: v for k, v in params.items() if k != LAYERS}
 
 
-def forward(params: Params, tokens_BxL: jax.Array, cfg: Any, constrain: Constrain = no_constraint) -> jax.Array:
+def forward(params: Params, tokens_BxL: jax.Array, cfg: ModelConfig, constrain: Constrain = no_constraint) -> jax.Array:
     """Float32 logits for every position."""
     fam = family_of(cfg)
     order = constrain.context_order(tokens_BxL.shape[1])
     if order is not None:
         tokens_BxL = jnp.take(tokens_BxL, order, axis=1)
-    x = fam.embed(top_params(params), tokens_BxL, cfg, constrain)
-    x, _ = fam.run_layers(params[LAYERS], x, tokens_BxL, cfg, constrain)
-    logits_BxLxV = fam.logits(top_params(params), x, cfg, constrain)
+    x = fam.forward.embed(top_params(params), tokens_BxL, cfg, constrain)
+    x, _ = fam.forward.run_layers(params[LAYERS], x, tokens_BxL, cfg, constrain)
+    logits_BxLxV = fam.forward.logits(top_params(params), x, cfg, constrain)
     return logits_BxLxV if order is None else jnp.take(logits_BxLxV, jnp.argsort(order), axis=1)
 
 
-def loss(params: Params, tokens_BxL1: jax.Array, cfg: Any, constrain: Constrain = no_constraint) -> jax.Array:
+def loss(params: Params, tokens_BxL1: jax.Array, cfg: ModelConfig, constrain: Constrain = no_constraint) -> jax.Array:
     """The training objective of a batch of `seq_len + 1` tokens per row (inputs and shifted targets): the
     language-model loss, the mean over counted targets (all, or with packed documents those not after an
     end-of-document input), plus any auxiliary loss of the layers."""
     return loss_and_metrics(params, tokens_BxL1, cfg, constrain)[0]
 
 
-def loss_and_metrics(params: Params, tokens_BxL1: jax.Array, cfg: Any,
+def loss_and_metrics(params: Params, tokens_BxL1: jax.Array, cfg: ModelConfig,
                      constrain: Constrain = no_constraint) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(objective, metrics): `metrics["loss"]` is the language-model loss alone; the layers' and the head's
     metrics (a mixture's router statistics) join it as their own scalars."""
@@ -229,9 +276,9 @@ def loss_and_metrics(params: Params, tokens_BxL1: jax.Array, cfg: Any,
         inputs, targets = jnp.take(inputs, order, axis=1), jnp.take(targets, order, axis=1)
         counted = None if counted is None else jnp.take(counted, order, axis=1)
     top = top_params(params)
-    x = fam.embed(top, inputs, cfg, constrain)
-    x, (aux_loss, layer_metrics) = fam.run_layers(params[LAYERS], x, inputs, cfg, constrain)
-    lm, head_metrics = fam.head_loss(top, x, targets, cfg, constrain, counted)
+    x = fam.forward.embed(top, inputs, cfg, constrain)
+    x, (aux_loss, layer_metrics) = fam.forward.run_layers(params[LAYERS], x, inputs, cfg, constrain)
+    lm, head_metrics = fam.forward.head_loss(top, x, targets, cfg, constrain, counted)
     objective = lm + aux_loss
     # Layers that log nothing add nothing (aux_loss is 0): their objective is the loss, reported as such.
     return objective, {"loss": lm if layer_metrics else objective, **scalars(head_metrics), **scalars(layer_metrics)}
@@ -248,17 +295,17 @@ def scalars(metrics: Metrics) -> Metrics:
     return out
 
 
-def init_params(cfg: Any, seed: int) -> Params:
-    return family_of(cfg).init_params(cfg, seed)
+def init_params(cfg: ModelConfig, seed: int) -> Params:
+    return family_of(cfg).forward.init_params(cfg, seed)
 
 
-def abstract_params(cfg: Any) -> tuple[Params, dict]:
-    return family_of(cfg).abstract_params(cfg)
+def abstract_params(cfg: ModelConfig) -> tuple[Params, dict]:
+    return family_of(cfg).forward.abstract_params(cfg)
 
 
-def flops_per_token(cfg: Any) -> float:
-    return family_of(cfg).flops_per_token(cfg)
+def flops_per_token(cfg: ModelConfig) -> float:
+    return family_of(cfg).cost.flops_per_token(cfg)
 
 
-def param_count(cfg: Any) -> int:
-    return family_of(cfg).param_count(cfg)
+def param_count(cfg: ModelConfig) -> int:
+    return family_of(cfg).cost.param_count(cfg)

@@ -6,19 +6,21 @@ With `cfg.masked_targets` a row also carries a loss mask (supervised fine-tuning
 is stored as -(id+1), so the mask rides in the same int32 rows (`split_row` decodes it)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from models.protocols import ModelConfig
 
-def eos_id(cfg: Any) -> int | None:
+
+def eos_id(cfg: ModelConfig) -> int | None:
     """The end-of-document id the model splits rows at, or None when rows are one stream."""
     value = getattr(cfg, "document_eos_id", -1)
     return None if value is None or value < 0 else int(value)
 
 
-def segments(inputs_BxL: jax.Array, cfg: Any) -> tuple[jax.Array | None, jax.Array | None]:
+def segments(inputs_BxL: jax.Array, cfg: ModelConfig) -> tuple[jax.Array | None, jax.Array | None]:
     """(segment ids, positions), both int32 [B, L], or (None, None) without documents. An end-of-document
     token belongs to the document it ends; segment ids count the documents begun before a token (so they
     never decrease along a row), positions count from each document's first token."""
@@ -34,12 +36,12 @@ def segments(inputs_BxL: jax.Array, cfg: Any) -> tuple[jax.Array | None, jax.Arr
     return segment_BxL, index_L[None, :] - start_BxL
 
 
-def masked(cfg: Any) -> bool:
+def masked(cfg: ModelConfig) -> bool:
     """Whether rows encode a loss mask (a target that does not count stored as -(id+1))."""
     return bool(getattr(cfg, "masked_targets", False))
 
 
-def split_row(tokens_BxL1: jax.Array, cfg: Any) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+def split_row(tokens_BxL1: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(inputs_BxL, targets_BxL, counted_BxL or None) of rows of seq+1 tokens: the ids with any loss mask decoded,
     and the targets that count (a masked target, or the one after an end-of-document input, does not; None:
     all count). Keeping the mask inside the token rows rather than in an array beside them means batches,
@@ -55,13 +57,13 @@ def split_row(tokens_BxL1: jax.Array, cfg: Any) -> tuple[jax.Array, jax.Array, j
     return inputs, targets, counted if document is None else counted & document
 
 
-def loss_mask(inputs_BxL: jax.Array, cfg: Any) -> jax.Array | None:
+def loss_mask(inputs_BxL: jax.Array, cfg: ModelConfig) -> jax.Array | None:
     """bool [B, L]: the targets that count (not the one after an end-of-document input); None counts all."""
     eos = eos_id(cfg)
     return None if eos is None else inputs_BxL != eos
 
 
-def target_counter(cfg: Any) -> Callable[[jax.Array], jax.Array] | None:
+def target_counter(cfg: ModelConfig) -> Callable[[jax.Array], jax.Array] | None:
     """tokens [B, seq+1] -> float32 number of counted targets, for normalizing a loss over a whole batch that
     is computed in parts (accumulation slices, pipeline microbatches); None when every target counts."""
     if eos_id(cfg) is None and not masked(cfg):

@@ -354,8 +354,10 @@ def divisibility(cfg: GPTConfig) -> dict:
 
 
 FAMILY = contract.register(contract.Family(
-    name="gpt", config_cls=GPTConfig, presets=GPT_PRESETS, init_params=init_params, abstract_params=abstract_params,
-    embed=embed, run_layers=run_layers, head_loss=head_loss, logits=logits, flops_per_token=flops_per_token,
-    param_count=param_count, lookup_keys=lookup_keys, divisibility=divisibility,
-    init_cache=init_cache, decode=decode, expert_buffers=moe.expert_buffers,
-    layer_bytes_per_token=layer_bytes_per_token, lora_projections=projections, hf=gpt_hf.ADAPTER))
+    name="gpt", config_cls=GPTConfig, presets=GPT_PRESETS,
+    forward=contract.Forward(init_params=init_params, abstract_params=abstract_params, embed=embed,
+                             run_layers=run_layers, head_loss=head_loss, logits=logits, lora_projections=projections),
+    parallel=contract.Parallel(lookup_keys=lookup_keys, divisibility=divisibility, expert_buffers=moe.expert_buffers),
+    cost=contract.Cost(flops_per_token=flops_per_token, param_count=param_count,
+                       layer_bytes_per_token=layer_bytes_per_token),
+    decoding=contract.Decoding(init_cache=init_cache, decode=decode), hf=gpt_hf.ADAPTER))

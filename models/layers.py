@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from models.contract import Params
+from models.protocols import ModelConfig
 
 
 def param(rngs: nnx.Rngs, shape, axes: tuple, dtype, std: float | None) -> nnx.Param:
@@ -83,13 +84,13 @@ def remat(fn, policy: str):
     return jax.checkpoint(fn, policy=saveable, prevent_cse=False)
 
 
-def empty_kv_cache(cfg: Any, kv_heads: int, batch: int, max_len: int) -> dict[str, jax.Array]:
+def empty_kv_cache(cfg: ModelConfig, kv_heads: int, batch: int, max_len: int) -> dict[str, jax.Array]:
     """Keys and values of every layer, [layers, B, max_len, kv_heads, head_dim] in the compute dtype."""
     shape = (cfg.n_layers, batch, max_len, kv_heads, cfg.head_dim)
     return {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)}
 
 
-def decode_with_cache(params: Params, tokens_BxT: jax.Array, cache: dict, length: jax.Array, cfg: Any,
+def decode_with_cache(params: Params, tokens_BxT: jax.Array, cache: dict, length: jax.Array, cfg: ModelConfig,
                       constrain: Any, embed: Any, cached_block: Any, logits: Any):
     """A family's `decode`: run T new tokens at positions length.. through the stack, writing their keys and
     values into the cache: a prefill (T = prompt length, length 0) or one step (T = 1). `cached_block(p, x,

@@ -258,9 +258,12 @@ def divisibility(cfg: LlamaConfig) -> dict:
 
 
 FAMILY = contract.register(contract.Family(
-    name="llama", config_cls=LlamaConfig, presets=LLAMA_PRESETS, init_params=init_params,
-    abstract_params=abstract_params, embed=gpt.embed, run_layers=run_layers, head_loss=head_loss, logits=logits,
-    flops_per_token=flops_per_token, param_count=param_count,
-    lookup_keys=lambda cfg: () if cfg.tie_embeddings else ("embed",), divisibility=divisibility,
-    init_cache=init_cache, decode=decode, kv_heads=lambda cfg: cfg.n_kv_heads, expert_buffers=moe.expert_buffers,
-    layer_bytes_per_token=layer_bytes_per_token, lora_projections=projections, hf=llama_hf.ADAPTER))
+    name="llama", config_cls=LlamaConfig, presets=LLAMA_PRESETS,
+    forward=contract.Forward(init_params=init_params, abstract_params=abstract_params, embed=gpt.embed,
+                             run_layers=run_layers, head_loss=head_loss, logits=logits, lora_projections=projections),
+    parallel=contract.Parallel(lookup_keys=lambda cfg: () if cfg.tie_embeddings else ("embed",),
+                               divisibility=divisibility, kv_heads=lambda cfg: cfg.n_kv_heads,
+                               expert_buffers=moe.expert_buffers),
+    cost=contract.Cost(flops_per_token=flops_per_token, param_count=param_count,
+                       layer_bytes_per_token=layer_bytes_per_token),
+    decoding=contract.Decoding(init_cache=init_cache, decode=decode), hf=llama_hf.ADAPTER))

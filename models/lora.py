@@ -13,6 +13,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from models.protocols import ModelConfig
+
 KEY = "lora"  # the layer dict's entry holding the adapters
 TARGETS = ("q", "k", "v", "o", "mlp")
 
@@ -29,21 +31,21 @@ class Projection:
     out_axes: tuple
 
 
-def targets(cfg: Any) -> tuple[str, ...]:
+def targets(cfg: ModelConfig) -> tuple[str, ...]:
     """The adapted projections, from the comma list `model.lora_targets`."""
     return tuple(t.strip() for t in str(getattr(cfg, "lora_targets", "") or "").split(",") if t.strip())
 
 
-def adapter_names(cfg: Any) -> tuple[str, ...]:
+def adapter_names(cfg: ModelConfig) -> tuple[str, ...]:
     """The adapters of the targets: one per target, two for `mlp` (its input and output matrices)."""
     return tuple(n for t in targets(cfg) for n in (("mlp_in", "mlp_out") if t == "mlp" else (t,)))
 
 
-def enabled(cfg: Any) -> bool:
+def enabled(cfg: ModelConfig) -> bool:
     return getattr(cfg, "lora_rank", 0) > 0
 
 
-def scale(cfg: Any) -> float:
+def scale(cfg: ModelConfig) -> float:
     return cfg.lora_alpha / cfg.lora_rank
 
 
@@ -62,13 +64,13 @@ class Adapter(nnx.Module):
 class Adapters(nnx.Module):
     """One Adapter per projection of `cfg.lora_targets` (adapter_names), stacked over the `layers` axis."""
 
-    def __init__(self, cfg: Any, projections: dict[str, Projection], rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, projections: dict[str, Projection], rngs: nnx.Rngs):
         for name in adapter_names(cfg):
             setattr(self, name, Adapter(projections[name], cfg.lora_rank, (cfg.n_layers,), ("layers",),
                                         jnp.dtype(cfg.param_dtype), rngs))
 
 
-def add(y: jax.Array, p: dict, name: str, x: jax.Array, cfg: Any) -> jax.Array:
+def add(y: jax.Array, p: dict, name: str, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """`y` (the base projection of `x`, [B, L, *out]) plus the adapter `name`'s scale·(x·A)·B, when adapted.
 
     The families call this at each projection themselves. google/qwix (LoRA for Flax) does not fit this model
@@ -89,7 +91,7 @@ def is_adapter(path: tuple) -> bool:
     return any(getattr(k, "key", k) == KEY for k in path)
 
 
-def freeze(params: Any, cfg: Any) -> Any:
+def freeze(params: Any, cfg: ModelConfig) -> Any:
     """With adapters, every other parameter is a constant of the forward pass: no executor (the plain step, a
     pipeline cell's vjp) computes its weight gradient, which comes out as zeros."""
     if not enabled(cfg):
@@ -98,7 +100,7 @@ def freeze(params: Any, cfg: Any) -> Any:
                                             params)
 
 
-def merge(params: dict, cfg: Any, projections: dict[str, Projection]) -> dict:
+def merge(params: dict, cfg: ModelConfig, projections: dict[str, Projection]) -> dict:
     """numpy params (layers stacked, logical order) -> the same without adapters, each adapted weight replaced by
     W + scale·A·B (computed in float32): what an export writes."""
     layers = {k: np.array(v, np.float32) if k != KEY else v for k, v in params["layers"].items()}
@@ -112,13 +114,13 @@ def merge(params: dict, cfg: Any, projections: dict[str, Projection]) -> dict:
     return {**params, "layers": {k: v.astype(dtypes[k]) for k, v in layers.items()}}
 
 
-def adapter_count(cfg: Any, projections: dict[str, Projection]) -> int:
+def adapter_count(cfg: ModelConfig, projections: dict[str, Projection]) -> int:
     """Adapter parameters of the whole stack."""
     return cfg.n_layers * cfg.lora_rank * sum(math.prod(projections[t].in_shape) + math.prod(projections[t].out_shape)
                                               for t in adapter_names(cfg))
 
 
-def matmul_flops(cfg: Any, matmul_params: int, projections: dict[str, Projection]) -> float:
+def matmul_flops(cfg: ModelConfig, matmul_params: int, projections: dict[str, Projection]) -> float:
     """Training FLOPs per token of the matmul weights: 6N (forward 2N, backward 4N); with adapters the frozen
     weights skip their weight gradient (4N) and each adapter parameter costs 6."""
     if not enabled(cfg):

@@ -10,7 +10,7 @@ the `expert` mesh axis in sharding/experts.py.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,12 +18,13 @@ from flax import nnx
 
 from models.contract import Constrain, ExpertBuffers, Params
 from models.layers import param, remat, rms_norm
+from models.protocols import ModelConfig
 
 # The scalars a mixture logs beside the language-model loss (per-expert load: moe_load_e0, moe_load_e1, ...).
 METRICS = ("moe_z_loss", "moe_load_balance_loss", "moe_dropped_fraction")
 
 
-def is_moe(cfg: Any) -> bool:
+def is_moe(cfg: ModelConfig) -> bool:
     return getattr(cfg, "n_experts", 0) > 0
 
 
@@ -34,11 +35,11 @@ def on_whole_rows(keys: tuple[str, ...]) -> bool:
     return keys[:1] in (("router",), ("experts",)) or keys[:2] == ("moe", "mlp_norm")
 
 
-def groups(cfg: Any) -> int:
+def groups(cfg: ModelConfig) -> int:
     return cfg.n_layers // cfg.moe_every
 
 
-def capacity(cfg: Any, seq_len: int) -> int:
+def capacity(cfg: ModelConfig, seq_len: int) -> int:
     """Slots per expert per row: every token fits when dropless (a token picks an expert at most once)."""
     if not cfg.capacity_factor:
         return seq_len
@@ -50,7 +51,7 @@ class Groups(nnx.Module):
     attention and norms `moe` [G, ...], the `router` [G, D, E] and the family's `experts` [G, E, ...].
     `blocks(lead_shape, lead_axes, with_mlp)` makes a family's stacked block weights."""
 
-    def __init__(self, cfg: Any, rngs: nnx.Rngs, blocks: Callable, experts: Callable):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, blocks: Callable, experts: Callable):
         G, k = groups(cfg), cfg.moe_every
         if k > 1:
             self.dense = blocks((G, k - 1), ("layers", None), True)
@@ -62,7 +63,7 @@ class Groups(nnx.Module):
         self.experts = experts(G)
 
 
-def route(router_DxE: jax.Array, h_BxLxD: jax.Array, cfg: Any):
+def route(router_DxE: jax.Array, h_BxLxD: jax.Array, cfg: ModelConfig):
     """float32 router: (logits [B,L,E], probabilities [B,L,E], top-k experts [B,k,L] and their combine weights
     [B,k,L]: the top-k probabilities renormalized to sum to 1 (Mixtral), or the top-1 probability when k=1)."""
     logits = jnp.einsum("bld,de->ble", h_BxLxD.astype(jnp.float32), router_DxE.astype(jnp.float32))
@@ -117,7 +118,7 @@ def _take_rows(x_BxNxD: jax.Array, index_BxM: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x_BxNxD, index_BxM[..., None], axis=1, mode="fill", fill_value=0)
 
 
-def moe_mlp(router_DxE: jax.Array, experts: Params, h_BxLxD: jax.Array, cfg: Any, constrain: Constrain,
+def moe_mlp(router_DxE: jax.Array, experts: Params, h_BxLxD: jax.Array, cfg: ModelConfig, constrain: Constrain,
             expert_fn: Callable) -> tuple[jax.Array, dict]:
     """The mixture on normed inputs: (output [B,L,D], this layer's router statistics over the whole batch).
     `expert_fn(experts, x_ExNxD) -> y_ExNxD` is the family's MLP applied per expert."""
@@ -125,7 +126,7 @@ def moe_mlp(router_DxE: jax.Array, experts: Params, h_BxLxD: jax.Array, cfg: Any
     return constrain(constrain.whole_rows(y_BxLxD), ("batch", "seq", "embed")), stats
 
 
-def _mixture(router_DxE: jax.Array, experts: Params, h_BxLxD: jax.Array, cfg: Any, constrain: Constrain,
+def _mixture(router_DxE: jax.Array, experts: Params, h_BxLxD: jax.Array, cfg: ModelConfig, constrain: Constrain,
              expert_fn: Callable) -> tuple[jax.Array, dict]:
     """moe_mlp on whole rows, its output left where the computation puts it."""
     B, L, D = h_BxLxD.shape
@@ -146,7 +147,7 @@ def _mixture(router_DxE: jax.Array, experts: Params, h_BxLxD: jax.Array, cfg: An
     return y_BxLxD, stats
 
 
-def _mlp_half_on_rows(g: Params, x_BxLxD: jax.Array, cfg: Any, constrain: Constrain,
+def _mlp_half_on_rows(g: Params, x_BxLxD: jax.Array, cfg: ModelConfig, constrain: Constrain,
                       expert_fn: Callable) -> tuple[jax.Array, dict]:
     """A context-parallel layout's MoE block after attention: its rows split over `context` in place of their
     sequence (one all-to-all each way) and the sequence back in its order there, so the norm, the mixture and the
@@ -157,7 +158,7 @@ def _mlp_half_on_rows(g: Params, x_BxLxD: jax.Array, cfg: Any, constrain: Constr
     return constrain(constrain.rows_to_context(x_BxLxD + y_BxLxD), ("batch", "seq", "embed")), stats
 
 
-def run_groups(layers: Params, x_BxLxD: jax.Array, cfg: Any, constrain: Constrain, dense_block: Callable,
+def run_groups(layers: Params, x_BxLxD: jax.Array, cfg: ModelConfig, constrain: Constrain, dense_block: Callable,
                attention_residual: Callable, expert_fn: Callable) -> tuple[jax.Array, dict]:
     """The scanned groups; returns (x, aux): `aux_loss` (the weighted router losses, mean over MoE layers, for
     the objective), the statistics of METRICS and `moe_load` [E], each the mean over the MoE layers, and
@@ -187,7 +188,7 @@ def log_fields(aux: dict) -> dict:
     return {**{k: aux[k] for k in METRICS}, "moe_load_e": aux["moe_load"]}
 
 
-def mlp_matmul_params(cfg: Any, per_mlp: int, active: bool = False) -> int:
+def mlp_matmul_params(cfg: ModelConfig, per_mlp: int, active: bool = False) -> int:
     """MLP matmul parameters of the whole stack, `per_mlp` being one dense MLP's: the experts (all of them, or
     the k a token runs through when `active`) plus the router in each MoE block."""
     if not is_moe(cfg):
@@ -197,10 +198,10 @@ def mlp_matmul_params(cfg: Any, per_mlp: int, active: bool = False) -> int:
     return (cfg.n_layers - moe_layers) * per_mlp + moe_layers * (experts * per_mlp + cfg.d_model * cfg.n_experts)
 
 
-def expert_buffers(cfg: Any) -> ExpertBuffers | None:
+def expert_buffers(cfg: ModelConfig) -> ExpertBuffers | None:
     """The contract's view of the mixture (models.contract.ExpertBuffers), None for dense layers."""
     return ExpertBuffers(groups(cfg), cfg.n_experts, capacity(cfg, cfg.seq_len)) if is_moe(cfg) else None
 
 
-def divisibility(cfg: Any) -> dict:
+def divisibility(cfg: ModelConfig) -> dict:
     return {"experts": (("model.n_experts", cfg.n_experts),)} if is_moe(cfg) else {}

@@ -3,7 +3,7 @@ the inputs (or a context-parallel layout's global order), then one scanned, rema
 for a mixture of experts, the groups of models/moe.py. A family lends its block, attention and expert MLP."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -11,9 +11,10 @@ import jax.numpy as jnp
 from models import documents, lora, moe
 from models.contract import Constrain, LayerAux, Params
 from models.layers import remat, rms_norm
+from models.protocols import ModelConfig
 
 
-def run_stack(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: Any, constrain: Constrain,
+def run_stack(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: ModelConfig, constrain: Constrain,
               block: Callable, attention: Callable, expert_mlp: Callable):
     """Apply a stack (or any contiguous slice of it). `block(p, x, segment_ids, positions) -> x` is one dense
     layer, `attention(p, h, segment_ids, positions) -> out` its attention on the normed input, `expert_mlp(w,
@@ -35,7 +36,7 @@ def run_stack(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: An
     return x_BxLxD, None
 
 
-def segments_and_positions(inputs_BxL: jax.Array, length: int, cfg: Any,
+def segments_and_positions(inputs_BxL: jax.Array, length: int, cfg: ModelConfig,
               constrain: Constrain) -> tuple[jax.Array | None, jax.Array | None]:
     """Packed documents' (segment ids, positions) of the `length` positions the stack runs. A context-parallel
     layout's permuted sequence keeps its global rotary positions; its documents are found in the global order

@@ -63,7 +63,7 @@ class Layout:
     """What every rule reads: the model, its parameters (`leaves`, their `specs`, which are `lookup` tables),
     the rules and mesh sizes, the global batch and the pipeline's {schedule, microbatches, virtual_stages} or None
     (without `schedule`, one of the tables with 2(vm+p-1) slots)."""
-    cfg: Any
+    cfg: models.ModelConfig
     leaves: tuple
     specs: tuple
     lookup: tuple[bool, ...]
@@ -111,7 +111,7 @@ class Layout:
 
     @property
     def experts(self) -> models.ExpertBuffers | None:
-        return self.family.expert_buffers(self.cfg)
+        return self.family.parallel.expert_buffers(self.cfg)
 
 
 def _rows_over_context(x: Layout) -> bool:
@@ -206,7 +206,7 @@ def _expert_buffer_bytes(x: Layout) -> float:
     return rows * x.experts.experts * x.experts.capacity * x.cfg.d_model * x.itemsize
 
 
-def _activation_all_reduces(cfg: Any, chunks: int, stages: int) -> float:
+def _activation_all_reduces(cfg: models.ModelConfig, chunks: int, stages: int) -> float:
     """Megatron's activation all-reduces per device per step, in units of the replica's whole batch of
     activations [rows, seq, d_model] (the microbatches of a pipeline add up to one such unit).
 
@@ -223,7 +223,7 @@ def _activation_all_reduces(cfg: Any, chunks: int, stages: int) -> float:
     (forward cell, and again in the backward cell), the head's input gradient once on the last stage:
     3 per step over the stages, averaged like everything else since the audit reports the mean device.
     """
-    t = models.family_of(cfg).tensor_traffic
+    t = models.family_of(cfg).parallel.tensor_traffic
     full = cfg.remat == "full"
     per_layer = 2 * t.forward_per_layer + t.recomputed_by_full_remat * full
     if not chunks:
@@ -233,7 +233,7 @@ def _activation_all_reduces(cfg: Any, chunks: int, stages: int) -> float:
     return ((per_layer + t.forward_per_layer) * cfg.n_layers - dead + top) / stages
 
 
-def _sequence_parallel(cfg: Any, act: float, chunks: int, stages: int) -> list[Expected]:
+def _sequence_parallel(cfg: models.ModelConfig, act: float, chunks: int, stages: int) -> list[Expected]:
     """Megatron sequence parallelism's activation traffic over `tensor`, `act` bytes a unit. Each activation
     all-reduce tensor parallelism would do (`_activation_all_reduces`, pipelined or not) becomes a reduce-scatter
     and an all-gather: forward, the scatter of a block's output and the gather of the next matmul input;
@@ -242,7 +242,7 @@ def _sequence_parallel(cfg: Any, act: float, chunks: int, stages: int) -> list[E
     attention's under full remat, whose recompute gathers it for the backward. The top mirrors it: the
     embedding lookup reduce-scatters forward and gathers its gradient back, the head gathers its input and
     reduce-scatters that gradient. Pipelined, each backward cell's recomputed forward counts like the forward."""
-    t = models.family_of(cfg).tensor_traffic
+    t = models.family_of(cfg).parallel.tensor_traffic
     units = _activation_all_reduces(cfg, chunks, stages)
     again = (t.forward_per_layer - t.recomputed_by_full_remat * (cfg.remat == "full")) * cfg.n_layers
     return [Expected("activation reduce-scatter (sequence parallel)", "reduce_scatter", "tensor", units * act),
@@ -286,7 +286,7 @@ def context_ring(x: Layout) -> list[Expected]:
         return []
     cfg = x.cfg
     heads_ways = math.prod(x.sizes[a] for a in x.rules.get("heads", ()) if x.sizes.get(a, 1) > 1)
-    kv_heads = x.family.kv_heads(cfg) // heads_ways
+    kv_heads = x.family.parallel.kv_heads(cfg) // heads_ways
     block = x.rows * (cfg.seq_len // context) * kv_heads * cfg.head_dim * x.itemsize
     if x.pipelined:
         # A split backward runs B and W cells per chunk, except the first chunk's B (pipeline_stages: idle), so
@@ -391,12 +391,12 @@ RULES: list[Callable[[Layout], list[Expected]]] = [
     expert_all_to_alls, context_rows, stage_sends]
 
 
-def expected_traffic(cfg: Any, abstract_params: Any, param_specs: Any, rules: Mapping,
+def expected_traffic(cfg: models.ModelConfig, abstract_params: Any, param_specs: Any, rules: Mapping,
                      sizes: Mapping[str, int], global_batch: int,
                      pipeline: Mapping[str, int] | None = None) -> list[Expected]:
     """What the layout requires; `pipeline` = {schedule, microbatches, virtual_stages} when mesh.pipeline > 1."""
     paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(abstract_params)[0])
-    lookup_keys = models.family_of(cfg).lookup_keys(cfg)  # tables only looked up: gathered forward only
+    lookup_keys = models.family_of(cfg).parallel.lookup_keys(cfg)  # tables only looked up: gathered forward only
     lookup = tuple(len(path) == 1 and getattr(path[0], "key", None) in lookup_keys for path in paths)
     specs = tuple(jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P)))
     layout = Layout(cfg, leaves, specs, lookup, rules, sizes, global_batch, pipeline)

@@ -160,7 +160,7 @@ def _only(spec: P, axes: tuple[str, ...], drop: tuple[str, ...] = ()) -> P:
     return P(*out)
 
 
-def build(cfg: Any, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule,
+def build(cfg: models.ModelConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule,
           train: bool = True) -> Callable:
     """fn(params, tokens [B, seq+1]) -> (loss, grads) (train) or loss: the pipelined model on `mesh`, the
     shard_map of a StageProgram's region (manual over `pipeline` and the batch axes)."""
@@ -202,7 +202,7 @@ class StageProgram:
     over the batch axes once per step, after the loop.
     """
 
-    def __init__(self, cfg: Any, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule,
+    def __init__(self, cfg: models.ModelConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule,
                  train: bool):
         p, v = schedule.stages, schedule.virtual_stages
         sizes = axis_sizes(mesh)
@@ -372,7 +372,7 @@ def _on_local_shards(fn: Callable, x: jax.Array, spec: P, automatic: tuple[str, 
                          check_vma=True)(x)
 
 
-def _slice_counter(cfg: Any, constrain: AutoAxesHints) -> Callable[[jax.Array], jax.Array]:
+def _slice_counter(cfg: models.ModelConfig, constrain: AutoAxesHints) -> Callable[[jax.Array], jax.Array]:
     """tokens [b, seq+1] -> the counted targets of the positions this device computes: the whole rows, or under
     context parallelism its slice of them (each device's loss is the mean over its slice's counted targets)."""
     return lambda tokens: jnp.sum(stages.device_rows(tokens, cfg, constrain, constrain.context)[2], dtype=jnp.float32)
@@ -404,12 +404,12 @@ def _add_at(acc: jax.Array, g: jax.Array, index: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(acc, current + g, index, 0)
 
 
-def loss_and_grad(cfg: Any, mesh: jax.sharding.Mesh, rules: Rules,
+def loss_and_grad(cfg: models.ModelConfig, mesh: jax.sharding.Mesh, rules: Rules,
                   schedule: schedules.Schedule) -> Callable:
     """The LossAndGrad of train.step: (params, tokens [B, seq+1]) -> (mean loss, grads)."""
     return build(cfg, mesh, rules, schedule, train=True)
 
 
-def loss(cfg: Any, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule) -> Callable:
+def loss(cfg: models.ModelConfig, mesh: jax.sharding.Mesh, rules: Rules, schedule: schedules.Schedule) -> Callable:
     """(params, tokens) -> mean loss, forward cells only: evaluation without gathering the layer stack."""
     return build(cfg, mesh, rules, schedule, train=False)

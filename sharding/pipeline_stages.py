@@ -50,7 +50,7 @@ def make_varying(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
-def device_rows(tokens: jax.Array, cfg: Any, constrain: Constrain,
+def device_rows(tokens: jax.Array, cfg: models.ModelConfig, constrain: Constrain,
                 context: int) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(inputs, targets, loss mask or None) [b, seq / context] of a microbatch's tokens [b, seq+1]: what this
     device computes (the whole rows without context parallelism, else its slice of their zigzag order)."""
@@ -64,7 +64,7 @@ def device_rows(tokens: jax.Array, cfg: Any, constrain: Constrain,
 LossScale = Union[float, Callable[[jax.Array], jax.Array]]  # 1/m, or a microbatch's tokens -> its weight
 
 
-def branches(cfg: Any, constrain: Constrain, manual: tuple[str, ...], loss_scale: LossScale, chunks: int,
+def branches(cfg: models.ModelConfig, constrain: Constrain, manual: tuple[str, ...], loss_scale: LossScale, chunks: int,
              split: bool = False, context: int = 1) -> list[Callable[[Operands], Outputs]]:
     """The cell programs, indexed by the constants above (see Cells): seven, or eleven with the split backward's.
     The executor picks one per time slot with `lax.switch`, so all of them share one signature."""
@@ -96,7 +96,7 @@ class Cells:
     the mean over the slice's targets.
     """
 
-    def __init__(self, cfg: Any, constrain: Constrain, manual: tuple[str, ...], loss_scale: LossScale,
+    def __init__(self, cfg: models.ModelConfig, constrain: Constrain, manual: tuple[str, ...], loss_scale: LossScale,
                  chunks: int, context: int = 1):
         self.cfg, self.constrain, self.manual, self.loss_scale = cfg, constrain, manual, loss_scale
         self.context = context
@@ -116,13 +116,14 @@ class Cells:
         """(x, this chunk's share of the aux loss, varying like the loss so its seed has its type, and of the
         layers' metrics)."""
         # The whole rows' inputs in order: under context parallelism packed documents are found along them (stack.py).
-        y, (aux, metrics) = self.family.run_layers(chunk, x, models.split_row(tokens, self.cfg)[0], self.cfg,
+        y, (aux, metrics) = self.family.forward.run_layers(chunk, x, models.split_row(tokens, self.cfg)[0], self.cfg,
                                                    self.constrain)
         share = jax.tree.map(lambda a: a / self.chunks, (aux, metrics))
         return y, make_varying(share[0], self.manual), share[1]
 
     def first(self, chunk: Any, top: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
-        return self.layers(chunk, self.family.embed(top, self.rows(tokens)[0], self.cfg, self.constrain), tokens)
+        x = self.family.forward.embed(top, self.rows(tokens)[0], self.cfg, self.constrain)
+        return self.layers(chunk, x, tokens)
 
     def mid(self, chunk: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
         return self.layers(chunk, x, tokens)
@@ -131,7 +132,7 @@ class Cells:
         """(objective: loss + the chunk's aux loss, the language-model loss, the chunk's metrics)."""
         y, aux, metrics = self.layers(chunk, x, tokens)
         _, targets, mask = self.rows(tokens)
-        loss, _ = self.family.head_loss(top, y, targets, self.cfg, self.constrain, mask)
+        loss, _ = self.family.forward.head_loss(top, y, targets, self.cfg, self.constrain, mask)
         return loss + aux, loss, metrics
 
     def logged(self, loss: jax.Array, metrics: dict) -> dict[str, jax.Array]:

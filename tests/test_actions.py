@@ -132,13 +132,14 @@ def test_fault_injection_is_an_action_only_a_test_config_adds():
     from train.config import base_config
     from train.loop import builtin as loop_actions
     config = base_config()
-    _, checkpoint_section, faults = sections.from_config(config)
+    checkpoint_section = sections.CheckpointSection.from_config(config.checkpoint)
+    faults = sections.FaultSection.from_config(config.fault_injection)
     loop = types.SimpleNamespace(plan=types.SimpleNamespace(faults=faults, checkpoint=checkpoint_section))
     names = [type(a).__name__ for a in loop_actions.step_actions(loop, [])]
     assert names == ["FetchPending", "SavePoll", "ProfileStop", "SavePrepare", "FetchNow", "Evaluation",
                      "CheckpointSave", "UserActions", "PreemptionStop"]
     config.fault_injection.step_delay_s = 0.1
-    loop.plan.faults = sections.from_config(config)[2]
+    loop.plan.faults = sections.FaultSection.from_config(config.fault_injection)
     assert [type(a).__name__ for a in loop_actions.step_actions(loop, [])] == ["FaultInjection", *names]
     loop.plan.checkpoint = dataclasses.replace(checkpoint_section, enabled=False)  # checkpoint.enabled=False
     assert [type(a).__name__ for a in loop_actions.step_actions(loop, [])] == [

@@ -12,8 +12,8 @@ import pytest
 from checkpoint import safetensors_io
 from tests.forked import run_many
 from tests.helpers import ROOT, tiny_config
+from train import exit_codes
 from train.data import prepare
-from train.loop import exit_codes
 from train.runtime.lock import WorkdirLock
 
 TINY = ["--config=experiments/tiny.py", "--config.mesh.data=8"]

@@ -17,8 +17,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests.helpers import ROOT, last_step, losses, run_cli, start_cli, wait_for
+from train import exit_codes
 from train.data import prepare
-from train.loop import exit_codes
 
 STEPS = 12
 # Half the tiny model's width and layers (4 still splits into 2 stages x 2 virtual stages): a warm run then

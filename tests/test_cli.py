@@ -1,7 +1,7 @@
 """Every `python -m train.*` tool fails on a bad command line the way it fails on a bad setting: one line, exit 2.
 Each table runs its command lines in forked children of one warm interpreter (tests/forked.py)."""
 from tests.forked import run_many
-from train.loop import exit_codes
+from train import exit_codes
 
 CASES = {
     "misspelled override": (["--config.model.presett=x", "--workdir=W"],
@@ -54,3 +54,22 @@ TOOL_CASES = {  # each fails while parsing flags, before any work: cheap subproc
 def test_every_tool_fails_on_its_command_line_in_one_line(tmp_path):
     failures = _failures(TOOL_CASES, tmp_path)
     assert not failures, "\n".join(failures)
+
+
+HELP_FLAGS = {  # each command's --help (absl lists only the main module's key flags) names its own flags
+    "train": ["--config", "--workdir", "--compile_only", "--audit"],
+    "train.prepare": ["--input", "--out", "--tokenizer", "--format"],
+    "train.sample": ["--workdir", "--prompt", "--max_new_tokens", "--config"],
+    "train.export_hf": ["--workdir", "--out", "--dtype", "--merge_lora"],
+    "train.eval": ["--workdir", "--tasks", "--include_path", "--config"],
+    "train.plan": ["--config", "--topology", "--hosts", "--calibrate"],
+    "train.launch": ["--num_processes", "--max_restarts", "--emit"],
+    "mesh.bench": ["--mesh", "--min_bytes", "--fit"],
+}
+
+
+def test_every_command_help_lists_its_own_flags():
+    results = run_many([(module, ["--help"]) for module in HELP_FLAGS])
+    missing = {module: [f for f in expected if f"  {f}:" not in out + err and f"  --[no]{f[2:]}:" not in out + err]
+               for (module, expected), (_status, out, err) in zip(HELP_FLAGS.items(), results)}
+    assert not any(missing.values()), missing

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from tests.helpers import ROOT
-from train.loop import exit_codes
+from train import exit_codes
 from train.runtime import elastic, jobset
 
 ARGS = ("--config=experiments/tiny.py", "--workdir=/w")

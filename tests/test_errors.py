@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 from mesh.errors import UserError
-from train.loop import exit_codes
+from train import exit_codes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("mesh", "models", "sharding", "train", "checkpoint", "experiments")
@@ -18,7 +18,7 @@ NOT_USER_ERRORS = {
     "checkpoint.errors.SaveFailed": exit_codes.SAVE_FAILED,
     "checkpoint.restore._Damaged": None,  # caught inside checkpoint/restore.py, which tries the next step
     "checkpoint.local.Unusable": None,  # caught inside checkpoint/restore.py, which tries the next step of either tier
-    "train.loop.exit_codes.Stop": None,  # carries its own status
+    "train.exit_codes.Stop": None,  # carries its own status
     "train.data.chat.Skip": None,  # caught inside train/data/chat.py, which counts the record it skips
 }
 

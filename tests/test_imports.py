@@ -108,3 +108,48 @@ def test_imports_flow_downward():
             if target.split(".")[0] not in ALLOWED[package] and (package, target) not in EXCEPTIONS:
                 wrong.append(f"{module} imports {target}")
     assert not wrong, "; ".join(wrong)
+
+
+# train/'s own parts, highest first: a part imports only parts below it. The entry points (`python -m train.X`)
+# stand on top; the exit statuses and the command line's error mapping at the bottom, where every part reads them.
+TRAIN_ORDER = (
+    "__main__", "launch", "plan", "prepare", "sample", "export_hf", "config_reference",  # entry points
+    "eval",        # lm-evaluation-harness on a placed model (its command too)
+    "loop",        # the training loop: scheduler, actions, saver, resume
+    "planner",     # layout search, memory and time models
+    "generate",    # sampling with the KV cache
+    "trainer",     # a placed model + optimizer, data and jitted steps
+    "step",
+    "placed",      # a model on a mesh with its params, no training
+    "lora",        # a LoRA run's frozen base, read from its source
+    "hf",          # Hugging Face tensors and config.json
+    "state",
+    "config",      # a config validated into a Plan
+    "hf_model",    # the model an hf: start takes from config.json
+    "model_settings",  # the model.* keys, from the families' config dataclasses
+    "sections",    # every other section's settings, declared once
+    "settings",    # how a setting is declared: default, allowed values, help
+    "data",
+    "runtime",
+    "cli",
+    "exit_codes",
+)
+
+
+def train_part(module: str) -> str | None:
+    """`train.loop.runner` -> `loop`, `train.config` -> `config`; None outside train/ and for train itself."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "train" and len(parts) > 1 else None
+
+
+def test_every_part_of_train_has_a_place_in_the_order():
+    parts = {train_part(m) for m in import_graph()} - {None}
+    assert parts <= set(TRAIN_ORDER), f"place these in TRAIN_ORDER: {sorted(parts - set(TRAIN_ORDER))}"
+
+
+def test_imports_inside_train_flow_downward():
+    rank = {part: i for i, part in enumerate(TRAIN_ORDER)}
+    upward = [f"{module} imports {target}" for module, edges in import_graph().items() for target in sorted(edges)
+              if (a := train_part(module)) in rank and (b := train_part(target)) in rank and a != b
+              and rank[b] <= rank[a]]
+    assert not upward, "imports that run up inside train/ (TRAIN_ORDER): " + "; ".join(upward)

@@ -58,12 +58,13 @@ def _head_loss(top, x, targets, cfg, constrain, loss_mask=None):
 
 
 TOY = models.register(models.Family(
-    name="toy", config_cls=ToyConfig, presets={}, init_params=_init, abstract_params=_abstract,
-    embed=lambda top, tokens, cfg, constrain: jnp.take(top["table"], tokens, axis=0),
-    run_layers=_run_layers, head_loss=_head_loss, logits=_logits,
-    flops_per_token=lambda cfg: 6.0 * cfg.n_layers * cfg.d_model ** 2,
-    param_count=lambda cfg: cfg.n_layers * cfg.d_model ** 2 + 2 * cfg.vocab_size * cfg.d_model,
-    lookup_keys=lambda cfg: ("table",), divisibility=lambda cfg: {}))
+    name="toy", config_cls=ToyConfig, presets={},
+    forward=models.Forward(init_params=_init, abstract_params=_abstract,
+                           embed=lambda top, tokens, cfg, constrain: jnp.take(top["table"], tokens, axis=0),
+                           run_layers=_run_layers, head_loss=_head_loss, logits=_logits),
+    parallel=models.Parallel(lookup_keys=lambda cfg: ("table",), divisibility=lambda cfg: {}),
+    cost=models.Cost(flops_per_token=lambda cfg: 6.0 * cfg.n_layers * cfg.d_model ** 2,
+                     param_count=lambda cfg: cfg.n_layers * cfg.d_model ** 2 + 2 * cfg.vocab_size * cfg.d_model)))
 
 
 def _toy_config(**mesh):

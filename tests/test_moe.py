@@ -49,7 +49,7 @@ def reference():
     _, metrics, _ = step_with_grads(trainer)(state, trainer.batch(0))  # the first step again, compiled once
     cfg, family, tokens = trainer.plan.model, models.family_of(trainer.plan.model), trainer.batch(0)[:, :-1]
     def forward(p):  # the objective, its metrics, and the routing margin (one compiled program)
-        x = family.embed(models.top_params(p), tokens, cfg)
+        x = family.forward.embed(models.top_params(p), tokens, cfg)
         return *models.loss_and_metrics(p, trainer.batch(0), cfg), gpt.layer_stats(p["layers"], x, tokens,
                                                                                    cfg)[1]["topk_margin"]
     objective, forward_metrics, margin = jax.jit(forward)(state["params"])

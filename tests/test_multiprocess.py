@@ -16,7 +16,7 @@ import pytest
 
 from tests import helpers
 from tests.helpers import run_cli, start_cli, wait_for
-from train.loop import exit_codes
+from train import exit_codes
 
 TRAIN = ["--config=experiments/tiny.py", "--config.data.source=synthetic", "--config.train.log_every=1",
          "--config.model.d_model=64", "--config.model.n_layers=4",  # half size: faster, the same properties

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 
 from tests.helpers import losses, run_cli, start_cli, wait_for
-from train.loop import exit_codes
+from train import exit_codes
 from train.runtime import lock as lock_lib
 
 FIRST = ["--config=experiments/tiny.py", "--config.data.source=synthetic", "--config.mesh.data=8",

@@ -61,3 +61,32 @@ def test_the_length_rule_counts_def_to_end_without_decorators():
     tree = ast.parse("@decorator\ndef f():\n    def g():\n        pass\n    return g\n\n"
                      "class C:\n    def m(self):\n        return 1\n")
     assert function_lengths(tree) == [("f", 2, 4), ("f.g", 3, 2), ("C.m", 8, 2)]
+
+
+CONFIG_NAMES = ("cfg", "model")  # what code calls a family's config: cfg, self.cfg, plan.model, trainer.plan.model
+
+
+def config_getattrs(tree: ast.Module) -> list[int]:
+    """Lines of `getattr(cfg, "field", default)` (or of `...model`): a field read with a fallback, which the
+    model contract (models/protocols.py) replaces by a field every family has or a question to the family."""
+    lines = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and len(node.args) == 3):
+            target = node.args[0]
+            name = target.id if isinstance(target, ast.Name) else getattr(target, "attr", "")
+            if name in CONFIG_NAMES:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_model_field_is_read_with_a_fallback_outside_models():
+    offenders = [f"{path}:{line}" for path, tree in parsed() if not path.startswith("models/")
+                 for line in config_getattrs(tree)]
+    assert not offenders, "getattr(cfg, ..., default) outside models/:\n" + "\n".join(offenders)
+
+
+def test_the_fallback_rule_finds_config_getattrs():
+    tree = ast.parse("a = getattr(cfg, 'x', 0)\nb = getattr(plan.model, 'y', 1)\nc = getattr(cfg, 'z')\n"
+                     "d = getattr(other, 'w', 2)\n")
+    assert config_getattrs(tree) == [1, 2]

@@ -11,9 +11,9 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from mesh import use_cpu_devices
-from train import cli
+from train import cli, exit_codes
 from train import config as train_config
-from train.loop import exit_codes, phases
+from train.loop import phases
 from train.loop import runner as loop
 from train.runtime import distributed, xla_env
 

@@ -24,7 +24,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from mesh.errors import UserError
-from train.loop import exit_codes
+from train import exit_codes
 
 _CONFIG_FLAGS: list[Any] = []
 
@@ -117,9 +117,18 @@ def parse_flags(argv: list[str]) -> list[str]:
     return rest
 
 
+def adopt_command_flags(main: Callable[..., Any]) -> None:
+    """absl's --help lists only the main module's key flags: make key to it the flags of the module that defines
+    `main` (train/prepare.py runs train/data/prepare.py's) and the config flags defined here for it."""
+    command = flags.FLAGS.flags_by_module_dict().get(getattr(main, "__module__", ""), [])
+    for flag in command + [flags.FLAGS[name] for name, _ in _CONFIG_FLAGS]:
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+
+
 def run(main: Callable[[list[str]], int | None]) -> NoReturn:
     """app.run(main) with one-line, exit-2 errors for flags, config files and every UserError, and the
-    documented exit status of every other expected failure (train/loop/exit_codes.py)."""
+    documented exit status of every other expected failure (train/exit_codes.py)."""
+    adopt_command_flags(main)
 
     def guarded(argv: list[str]) -> int:
         try:

@@ -13,86 +13,25 @@ from typing import Any
 
 import jax
 import ml_collections
-from ml_collections import config_dict
 
 import checkpoint
 import models
 from mesh import resolve_axis_sizes
-from mesh.errors import UserError
 from models import attention as attention_lib
 from sharding import rules as sharding_rules
 from sharding import schedules
-from train import sections
+from train import hf_model, model_settings, sections
 from train.data import datadir
-from train.hf import model_config as hf_model_config
-
-
-class ConfigError(UserError):
-    """A training setting the user can fix; the message is one line naming the setting."""
-
-
-def _model_keys() -> dict:
-    """The model.* keys of base_config."""
-    # The preset implies the family (gpt or llama); a field left None keeps the preset's value. A field
-    # the family does not have (mlp_ratio on Llama, n_kv_heads on GPT) is an error when set.
-    return dict(preset="tiny", family=config_dict.placeholder(str), vocab_size=config_dict.placeholder(int),
-                seq_len=config_dict.placeholder(int), d_model=config_dict.placeholder(int),
-                n_layers=config_dict.placeholder(int), n_heads=config_dict.placeholder(int),
-                mlp_ratio=config_dict.placeholder(int), n_kv_heads=config_dict.placeholder(int),
-                d_mlp=config_dict.placeholder(int), norm_eps=config_dict.placeholder(float),
-                rope_theta=config_dict.placeholder(float), rope_scaling=config_dict.placeholder(str),
-                tie_embeddings=config_dict.placeholder(bool), param_dtype=config_dict.placeholder(str),
-                compute_dtype=config_dict.placeholder(str), remat=config_dict.placeholder(str),
-                # attention: auto|xla|cudnn (auto: cuDNN's flash kernel where it runs, else XLA's);
-                # loss_chunk_size: positions per chunk of the head + loss, 0 = all at once (models/lm_loss.py)
-                attention=config_dict.placeholder(str), loss_chunk_size=config_dict.placeholder(int),
-                # Mixture of experts (models/moe.py; n_experts 0 = dense): top-k experts_per_token, capacity_factor
-                # 0 = dropless, every moe_every-th block routes; router losses' weights (defaults 1e-3, 1e-2)
-                n_experts=config_dict.placeholder(int), experts_per_token=config_dict.placeholder(int),
-                capacity_factor=config_dict.placeholder(float), moe_every=config_dict.placeholder(int),
-                router_z_loss_weight=config_dict.placeholder(float),
-                load_balance_weight=config_dict.placeholder(float),
-                # LoRA, 0 = off: the base (checkpoint.restore_from) frozen, q,k,v,o,mlp + alpha/rank·A·B
-                lora_rank=config_dict.placeholder(int), lora_alpha=config_dict.placeholder(float),
-                lora_targets=config_dict.placeholder(str),
-                # GPT's options (models/gpt_config.py; the gpt2 preset sets GPT-2's): rotary|learned positions and
-                # the learned table's rows, biases, rmsnorm|layernorm, gelu_tanh|gelu, the table's rows' multiple
-                positions=config_dict.placeholder(str), max_positions=config_dict.placeholder(int),
-                bias=config_dict.placeholder(bool), norm=config_dict.placeholder(str),
-                activation=config_dict.placeholder(str), vocab_multiple=config_dict.placeholder(int))
+from train.settings import ConfigError
 
 
 def base_config() -> ml_collections.ConfigDict:
-    """Every key the system reads, with its default. Experiment files start from this."""
+    """Every key the system reads, with its default (declared in train/sections.py and train/model_settings.py;
+    docs/configuration.md lists them). Experiment files start from this."""
     c = ml_collections.ConfigDict()
-    c.model = _model_keys()
-    c.mesh = dict(data=-1, pipeline=1, fsdp=1, expert=1, context=1, tensor=1)
-    # sequence_parallel: Megatron sequence parallelism, the residual stream split over the sequence on `tensor`
-    c.sharding = dict(strategy=sharding_rules.DEFAULT_STRATEGY, rules={}, shard_opt_state=False,
-                      sequence_parallel=False)
-    c.pipeline = dict(schedule="1f1b", microbatches=4, virtual_stages=1)
-    c.train = dict(steps=100, global_batch_size=16, seed=0, log_every=10, eval_every=50, eval_batches=4,
-                   grad_accum_steps=1, profile_steps="", memory_check=True,
-                   loggers="tensorboard",  # and/or "wandb", comma-separated; metrics.jsonl is always written
-                   actions="")  # user actions registered with train.loop.actions.register, comma-separated
-    c.optimizer = dict(lr=3e-3, warmup_steps=10, decay_steps=0, min_lr_ratio=0.1, weight_decay=0.1,
-                       b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0)
-    c.data = dict(source="text", path="", token_dtype="uint16", eval_percent=5, cache_dir="", order="epochs",
-                  document_mask=False,  # True: attention, positions and loss stop at each EOS (models/documents.py)
-                  # True: the loss counts only the targets the DATADIR's loss mask keeps (train.prepare --format=chat:
-                  # the assistant's tokens), the mean over them across the global batch; must match the DATADIR
-                  loss_mask=False)
-    c.checkpoint = dict(every_steps=0, every_minutes=10.0, keep=3, keep_period=0, restore_from="", local_dir="",
-                        restore_params_only=False, mtbf_hours=0.0, max_failed_saves=3, local_every_steps=0,
-                        enabled=True)  # False: never write one (benchmarks, smoke runs); still resumes from one
-    # The planner (train/planner): plan.auto takes its best layout for the devices at hand (shipped experiments
-    # turn it on; a --config.mesh.* override turns it off), keeping what plan.fixed pins: mesh sizes and the
-    # layout knobs ("tensor:8,pipeline:4,schedule:interleaved,virtual_stages:2,microbatch_size:1,remat:full,
-    # shard_opt_state:false,grad_accum_steps:1"). plan.topology: a preset or JSON file (default: `local`).
-    c.plan = dict(auto=False, fixed="", topology="")
-    c.train.update(on_nonfinite="stop", step_timeout_s=1800.0)  # fault tolerance: see train/loop/resume.py
-    # Faults on purpose, for tests of the fault handling (0 = off): never set them in a real run.
-    c.fault_injection = dict(nan_at_step=0, hang_at_step=0, hang_s=0.0, step_delay_s=0.0)
+    c.model = model_settings.model_keys()
+    for section in sections.SECTIONS:
+        c[section.KEY] = section.defaults()
     return c
 
 
@@ -111,7 +50,7 @@ class PipelinePlan:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Everything resolved from a config before any device work: the contract of the run. A new setting
-    joins it as a typed field (train/sections.py explains how); code below __main__ reads the plan."""
+    is declared in the section that owns it (train/sections.py explains how); code below __main__ reads the plan."""
     model: models.ModelConfig
     mesh_sizes: dict[str, int]
     rules: dict[str, tuple[str, ...]]
@@ -121,21 +60,13 @@ class Plan:
     decay_steps: int
     profile_steps: tuple[int, int] | None
     pipeline: PipelinePlan | None = None  # None when mesh.pipeline == 1
-    data: datadir.DataSpec | None = None  # the token files of data.source=tokens
     # The sections the loop, its actions and the saver read (train/sections.py says how a new setting joins).
     train: sections.TrainSection | None = None
     checkpoint: sections.CheckpointSection | None = None
     faults: sections.FaultSection | None = None
     optimizer: sections.OptimizerSection | None = None
-    source: sections.DataSection | None = None  # the data.* settings (data/load); `data` is the token files
+    data: sections.DataSection | None = None  # the data.* settings and their token files (`data.files`)
     shard_opt_state: bool = False  # sharding.shard_opt_state: optimizer moments also split over data
-
-
-def _positive(section: Any, prefix: str, keys: tuple[str, ...], allow_zero: tuple[str, ...] = ()) -> None:
-    for key in keys:
-        value = section[key]
-        if not isinstance(value, (int, float)) or value < 0 or (value == 0 and key not in allow_zero):
-            raise ConfigError(f"{prefix}.{key}={value!r}: must be a positive number")
 
 
 def _profile_range(text: str, steps: int) -> tuple[int, int] | None:
@@ -176,49 +107,23 @@ def _pipeline(section: Any, model: models.ModelConfig, mesh_sizes: dict[str, int
     return PipelinePlan(name, p, m, v)
 
 
-NONFINITE_POLICIES = ("stop", "skip")
-
-
-def _fault_tolerance(config: ml_collections.ConfigDict) -> None:
-    """Every fault-tolerance setting, as one-line errors naming the setting."""
-    ck, t, fi = config.checkpoint, config.train, config.fault_injection
-    for prefix, section, keys in (("checkpoint", ck, ("every_steps", "keep_period", "every_minutes")),
-                                  ("train", t, ("step_timeout_s",)),
-                                  ("fault_injection", fi, ("nan_at_step", "hang_at_step", "hang_s", "step_delay_s"))):
-        for key in keys:
-            if not isinstance(section[key], (int, float)) or section[key] < 0:
-                raise ConfigError(f"{prefix}.{key}={section[key]!r}: must be a number >= 0 (0 turns it off)")
-    if not isinstance(ck.enabled, bool):
-        raise ConfigError(f"checkpoint.enabled={ck.enabled!r}: use True or False")
-    failures = ck.get("max_failed_saves", 3)
-    if not isinstance(failures, int) or isinstance(failures, bool) or failures < 1:
-        raise ConfigError(f"checkpoint.max_failed_saves={failures!r}: use a whole number >= 1 "
-                          "(that many failed saves in a row stop the run)")
-    _local_tier(ck)
-    if not isinstance(ck.keep, int) or ck.keep < 1:
-        raise ConfigError(f"checkpoint.keep={ck.keep!r}: keep at least 1 checkpoint")
-    if t.on_nonfinite not in NONFINITE_POLICIES:
-        raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r}: use 'stop' (default) or 'skip'")
-    if ck.restore_params_only and not ck.restore_from:
-        raise ConfigError("checkpoint.restore_params_only=True needs checkpoint.restore_from=PATH[:STEP]")
-
-
-def _local_tier(ck: ml_collections.ConfigDict) -> None:
-    """checkpoint.local_dir and checkpoint.local_every_steps turn the local tier on together."""
-    local_dir, every = ck.get("local_dir", ""), ck.get("local_every_steps", 0)
-    if not isinstance(local_dir, str):
-        raise ConfigError(f"checkpoint.local_dir={local_dir!r}: give a directory path, or '' for no local tier")
-    if not isinstance(every, int) or isinstance(every, bool) or every < 0:
-        raise ConfigError(f"checkpoint.local_every_steps={every!r}: use a whole number of steps >= 0 (0 = off)")
+def _check_settings(config: ml_collections.ConfigDict) -> None:
+    """Every declared check of every section (train/sections.py), then the checks across settings."""
+    for section in sections.SECTIONS:
+        section.check(config[section.KEY])
+    ck = config.checkpoint
+    local_dir, every = ck.local_dir, ck.local_every_steps
     if bool(local_dir) != bool(every):
         raise ConfigError(f"checkpoint.local_dir={local_dir!r} and checkpoint.local_every_steps={every}: set both "
                           f"(a node-local directory and a step interval) for a local tier, or neither")
+    if ck.restore_params_only and not ck.restore_from:
+        raise ConfigError("checkpoint.restore_params_only=True needs checkpoint.restore_from=PATH[:STEP]")
 
 
 def _check_model_splits(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str, int]) -> None:
     """Every model size a sharded logical axis has must divide by that axis's mesh ways (e.g. model.n_kv_heads
     by mesh.tensor), named before anything compiles."""
-    for logical, settings in models.family_of(model).divisibility(model).items():
+    for logical, settings in models.family_of(model).parallel.divisibility(model).items():
         axes = [a for a in rules.get(logical, ()) if mesh_sizes.get(a, 1) > 1]
         ways = math.prod(mesh_sizes[a] for a in axes)
         for setting, size in settings:
@@ -281,9 +186,7 @@ def _long_sequences(config: ml_collections.ConfigDict, model: models.ModelConfig
                     rules: dict) -> dict:
     """Check context parallelism (mesh.context) and sequence parallelism (sharding.sequence_parallel) against
     the model and the other settings; returns the rules, with `seq -> tensor` added under sequence parallelism."""
-    context, tensor, sp = mesh_sizes["context"], mesh_sizes["tensor"], config.sharding.get("sequence_parallel", False)
-    if not isinstance(sp, bool):
-        raise ConfigError(f"sharding.sequence_parallel={sp!r}: use True or False")
+    context, tensor, sp = mesh_sizes["context"], mesh_sizes["tensor"], config.sharding.sequence_parallel
     if sp and tensor == 1:
         raise ConfigError("sharding.sequence_parallel=True needs mesh.tensor > 1 (it splits the sequence over "
                           "`tensor` between the tensor-parallel matmuls); set mesh.tensor or turn it off")
@@ -305,7 +208,7 @@ def _long_sequences(config: ml_collections.ConfigDict, model: models.ModelConfig
 def _model_values(config: ml_collections.ConfigDict, data: datadir.DataSpec | None) -> dict[str, Any]:
     """The model section with what the data decides: the vocabulary, packed documents, the loss mask."""
     # Started from hf:DIR: the shapes and options its config.json decides (a contradicting override is an error).
-    model_values = hf_model_config.model_values(config.model.to_dict(), config.checkpoint.get("restore_from", ""))
+    model_values = hf_model.model_values(config.model.to_dict(), config.checkpoint.get("restore_from", ""))
     if data and data.vocab_size and model_values.get("vocab_size") is None:
         model_values["vocab_size"] = data.vocab_size  # the model's vocabulary comes from meta.json
     eos_id = _document_eos_id(config.data, data)
@@ -319,6 +222,7 @@ def _model_values(config: ml_collections.ConfigDict, data: datadir.DataSpec | No
 def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str | None = None) -> Plan:
     """Validate `config` for `num_devices` devices of `platform` (default: this process's first device's);
     raises a UserError (mesh/errors.py) naming the setting."""
+    _check_settings(config)
     data = datadir.resolve(config.data, config.train.global_batch_size)
     model = models.from_dict(_model_values(config, data))
     if data and data.vocab_size and model.vocab_size < data.vocab_size:
@@ -334,11 +238,6 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str |
     _check_experts(model, rules, mesh_sizes, config.train.global_batch_size // config.train.grad_accum_steps // micro,
                    "train.global_batch_size" if micro == 1 else "train.global_batch_size or pipeline.microbatches")
     t = config.train
-    _positive(t, "train", ("steps", "global_batch_size", "log_every", "grad_accum_steps"))
-    _positive(t, "train", ("eval_every", "eval_batches"), allow_zero=("eval_every", "eval_batches"))
-    _positive(config.checkpoint, "checkpoint", ("mtbf_hours",), allow_zero=("mtbf_hours",))
-    _positive(config.optimizer, "optimizer", ("lr", "warmup_steps", "decay_steps", "clip_norm"),
-              allow_zero=("warmup_steps", "decay_steps", "clip_norm"))
     decay_steps = config.optimizer.decay_steps or t.steps
     if config.optimizer.warmup_steps >= decay_steps:  # name the setting that makes the schedule this short
         length = (f"optimizer.decay_steps={decay_steps}" if config.optimizer.decay_steps else
@@ -352,17 +251,17 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str |
             f"train.global_batch_size={t.global_batch_size} must be divisible by train.grad_accum_steps="
             f"{t.grad_accum_steps} x the batch-sharding mesh axes ({batch_ways} ways); change the batch size")
     pipeline = _pipeline(config.pipeline, model, mesh_sizes, t.global_batch_size, t.grad_accum_steps, batch_ways)
-    if config.data.source not in ("text", "tokens", "synthetic"):
-        raise ConfigError(f"data.source={config.data.source!r}: use text, tokens or synthetic")
     if config.data.source == "text" and model.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={model.vocab_size}: byte-level text needs at least 256")
-    _fault_tolerance(config)
-    train, ckpt, faults = sections.from_config(config)
     return Plan(model=model, mesh_sizes=mesh_sizes, rules=rules, global_batch=t.global_batch_size,
                 grad_accum=t.grad_accum_steps, steps=t.steps, decay_steps=decay_steps,
-                profile_steps=_profile_range(t.profile_steps, t.steps), pipeline=pipeline, data=data,
-                train=train, checkpoint=ckpt, faults=faults, optimizer=sections.optimizer_of(config),
-                source=sections.data_of(config), shard_opt_state=bool(config.sharding.shard_opt_state))
+                profile_steps=_profile_range(t.profile_steps, t.steps), pipeline=pipeline,
+                train=sections.TrainSection.from_config(t),
+                checkpoint=sections.CheckpointSection.from_config(config.checkpoint),
+                faults=sections.FaultSection.from_config(config.fault_injection),
+                optimizer=sections.OptimizerSection.from_config(config.optimizer),
+                data=sections.DataSection.from_config(config.data, files=data),
+                shard_opt_state=bool(config.sharding.shard_opt_state))
 
 
 def apply_saved(section: ml_collections.ConfigDict, values: dict[str, Any]) -> None:

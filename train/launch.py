@@ -25,7 +25,7 @@ import time
 from absl import app, flags
 
 from train import cli
-from train.loop.exit_codes import REQUEUE
+from train.exit_codes import REQUEUE
 from train.runtime import elastic, jobset, lock
 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.")

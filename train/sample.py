@@ -5,4 +5,5 @@ from train.generate import sample as command
 main = command.main
 
 if __name__ == "__main__":
+    command.define_flags()
     cli.run(main)

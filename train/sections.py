@@ -1,49 +1,140 @@
-"""The typed sections of `Plan` (train/config.py) that the trainer, resume, the loop, its actions and the saver
-read instead of the raw config: `train`, `checkpoint`, `faults`, `optimizer`, `source` (the data settings).
-resolve() builds them once the config is validated.
+"""The config's sections, one frozen dataclass each and one `setting` per key (train/settings.py): the base config,
+the generic checks, the typed sections of `Plan` (train/config.py) that the trainer, resume, the loop, its actions
+and the saver read, and docs/configuration.md all come from here. The model.* keys are train/model_settings.py's.
 
-How a new setting joins Plan: give it a default in base_config (train/config.py), validate it in resolve
-(one-line ConfigError naming the setting), add a typed field to the section here that owns it (or a new
-section, added to Plan with a default of None and filled in `from_config`), and read `trainer.plan.<section>.
-<field>` below __main__, never `config.<section>.<key>`.
+How a new setting joins: declare it here, in the section that owns it (default, help, and what it accepts; a check
+across settings is a function in train/config.py), run `python -m train.config_reference` to regenerate
+docs/configuration.md, and read `trainer.plan.<section>.<field>` below __main__, never `config.<section>.<key>`.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
+from sharding import rules as sharding_rules
+from sharding import schedules
+from train.data import datadir
+from train.settings import Section, names, setting
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(n.strip() for n in str(text or "").split(",") if n.strip())
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainSection:
-    """How the loop runs: logging and evaluation cadence, the non-finite policy, the watchdog, the actions."""
-    log_every: int
-    eval_every: int      # 0: only at the end
-    eval_batches: int    # 0: no evaluation
-    on_nonfinite: str    # stop or skip
-    step_timeout_s: float
-    memory_check: bool
-    seed: int
-    loggers: tuple[str, ...]
-    actions: tuple[str, ...]
+_OFF = "must be a positive number"  # the message of settings where 0 is allowed but named as today
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckpointSection:
-    every_steps: int
-    every_minutes: float
-    mtbf_hours: float
-    keep: int
-    keep_period: int
-    restore_from: str
-    restore_params_only: bool
-    enabled: bool = True  # False: never write a checkpoint (still resume from one)
-    max_failed_saves: int = 3  # this many failed saves in a row stop the run (exit 74); fewer are retried
-    local_dir: str = ""  # the local tier's node-local directory ("" = no local tier)
-    local_every_steps: int = 0  # its save interval in steps
+class MeshSection(Section):
+    """How many ways each mesh axis splits the devices (mesh/layout.py checks them)."""
+    KEY: ClassVar[str] = "mesh"
+    data: int = setting(-1, "data-parallel ways; -1: the devices the other axes leave",
+                        allowed="a positive int, or -1 on one axis")
+    pipeline: int = setting(1, "pipeline stages (pipeline.* says how they are scheduled)")
+    fsdp: int = setting(1, "ways the parameters and the batch are split (ZeRO-3 / FSDP)")
+    expert: int = setting(1, "ways the experts and the batch of a mixture are split")
+    context: int = setting(1, "ways each sequence is split (ring attention over a zigzag layout)")
+    tensor: int = setting(1, "ways the heads and MLP widths are split (Megatron tensor parallelism)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingSection(Section):
+    """The layout's logical-axis rules (sharding/rules.py)."""
+    KEY: ClassVar[str] = "sharding"
+    strategy: str = setting(sharding_rules.DEFAULT_STRATEGY, "the built-in rules table the layout starts from",
+                            allowed=", ".join(sorted(sharding_rules.STRATEGIES)))
+    rules: dict = setting({}, "overrides of the strategy's rules: logical axis -> mesh axes, e.g. {'seq': ()}")
+    shard_opt_state: bool = setting(False, "optimizer moments also split over `data` (ZeRO-1)")
+    sequence_parallel: bool = setting(False, "Megatron sequence parallelism: the residual stream split over the "
+                                      "sequence on `tensor` (needs mesh.tensor > 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSection(Section):
+    """The schedule of a run with mesh.pipeline > 1 (sharding/schedules.py checks it)."""
+    KEY: ClassVar[str] = "pipeline"
+    schedule: str = setting("1f1b", "the pipeline schedule", allowed=", ".join(schedules.NAMES))
+    microbatches: int = setting(4, "microbatches per data-parallel replica and step")
+    virtual_stages: int = setting(1, "model chunks per stage (interleaved, zb_v: 2)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection(Section):
+    """How the loop runs: length, batch, logging and evaluation cadence, the non-finite policy, the watchdog,
+    the loggers and actions."""
+    KEY: ClassVar[str] = "train"
+    steps: int = setting(100, "optimizer steps of the run", above=0)
+    global_batch_size: int = setting(16, "rows per optimizer step, over every device", above=0)
+    seed: int = setting(0, "the seed of the initial parameters and of the data order")
+    log_every: int = setting(10, "steps between metric lines", above=0)
+    eval_every: int = setting(50, "steps between evaluations; 0: only at the end", minimum=0, error=_OFF)
+    eval_batches: int = setting(4, "held-out batches per evaluation; 0: no evaluation", minimum=0, error=_OFF)
+    grad_accum_steps: int = setting(1, "microsteps whose gradients one optimizer step sums", above=0)
+    profile_steps: str = setting("", "FIRST:LAST: the steps a jax.profiler trace covers; '': none")
+    memory_check: bool = setting(True, "compile first and stop when the step does not fit a device's memory")
+    loggers: tuple[str, ...] = setting("tensorboard", "comma list of tensorboard, wandb (metrics.jsonl is always "
+                                       "written)", parse=names)
+    actions: tuple[str, ...] = setting("", "comma list of user actions registered with train.loop.actions.register",
+                                       parse=names)
+    on_nonfinite: str = setting("stop", "a non-finite loss or gradient: stop the run, or skip the update",
+                                choices=("stop", "skip"), error="use 'stop' (default) or 'skip'")
+    step_timeout_s: float = setting(1800.0, "the watchdog: seconds without progress before the run stops (exit "
+                                    "124); 0: off", minimum=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSection(Section):
+    """AdamW with warmup and cosine decay after clipping (train/state.make_optimizer)."""
+    KEY: ClassVar[str] = "optimizer"
+    lr: float = setting(3e-3, "the peak learning rate", above=0)
+    warmup_steps: int = setting(10, "steps of linear warmup from 0", minimum=0, error=_OFF)
+    decay_steps: int = setting(0, "the length of the cosine schedule; 0: train.steps", minimum=0, error=_OFF)
+    min_lr_ratio: float = setting(0.1, "the learning rate at the end of the decay, as a fraction of lr")
+    weight_decay: float = setting(0.1, "AdamW's decoupled weight decay")
+    b1: float = setting(0.9, "Adam's first-moment decay")
+    b2: float = setting(0.95, "Adam's second-moment decay")
+    eps: float = setting(1e-8, "Adam's epsilon")
+    clip_norm: float = setting(1.0, "the global gradient norm clipped to; 0: no clipping", minimum=0, error=_OFF)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection(Section):
+    """Where the tokens come from (train/data): the data.* settings and, once resolved, the token files they name."""
+    KEY: ClassVar[str] = "data"
+    source: str = setting("text", "text: bytes of Python's standard library; tokens: prepared token files; "
+                          "synthetic: random tokens", choices=("text", "tokens", "synthetic"),
+                          error="use text, tokens or synthetic")
+    path: str = setting("", "text: a directory of text; tokens: a DATADIR (python -m train.prepare), a mixture "
+                        "DIR_A:0.7,DIR_B:0.3, or a flat train.bin")
+    token_dtype: str = setting("uint16", "the dtype of a flat train.bin (a DATADIR's meta.json says its own)",
+                               choices=datadir.DTYPES, error="use uint16 or uint32")
+    eval_percent: int = setting(5, "percent held out for evaluation where the data has no val split")
+    cache_dir: str = setting("", "where the text source caches its tokens; '': ~/.cache/spmdtrain")
+    order: str = setting("epochs", "epochs: each window once per epoch; random: windows drawn with replacement",
+                         choices=datadir.ORDERS, error="use epochs (each window once per epoch) or random")
+    document_mask: bool = setting(False, "attention, positions and loss stop at each EOS of the DATADIR "
+                                  "(models/documents.py)")
+    loss_mask: bool = setting(False, "the loss counts only the targets the DATADIR's loss mask keeps (train.prepare "
+                              "--format=chat); must match the DATADIR")
+    files: Any = None  # the token files of data.source=tokens (datadir.DataSpec), resolved from the settings above
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection(Section):
+    """When checkpoints are written and kept, where a run starts from, the local tier (checkpoint/)."""
+    KEY: ClassVar[str] = "checkpoint"
+    every_steps: int = setting(0, "save every N steps; 0: off", minimum=0)
+    every_minutes: float = setting(10.0, "save every N minutes; 0: off", minimum=0)
+    keep: int = setting(3, "the newest checkpoints kept", minimum=1, whole=True, error="keep at least 1 checkpoint")
+    keep_period: int = setting(0, "also keep every N-th step; 0: off", minimum=0)
+    restore_from: str = setting("", "PATH[:STEP] of a checkpoint, or hf:DIR, to start a new run from")
+    local_dir: str = setting("", "the local tier's node-local directory; '': no local tier",
+                             error="give a directory path, or '' for no local tier")
+    restore_params_only: bool = setting(False, "take only the parameters of checkpoint.restore_from (fresh "
+                                        "optimizer and step)")
+    mtbf_hours: float = setting(0.0, "the job's mean time between failures: save at the Young/Daly interval, "
+                                "capped by every_minutes; 0: off", minimum=0, error=_OFF)
+    max_failed_saves: int = setting(3, "this many failed saves in a row stop the run (exit 74); fewer are retried",
+                                    minimum=1, whole=True,
+                                    error="use a whole number >= 1 (that many failed saves in a row stop the run)")
+    local_every_steps: int = setting(0, "the local tier's save interval in steps; 0: off", minimum=0, whole=True,
+                                     error="use a whole number of steps >= 0 (0 = off)")
+    enabled: bool = setting(True, "False: never write one (benchmarks, smoke runs); a run still resumes from one")
 
     @property
     def local(self) -> bool:
@@ -51,12 +142,23 @@ class CheckpointSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class FaultSection:
-    """Faults on purpose, for the tests of the fault handling (0 = off)."""
-    nan_at_step: int
-    hang_at_step: int
-    hang_s: float
-    step_delay_s: float
+class PlanSection(Section):
+    """The planner (train/planner): whether it lays the run out and what it keeps."""
+    KEY: ClassVar[str] = "plan"
+    auto: bool = setting(False, "take the planner's best layout for the devices at hand (a --config.mesh.* "
+                         "override turns it off)")
+    fixed: str = setting("", "what the planner keeps, e.g. tensor:8,pipeline:4,schedule:interleaved,remat:full")
+    topology: str = setting("", "a topology preset or JSON file; '': local")
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultSection(Section):
+    """Faults on purpose, for the tests of the fault handling (0 = off): never set them in a real run."""
+    KEY: ClassVar[str] = "fault_injection"
+    nan_at_step: int = setting(0, "make the parameters NaN at this step", minimum=0)
+    hang_at_step: int = setting(0, "hang for hang_s at this step", minimum=0)
+    hang_s: float = setting(0.0, "the seconds of that hang", minimum=0)
+    step_delay_s: float = setting(0.0, "sleep this long in every step", minimum=0)
 
     @property
     def in_loop(self) -> bool:
@@ -64,53 +166,6 @@ class FaultSection:
         return bool(self.step_delay_s or self.hang_at_step or self.nan_at_step)
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimizerSection:
-    """AdamW with warmup and cosine decay after clipping (train/state.make_optimizer)."""
-    lr: float
-    warmup_steps: int
-    decay_steps: int     # 0: train.steps
-    min_lr_ratio: float
-    weight_decay: float
-    b1: float
-    b2: float
-    eps: float
-    clip_norm: float     # 0: no clipping
-
-
-@dataclasses.dataclass(frozen=True)
-class DataSection:
-    """Where the tokens come from (train/data.load); the token files themselves are Plan.data."""
-    source: str          # text, tokens or synthetic
-    path: str
-    eval_percent: int
-    cache_dir: str
-    order: str           # epochs or random
-    document_mask: bool
-
-
-def optimizer_of(config: Any) -> OptimizerSection:
-    o = config.optimizer
-    return OptimizerSection(float(o.lr), int(o.warmup_steps), int(o.decay_steps), float(o.min_lr_ratio),
-                            float(o.weight_decay), float(o.b1), float(o.b2), float(o.eps), float(o.clip_norm))
-
-
-def data_of(config: Any) -> DataSection:
-    d = config.data
-    return DataSection(str(d.source), str(d.path), int(d.eval_percent), str(d.cache_dir),
-                       str(d.get("order", "epochs")), bool(d.get("document_mask", False)))
-
-
-def from_config(config: Any) -> tuple[TrainSection, CheckpointSection, FaultSection]:
-    """The sections of a validated config."""
-    t, ck, fi = config.train, config.checkpoint, config.fault_injection
-    train = TrainSection(int(t.log_every), int(t.eval_every), int(t.eval_batches), str(t.on_nonfinite),
-                         float(t.step_timeout_s), bool(t.memory_check), int(t.seed), _names(t.loggers),
-                         _names(t.actions))
-    checkpoint = CheckpointSection(int(ck.every_steps), float(ck.every_minutes), float(ck.get("mtbf_hours", 0.0)),
-                                   int(ck.keep), int(ck.keep_period), str(ck.restore_from),
-                                   bool(ck.restore_params_only), bool(ck.get("enabled", True)),
-                                   int(ck.get("max_failed_saves", 3)), str(ck.get("local_dir", "")),
-                                   int(ck.get("local_every_steps", 0)))
-    faults = FaultSection(int(fi.nan_at_step), int(fi.hang_at_step), float(fi.hang_s), float(fi.step_delay_s))
-    return train, checkpoint, faults
+# The sections after model.*, in the order the base config and the reference list them.
+SECTIONS: tuple[type[Section], ...] = (MeshSection, ShardingSection, PipelineSection, TrainSection, OptimizerSection,
+                                       DataSection, CheckpointSection, PlanSection, FaultSection)

@@ -40,6 +40,22 @@ def make_optimizer(opt_cfg: Any, decay_steps: int,
 
 
 @dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """Where the params and the batch live on the mesh: all that placing a model needs (no optimizer)."""
+    mesh: jax.sharding.Mesh
+    rules: dict[str, tuple[str, ...]]
+    param_specs: Any      # PartitionSpecs, shaped like the params
+    logical_axes: Any     # logical names, shaped like the params
+    params: Any           # NamedShardings, shaped like the params
+    batch: NamedSharding  # [batch, seq+1] tokens
+    abstract_params: Any  # ShapeDtypeStructs with shardings
+
+    def constrain(self):
+        """The activation-sharding hook handed to the model."""
+        return sharding_specs.constrainer(self.mesh, self.rules)
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """Where every piece of the state and the batch lives on the mesh."""
     mesh: jax.sharding.Mesh
@@ -50,25 +66,43 @@ class Layout:
     batch: NamedSharding  # [batch, seq+1] tokens
     abstract_state: Any   # ShapeDtypeStructs with shardings
 
+    @property
+    def params(self) -> Any:
+        """The params' NamedShardings (as ParamLayout.params)."""
+        return self.state["params"]
+
     def constrain(self):
         """The activation-sharding hook handed to the model."""
         return sharding_specs.constrainer(self.mesh, self.rules)
 
 
+def param_layout(model: models.ModelConfig, rules: dict[str, tuple[str, ...]],
+                 mesh: jax.sharding.Mesh) -> ParamLayout:
+    """Specs for params (strict divisibility) and the batch (rows over the `batch` rule's axes) on `mesh`."""
+    mesh_sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    abstract_params, logical = models.abstract_params(model)
+    pspecs = sharding_specs.param_specs(abstract_params, logical, rules, mesh_sizes)
+    shardings = sharding_specs.named(mesh, pspecs)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params,
+                            shardings)
+    batch_spec = sharding_specs.mesh_spec(P("batch", None), rules, None, mesh_sizes)
+    return ParamLayout(mesh, rules, pspecs, logical, shardings, NamedSharding(mesh, batch_spec), abstract)
+
+
 def plan_layout(plan: Plan, mesh: jax.sharding.Mesh, tx: optax.GradientTransformation,
-                shard_opt_state: bool) -> Layout:
-    """Specs for params (strict divisibility), optimizer state (following params, optionally also
-    over `data`), the step counter (replicated) and the batch (rows over the `batch` rule's axes)."""
-    abstract_params, logical = models.abstract_params(plan.model)
-    pspecs = sharding_specs.param_specs(abstract_params, logical, plan.rules, plan.mesh_sizes)
-    ospecs = sharding_specs.opt_state_specs(tx, abstract_params, pspecs, plan.mesh_sizes, shard_opt_state)
-    specs = {"params": pspecs, "opt_state": ospecs, "step": P()}
+                shard_opt_state: bool, params: ParamLayout | None = None) -> Layout:
+    """`params` (param_layout's, made here when None) with the optimizer state's specs (following params,
+    optionally also over `data`) and the step counter's (replicated)."""
+    params = params or param_layout(plan.model, plan.rules, mesh)
+    abstract_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params.abstract_params)
+    ospecs = sharding_specs.opt_state_specs(tx, abstract_params, params.param_specs, plan.mesh_sizes,
+                                            shard_opt_state)
+    specs = {"params": params.param_specs, "opt_state": ospecs, "step": P()}
     shardings = sharding_specs.named(mesh, specs)
     abstract = {"params": abstract_params, "opt_state": jax.eval_shape(tx.init, abstract_params),
                 "step": jax.ShapeDtypeStruct((), jnp.int32)}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    batch_spec = sharding_specs.mesh_spec(P("batch", None), plan.rules, None, plan.mesh_sizes)
-    return Layout(mesh, plan.rules, pspecs, logical, shardings, NamedSharding(mesh, batch_spec), abstract)
+    return Layout(mesh, plan.rules, params.param_specs, params.logical_axes, shardings, params.batch, abstract)
 
 
 def init_state(plan: Plan, layout: Layout, tx: optax.GradientTransformation, seed: int) -> State:

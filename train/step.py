@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
-from train.state import Layout, State
+from train.state import Layout, ParamLayout, State
 
 # (params, tokens) -> (the loss, or metrics holding it under `loss`, gradients)
 LossAndGrad = Callable[[Any, jax.Array], tuple[jax.Array | dict[str, jax.Array], Any]]
@@ -121,9 +121,11 @@ def guard_options(plan) -> dict:
     return {"skip_nonfinite": plan.train.on_nonfinite == "skip"}
 
 
-def make_eval_step(cfg: models.ModelConfig, layout: Layout, loss_fn: Callable | None = None, accum: int = 1):
+def make_eval_step(cfg: models.ModelConfig, layout: Layout | ParamLayout, loss_fn: Callable | None = None,
+                   accum: int = 1):
     """jit(params, batch) -> mean loss, forward only (`loss_fn`, e.g. a pipeline's, or the plain model),
-    over the same `accum` slices as training, so evaluation needs no more memory than a train step."""
+    over the same `accum` slices as training, so evaluation needs no more memory than a train step. `layout`:
+    the state's, or a placed model's alone (no optimizer)."""
     constrain = layout.constrain()
     if loss_fn is None:  # the language-model loss, without what the layers add to the objective
         loss_fn = lambda params, tokens: models.loss_and_metrics(params, tokens, cfg, constrain)[1]["loss"]  # noqa: E731
@@ -142,5 +144,5 @@ def make_eval_step(cfg: models.ModelConfig, layout: Layout, loss_fn: Callable | 
                                     jnp.zeros((), jnp.float32), micro)
             return total / accum
     return jax.jit(loss_fn,
-                   in_shardings=(layout.state["params"], layout.batch),
+                   in_shardings=(layout.params, layout.batch),
                    out_shardings=NamedSharding(layout.mesh, P()))

@@ -1,5 +1,6 @@
-"""One object holding everything a run needs once the config is validated: the plan, the mesh, the
-layout, the optimizer, the data source and the jitted steps. Tests and benchmarks build it directly."""
+"""One object holding everything a run needs once the config is validated: the plan, the placed model (mesh,
+parameter layout, layer order: train/placed.py), the layout of the whole state, the optimizer, the data source and
+the jitted steps. Tests and benchmarks build it directly."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,9 +12,9 @@ import ml_collections
 import optax
 
 import models
-from mesh import make_mesh
 from models import lora
 from sharding import pipeline as pipeline_lib
+from train import placed as placed_lib
 from train import state as state_lib
 from train import step as step_lib
 from train.config import Plan, resolve
@@ -28,20 +29,22 @@ class Trainer:
     layout: state_lib.Layout
     tx: optax.GradientTransformation
     schedule: optax.Schedule
-    source: data_lib.TokenSource
+    tokens: data_lib.TokenSource  # the loaded token source of plan.data
     loss_and_grad: step_lib.LossAndGrad
     train_step: Any
     eval_step: Any
+    placed: placed_lib.Placed  # the model on the mesh, shapes only: what the state's layout extends
 
     @classmethod
     def build(cls, config: ml_collections.ConfigDict, num_devices: int | None = None) -> "Trainer":
         """Validate (raising a one-line user error), then lay out exactly the layout `config` gives (plan.auto
         is the entry point's: train/loop/runner.py applies the planner first); nothing is compiled or allocated yet."""
         plan = resolve(config, num_devices or jax.device_count())
-        source = data_lib.load(plan.source, plan.model.vocab_size, plan.model.seq_len + 1, plan.data)
-        mesh = make_mesh(plan.mesh_sizes, num_devices=num_devices)
+        tokens = data_lib.load(plan.data, plan.model.vocab_size, plan.model.seq_len + 1, plan.data.files)
+        placed = placed_lib.of_plan(plan, num_devices)
+        mesh = placed.mesh
         tx, schedule = state_lib.make_optimizer(plan.optimizer, plan.decay_steps, lora.enabled(plan.model))
-        layout = state_lib.plan_layout(plan, mesh, tx, plan.shard_opt_state)
+        layout = state_lib.plan_layout(plan, mesh, tx, plan.shard_opt_state, placed.layout)
         if plan.pipeline:
             table = plan.pipeline.build()
             loss_and_grad = pipeline_lib.loss_and_grad(plan.model, mesh, plan.rules, table)
@@ -53,29 +56,30 @@ class Trainer:
                                             models.target_counter(plan.model))
         train_step = step_lib.make_train_step(loss_and_grad, tx, schedule, layout, **step_lib.guard_options(plan))
         eval_step = step_lib.make_eval_step(plan.model, layout, eval_loss, plan.grad_accum)
-        return cls(config, plan, mesh, layout, tx, schedule, source, loss_and_grad, train_step, eval_step)
+        return cls(config, plan, mesh, layout, tx, schedule, tokens, loss_and_grad, train_step, eval_step, placed)
 
     def init_state(self) -> state_lib.State:
         return self.from_logical(state_lib.init_state(self.plan, self.layout, self.tx, self.plan.train.seed))
 
-    @functools.cached_property
+    @property
+    def model(self) -> models.ModelConfig:
+        return self.placed.model
+
+    @property
+    def abstract_params(self) -> Any:
+        """The params' ShapeDtypeStructs with their shardings (checkpoint.format.Placement)."""
+        return self.placed.abstract_params
+
+    @property
     def frozen(self) -> frozenset[str]:
         """Saved-tree paths ('params/layers/wqkv') a checkpoint does not hold: with LoRA, every base parameter
         (read again from checkpoint.restore_from, train/lora); otherwise none."""
-        if not lora.enabled(self.plan.model):
-            return frozenset()
-        paths = jax.tree_util.tree_flatten_with_path(self.layout.abstract_state["params"])[0]
-        return frozenset("params/" + "/".join(str(k.key) for k in path) for path, _ in paths
-                         if not lora.is_adapter(path))
+        return self.placed.frozen
 
     @property
     def layer_order(self):
         """The logical layer at each position of the in-memory stack, or None when that is the identity."""
-        p = self.plan.pipeline
-        if p is None or p.virtual_stages == 1:
-            return None  # contiguous stages: the in-memory order is the logical one
-        return pipeline_lib.layer_order(models.stack_length(self.plan.model), p.stages, p.virtual_stages,
-                                        v_shape=p.schedule in pipeline_lib.schedules.V_SHAPED)
+        return self.placed.layer_order
 
     @functools.cached_property
     def _reorder(self):
@@ -99,7 +103,7 @@ class Trainer:
         return state if self._reorder is None else self._reorder[1](state)
 
     def batch(self, step: int, split: str = "train") -> jax.Array:
-        return data_lib.global_batch(self.source, self.layout.batch, self.plan.train.seed, step,
+        return data_lib.global_batch(self.tokens, self.layout.batch, self.plan.train.seed, step,
                                      self.plan.global_batch, self.plan.model.seq_len + 1, split)
 
     def abstract_batch(self) -> jax.ShapeDtypeStruct:

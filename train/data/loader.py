@@ -21,9 +21,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from train.config import ConfigError
 from train.data import corpus, datadir
 from train.data import order as order_lib
+from train.exit_codes import ConfigError
 
 EVAL_STREAM = 1 << 30  # eval batches draw from (seed, EVAL_STREAM + k): never a training step's stream
 
@@ -191,7 +191,7 @@ def largest_id(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
 
 
 def load(data_cfg: Any, vocab_size: int, length: int, spec: datadir.DataSpec | None = None) -> TokenSource:
-    """Open the configured source (`data_cfg`: Plan.source, or the data.* settings); `length` is the tokens
+    """Open the configured source (`data_cfg`: Plan.data, or the data.* settings); `length` is the tokens
     per row (seq_len + 1); `spec` is the resolved token files (train/datadir.resolve; resolved here when not given)."""
     order = getattr(data_cfg, "order", "epochs")
     if data_cfg.source == "synthetic":

@@ -20,12 +20,11 @@ import numpy as np
 from absl import app, flags
 
 from mesh.errors import UserError
-from train import cli
+from train import cli, exit_codes
 from train.data import chat, corpus, datadir, sources
 from train.data import tokenizer as tok_lib
 from train.data.corpus import CorpusError
 from train.data.tokenizer import TokenizerError
-from train.loop import exit_codes
 
 _INPUT = flags.DEFINE_list("input", None, "Text, JSONL or Parquet files (.gz/.bz2/.xz/.zst too), directories, "
                            "fsspec URLs (s3://, gs://, https://, ...) or hf:DATASET[:SPLIT] (comma-separated).")

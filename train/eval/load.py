@@ -6,14 +6,9 @@ import dataclasses
 import pathlib
 from typing import Any
 
-import checkpoint
-from checkpoint import format as ckpt_format
-from train import config as run_config
+from train import placed as placed_lib
 from train.data import tokenizer as tok_lib
 from train.eval.scorer import Scorer
-from train.generate import decode
-from train.lora import base as lora_base
-from train.trainer import Trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,15 +21,9 @@ class LoadedRun:
 
 def load_run(workdir: pathlib.Path, step: int | None, batch_size: int, mesh: dict | None = None,
              num_devices: int | None = None) -> LoadedRun:
-    """Restore the params of `step` (the newest when None) sharded on the run's mesh (`mesh` overrides sizes)."""
-    config = run_config.load_run_config(workdir)
-    config.mesh.update(mesh or {})
-    decode.fold_stack_axes(config.mesh)
-    codec = tok_lib.load_run_codec(workdir)  # a damaged tokenizer.json stops before the restore
-    source, step, spec = run_config.run_checkpoints(workdir, step)
-    trainer = Trainer.build(config, num_devices=num_devices)
-    got = checkpoint.restore_source(source, step, {"params": ckpt_format.target(trainer)["params"]}, True, spec)
-    params = ckpt_format.params_from_tree(trainer, got.tree["params"], lora_base.for_trainer(trainer))
+    """Restore the params of `step` (the newest when None) sharded on the run's mesh (`mesh` overrides sizes):
+    train.placed.from_run, which builds nothing of training."""
+    placed = placed_lib.from_run(workdir, step, mesh, num_devices=num_devices)
     # Padding is id 0, inside every vocabulary (a byte-level run's EOS, 256, may not be); nothing real attends to it.
-    scorer = Scorer(trainer.plan.model, params, trainer.layout.constrain(), trainer.mesh, batch_size, pad_id=0)
-    return LoadedRun(scorer, codec, step, config)
+    scorer = Scorer(placed.model, placed.params, placed.layout.constrain(), placed.mesh, batch_size, pad_id=0)
+    return LoadedRun(scorer, placed.codec, placed.step, placed_lib.decoding_config(workdir, mesh))

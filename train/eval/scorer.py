@@ -3,7 +3,7 @@ forward pass per padded batch) and generation through train/generate's KV cache,
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,8 @@ from train.generate import decode
 CHECK_EVERY = 8  # generated tokens between looks at whether every row has stopped (each look waits for the device)
 
 
-def token_scores(params, tokens_BxL1: jax.Array, cfg: Any, constrain: Any) -> tuple[jax.Array, jax.Array]:
+def token_scores(params, tokens_BxL1: jax.Array, cfg: models.ModelConfig,
+                 constrain: models.contract.Hooks) -> tuple[jax.Array, jax.Array]:
     """(log-probability of each next token [B, L], whether it is the most likely one [B, L]) in float32."""
     inputs_BxL, targets_BxL = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
     logits_BxLxV = models.forward(params, inputs_BxL, cfg, constrain).astype(jnp.float32)
@@ -28,8 +29,8 @@ def token_scores(params, tokens_BxL1: jax.Array, cfg: Any, constrain: Any) -> tu
 class Scorer:
     """Compiled once per padded shape and reused for every request of every task."""
 
-    def __init__(self, cfg: Any, params: Any, constrain: Any, mesh: jax.sharding.Mesh | None, batch_size: int,
-                 pad_id: int):
+    def __init__(self, cfg: models.ModelConfig, params: models.contract.Params, constrain: models.contract.Hooks,
+                 mesh: jax.sharding.Mesh | None, batch_size: int, pad_id: int):
         self.cfg, self.params, self.constrain, self.mesh = cfg, params, constrain, mesh
         self.batch_size, self.pad_id = batch_size, pad_id
         self._scores = jax.jit(functools.partial(token_scores, cfg=cfg, constrain=constrain))

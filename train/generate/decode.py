@@ -3,7 +3,7 @@ jitted decode step per token; greedy at temperature 0, else sampling with top-k 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,19 +40,20 @@ def choose(logits_BxV: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
 class Generator:
     """Compiled prefill and step for one model, mesh hook and sampling setting (reused across calls)."""
 
-    def __init__(self, cfg: Any, sampling: Sampling, constrain: Callable = models.contract.no_constraint,
+    def __init__(self, cfg: models.ModelConfig, sampling: Sampling, constrain: Callable = models.contract.no_constraint,
                  mesh: jax.sharding.Mesh | None = None):
         family = models.family_of(cfg)
-        if family.decode is None:
+        if family.decoding is None:
             raise models.ModelConfigError(f"model.family={cfg.family!r} has no KV-cache decoding; "
-                                          f"this family implements none (models/contract.py init_cache, decode)")
-        if getattr(cfg, "n_experts", 0):
-            raise models.ModelConfigError(f"model.n_experts={cfg.n_experts}: KV-cache decoding of a mixture of "
+                                          f"this family implements none (models/contract.py Decoding)")
+        buffers = family.parallel.expert_buffers(cfg)
+        if buffers is not None:
+            raise models.ModelConfigError(f"model.n_experts={buffers.experts}: KV-cache decoding of a mixture of "
                                           f"experts is not implemented; sample from a dense model")
-        self.cfg, self.family, self.sampling, self.mesh = cfg, family, sampling, mesh
+        self.cfg, self.decoding, self.sampling, self.mesh = cfg, family.decoding, sampling, mesh
 
         def run(params, tokens, cache, length, key):
-            logits, cache = family.decode(params, tokens, cache, length, cfg, constrain)
+            logits, cache = family.decoding.decode(params, tokens, cache, length, cfg, constrain)
             return choose(logits, key, sampling), logits, cache
         self._run = jax.jit(run, donate_argnums=(2,))
 
@@ -60,7 +61,7 @@ class Generator:
         """Yields each new token [B] (on device) as it is chosen. `start_B`: each row's first real position,
         for prompts left-padded to one length (models/attention.attend_cached)."""
         B, T = prompt_BxT.shape
-        cache = self.family.init_cache(self.cfg, B, T + max_new_tokens)
+        cache = self.decoding.init_cache(self.cfg, B, T + max_new_tokens)
         if start_B is not None:
             cache["start"] = jnp.asarray(start_B, jnp.int32)
         if self.mesh is not None:  # next to the sharded params; the step's constraints then place it
@@ -78,12 +79,3 @@ class Generator:
         """(new tokens [B, N], logits of each choice [B, N, V] as numpy)."""
         out, all_logits = zip(*self.stream(params, prompt_BxT, max_new_tokens))
         return np.asarray(jnp.stack(out, 1)), np.asarray(jnp.stack(all_logits, 1))
-
-
-def fold_stack_axes(mesh: Any) -> None:
-    """A run's mesh config made fit for decoding: `pipeline` and `context` folded into `data`, since decoding
-    runs the whole layer stack on every device, one new token at a time."""
-    folded = mesh.pipeline * mesh.context
-    mesh.pipeline = mesh.context = 1
-    if mesh.data != -1:
-        mesh.data *= folded

@@ -5,84 +5,110 @@ perplexity. The model runs sharded on the run's mesh (`--config.mesh.*` override
 stack on every device."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import sys
 
+import jax
 import numpy as np
 from absl import app, flags, logging
 
-import checkpoint
-from checkpoint import format as ckpt_format
 from mesh import use_cpu_devices
 from mesh.layout import AXES
-from train import cli
-from train import config as run_config
-from train.config import ConfigError, base_config
+from train import cli, exit_codes
+from train import placed as placed_lib
+from train import step as step_lib
+from train.config import ConfigError, Plan, base_config, resolve
+from train.data import loader as data_lib
 from train.data import tokenizer as tok_lib
 from train.generate import decode as generate
 from train.generate import prompt as prompt_lib
-from train.loop import exit_codes
-from train.lora import base as lora_base
-from train.trainer import Trainer
 
-_CONFIG = cli.config_dict("config", base_config(), "Only --config.mesh.* overrides are read.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "The training run's directory.", required=True)
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
-_PROMPT = flags.DEFINE_string("prompt", None, "Prompt text, encoded with the run's tokenizer (its DATADIR's "
-                              "tokenizer.json, or bytes for a run on raw text).")
-_PROMPT_TOKENS = flags.DEFINE_string("prompt_tokens", None, "Prompt as token ids, e.g. 1,2,3.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 is greedy and deterministic.")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the K most likely tokens (0: all).")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Keep the smallest set of tokens with this much probability (1: all).")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
-_JSON = flags.DEFINE_boolean("json", False, "Print one JSON object {prompt_tokens, tokens, text}.")
-_EVAL_BATCHES = flags.DEFINE_integer("eval_batches", 0, "Print the loss and perplexity of N held-out batches.")
-_NUM_CPU_DEVICES = flags.DEFINE_integer("num_cpu_devices", 8, "Virtual devices when the platform is CPU.")
+FLAGS = flags.FLAGS
 
 
-def _mesh_overrides(config) -> None:
-    """The run's mesh, with the --config.mesh.* flags given and `pipeline` and `context` folded into `data`
-    (decoding runs the whole stack on every device, one new token at a time)."""
-    for name in AXES:
-        if any(arg.startswith(f"--config.mesh.{name}=") for arg in sys.argv):
-            config.mesh[name] = _CONFIG.value.mesh[name]
-    generate.fold_stack_axes(config.mesh)
+def define_flags() -> None:
+    """Defined only when run as a command, so tests can import `sample` beside other tools' flags."""
+    cli.config_dict("config", base_config(), "Only --config.mesh.* overrides are read.")
+    flags.DEFINE_string("workdir", None, "The training run's directory.", required=True)
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
+    flags.DEFINE_string("prompt", None, "Prompt text, encoded with the run's tokenizer (its DATADIR's "
+                        "tokenizer.json, or bytes for a run on raw text).")
+    flags.DEFINE_string("prompt_tokens", None, "Prompt as token ids, e.g. 1,2,3.")
+    flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.")
+    flags.DEFINE_float("temperature", 0.0, "0 is greedy and deterministic.")
+    flags.DEFINE_integer("top_k", 0, "Keep the K most likely tokens (0: all).")
+    flags.DEFINE_float("top_p", 1.0, "Keep the smallest set of tokens with this much probability (1: all).")
+    flags.DEFINE_integer("seed", 0, "Sampling seed.")
+    flags.DEFINE_boolean("json", False, "Print one JSON object {prompt_tokens, tokens, text}.")
+    flags.DEFINE_integer("eval_batches", 0, "Print the loss and perplexity of N held-out batches.")
+    flags.DEFINE_integer("num_cpu_devices", 8, "Virtual devices when the platform is CPU.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What to do with the run's model: decode `max_new` tokens after the prompt (text or token ids), or, with
+    `eval_batches` > 0, score that many held-out batches."""
+    prompt: str | None = None
+    prompt_tokens: str | None = None
+    max_new: int = 64
+    sampling: generate.Sampling = generate.Sampling()
+    as_json: bool = False
+    eval_batches: int = 0
+
+
+def mesh_overrides() -> dict[str, int]:
+    """The --config.mesh.* flags given on the command line (the run's own mesh otherwise)."""
+    return {name: FLAGS.config.mesh[name] for name in AXES
+            if any(arg.startswith(f"--config.mesh.{name}=") for arg in sys.argv)}
 
 
 def check_flags() -> None:
     """The sampling flags, before anything is loaded."""
-    for flag, ok, rule in ((_TEMPERATURE, _TEMPERATURE.value >= 0, ">= 0 (0 is greedy)"),
-                           (_TOP_K, _TOP_K.value >= 0, ">= 0 (0 keeps every token)"),
-                           (_TOP_P, 0 < _TOP_P.value <= 1, "in (0, 1] (1 keeps every token)"),
-                           (_MAX_NEW, _MAX_NEW.value >= 1, ">= 1"), (_EVAL_BATCHES, _EVAL_BATCHES.value >= 0, ">= 0"),
-                           (_NUM_CPU_DEVICES, _NUM_CPU_DEVICES.value >= 1, ">= 1")):
+    value = lambda name: FLAGS[name].value  # noqa: E731
+    for name, ok, rule in (("temperature", value("temperature") >= 0, ">= 0 (0 is greedy)"),
+                           ("top_k", value("top_k") >= 0, ">= 0 (0 keeps every token)"),
+                           ("top_p", 0 < value("top_p") <= 1, "in (0, 1] (1 keeps every token)"),
+                           ("max_new_tokens", value("max_new_tokens") >= 1, ">= 1"),
+                           ("eval_batches", value("eval_batches") >= 0, ">= 0"),
+                           ("num_cpu_devices", value("num_cpu_devices") >= 1, ">= 1")):
         if not ok:
-            raise ConfigError(f"--{flag.name}={flag.value}: must be {rule}")
+            raise ConfigError(f"--{name}={value(name)}: must be {rule}")
 
 
-def run(workdir: pathlib.Path) -> None:
-    config = run_config.load_run_config(workdir)
-    _mesh_overrides(config)
-    trainer = Trainer.build(config)
-    cfg = trainer.plan.model
+def sample(workdir: pathlib.Path, step: int | None, request: Request, mesh: dict | None = None) -> str:
+    """The text train.sample prints: the run's model placed on its decoding mesh (placed.decoding_config),
+    restored from checkpoint `step` (default: the newest); nothing of training (optimizer, train step) is built."""
+    plan = resolve(placed_lib.decoding_config(workdir, mesh), jax.device_count())
+    placed = placed_lib.of_plan(plan)
     codec = tok_lib.load_run_codec(workdir)
-    prompt = None if _EVAL_BATCHES.value else prompt_lib.prompt_tokens(cfg.vocab_size, codec, _PROMPT.value,
-                                                                        _PROMPT_TOKENS.value)
-    source, step, spec = run_config.run_checkpoints(workdir, _STEP.value)
-    got = checkpoint.restore_source(source, step, {"params": ckpt_format.target(trainer)["params"]}, True, spec)
-    params = ckpt_format.params_from_tree(trainer, got.tree["params"], lora_base.for_trainer(trainer))
-    if _EVAL_BATCHES.value:
-        losses = [float(trainer.eval_step(params, trainer.batch(i, "eval"))) for i in range(_EVAL_BATCHES.value)]
-        loss = sum(losses) / len(losses)
-        print(f"step {step}: held-out loss {loss:.4f} nats over {len(losses)} batches, perplexity {math.exp(loss):.3f}")
-        return
-    sampling = generate.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _SEED.value)
-    gen = generate.Generator(cfg, sampling, trainer.layout.constrain(), trainer.mesh)
-    new, _ = gen(params, np.asarray([prompt]), _MAX_NEW.value)
-    tokens = [int(t) for t in new[0]]
-    print(prompt_lib.render(codec, prompt, tokens, _JSON.value))
+    if request.eval_batches:
+        source = data_lib.load(plan.data, plan.model.vocab_size, plan.model.seq_len + 1, plan.data.files)
+        placed = placed_lib.restore(placed, workdir, step)
+        return held_out(plan, placed, source, request.eval_batches)
+    prompt = prompt_lib.prompt_tokens(plan.model.vocab_size, codec, request.prompt, request.prompt_tokens)
+    placed = placed_lib.restore(placed, workdir, step)
+    gen = generate.Generator(placed.model, request.sampling, placed.layout.constrain(), placed.mesh)
+    new, _ = gen(placed.params, np.asarray([prompt]), request.max_new)
+    return prompt_lib.render(codec, prompt, [int(t) for t in new[0]], request.as_json)
+
+
+def held_out(plan: Plan, placed: placed_lib.Placed, source: data_lib.TokenSource, batches: int) -> str:
+    """The mean loss (and perplexity) of the first `batches` held-out batches, by an eval step alone."""
+    eval_step = step_lib.make_eval_step(placed.model, placed.layout, None, plan.grad_accum)
+    length = plan.model.seq_len + 1
+    losses = [float(eval_step(placed.params, data_lib.global_batch(source, placed.layout.batch, plan.train.seed, i,
+                                                                   plan.global_batch, length, "eval")))
+              for i in range(batches)]
+    loss = sum(losses) / len(losses)
+    return (f"step {placed.step}: held-out loss {loss:.4f} nats over {len(losses)} batches, "
+            f"perplexity {math.exp(loss):.3f}")
+
+
+def request_from_flags() -> Request:
+    sampling = generate.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed)
+    return Request(FLAGS.prompt, FLAGS.prompt_tokens, FLAGS.max_new_tokens, sampling, FLAGS.json, FLAGS.eval_batches)
 
 
 def main(argv: list[str]) -> int:
@@ -90,10 +116,12 @@ def main(argv: list[str]) -> int:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)  # Orbax's info lines would bury the output
     check_flags()
-    use_cpu_devices(_NUM_CPU_DEVICES.value)
-    run(pathlib.Path(_WORKDIR.value).expanduser())
+    use_cpu_devices(FLAGS.num_cpu_devices)
+    workdir = pathlib.Path(FLAGS.workdir).expanduser()
+    print(sample(workdir, FLAGS.step, request_from_flags(), mesh_overrides()))
     return exit_codes.OK
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

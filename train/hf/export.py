@@ -14,18 +14,15 @@ import ml_dtypes
 import numpy as np
 from absl import app, flags, logging
 
-import checkpoint
 import models
-from checkpoint import plain, safetensors_io
+from checkpoint import safetensors_io
 from mesh import use_cpu_devices
 from mesh.errors import UserError, check_writable
 from models import lora
-from train import cli
+from train import cli, exit_codes, hf_model
 from train import config as run_config
+from train import placed as placed_lib
 from train.data import tokenizer as tok_lib
-from train.hf import model_config as hf_model_config
-from train.loop import exit_codes
-from train.lora import base as lora_base
 
 FLAGS = flags.FLAGS
 
@@ -49,7 +46,7 @@ def define_flags() -> None:
 def run_model(workdir: pathlib.Path):
     """(the run's config, its model config)."""
     config = run_config.load_run_config(workdir)
-    values = hf_model_config.model_values(config.model.to_dict(), config.checkpoint.restore_from)
+    values = hf_model.model_values(config.model.to_dict(), config.checkpoint.restore_from)
     data_meta = workdir / "data_meta.json"  # a DATADIR run's vocabulary comes from its meta.json (train.config)
     if values.get("vocab_size") is None and data_meta.is_file():
         values["vocab_size"] = int(json.loads(data_meta.read_text())["vocab_size"])
@@ -57,26 +54,17 @@ def run_model(workdir: pathlib.Path):
 
 
 def restore_params(workdir: pathlib.Path, step: int | None):
-    """(model config, params as numpy in logical layer order, step) from a run's checkpoint, on one device; a LoRA
-    run's params are its base (read from checkpoint.restore_from) with the adapters from the checkpoint."""
+    """(model config, params as numpy in logical layer order, step) from a run's checkpoint, placed on one device
+    (train.placed); a LoRA run's params are its base (read from checkpoint.restore_from) with its adapters."""
     config, cfg = run_model(workdir)
-    source, step, spec = run_config.run_checkpoints(workdir, step)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract, _ = models.abstract_params(cfg)
-    target = plain.flatten(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                                        {"params": abstract}))
-    base = {k: v for k, v in target.items() if lora.enabled(cfg) and not lora.is_adapter(k.split("/"))}
-    held = plain.nest({k: v for k, v in target.items() if k not in base})
-    got = checkpoint.restore_source(source, step, held, True, spec)
-    if base:
-        base = lora_base.load(config.checkpoint.restore_from, cfg, config.train.seed, base)
-    params = plain.nest({**plain.flatten({"params": got.tree["params"]}), **base})["params"]
-    return cfg, jax.tree.map(np.asarray, jax.device_get(params)), step
+    placed = placed_lib.restore(placed_lib.on_one_device(cfg, config.checkpoint.restore_from, config.train.seed),
+                                workdir, step)
+    return cfg, jax.tree.map(np.asarray, jax.device_get(placed.params)), placed.step
 
 
 def merged(cfg, params):
     """(the base's config, its params with every adapter merged into its weight)."""
-    projections = models.family_of(cfg).lora_projections(cfg)
+    projections = models.family_of(cfg).forward.lora_projections(cfg)
     return dataclasses.replace(cfg, lora_rank=0), lora.merge(params, cfg, projections)
 
 

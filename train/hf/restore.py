@@ -11,16 +11,14 @@ import shutil
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import models
 from checkpoint import safetensors_io
-from train.hf import model_config
-from train.hf.model_config import PREFIX
-from train.hf.model_config import directory as _directory
-from train.hf.model_config import fail as _fail
-from train.trainer import Trainer
+from train import hf_model
+from train.hf_model import PREFIX  # noqa: F401  (what callers test a spec with)
+from train.hf_model import directory as _directory
+from train.hf_model import fail as _fail
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
@@ -44,7 +42,7 @@ def _weight_files(spec: str, path: pathlib.Path) -> list[pathlib.Path]:
 def open_tensors(spec: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(config.json as a dict, every tensor memory-mapped by name)."""
     path = _directory(spec)
-    hf = model_config.read_config(spec)
+    hf = hf_model.read_config(spec)
     tensors: dict[str, np.ndarray] = {}
     for f in _weight_files(spec, path):
         try:
@@ -65,22 +63,22 @@ def _check_complete(spec: str, f: pathlib.Path) -> None:
         raise _fail(spec, f"{f} is truncated ({size:,} bytes, its header needs {end:,}); download or copy it again")
 
 
-def check(spec: str, trainer: Trainer, workdir: pathlib.Path | None = None) -> dict[str, np.ndarray]:
-    """One-line errors for a config or tensor that does not match the run's model; then the tokenizer files
-    are copied into `workdir` (the only write). Returns the memory-mapped tensors."""
-    return check_model(spec, trainer.plan.model, workdir)
+def check(spec: str, placed: Any, workdir: pathlib.Path | None = None) -> dict[str, np.ndarray]:
+    """One-line errors for a config or tensor that does not match the model of `placed` (a train.placed.Placed or
+    a Trainer); then the tokenizer files are copied into `workdir` (the only write). Returns the tensors."""
+    return check_model(spec, placed.model, workdir)
 
 
 def check_model(spec: str, cfg: Any, workdir: pathlib.Path | None = None) -> dict[str, np.ndarray]:
     """`check` for a model config (an export merging a LoRA run's base has no Trainer)."""
     hf, tensors = open_tensors(spec)
-    family = model_config.family_of_hf(spec, hf)
+    family = hf_model.family_of_hf(spec, hf)
     if family.name != cfg.family:
         raise _fail(spec, f"config.json is a {family.name} model but the run's model is {cfg.family}; set "
                           f"model.preset to one of {', '.join(family.presets)}")
     adapter = family.hf
     tensors = {adapter.rename(k): v for k, v in tensors.items()}
-    theirs = model_config.fields(spec, hf, family)
+    theirs = hf_model.fields(spec, hf, family)
     differ = [f"model.{k}={getattr(cfg, k)!r} vs {v!r}" for k, v in theirs.items() if getattr(cfg, k) != v]
     if differ:
         raise _fail(spec, f"the run's model differs from config.json ({'; '.join(differ)}); set those model.* "
@@ -103,9 +101,10 @@ def check_model(spec: str, cfg: Any, workdir: pathlib.Path | None = None) -> dic
     return tensors
 
 
-def load_params(spec: str, trainer: Trainer) -> Any:
-    """The run's params (its in-memory layer order and shardings), each device reading only its slices."""
-    return read_params(spec, trainer.plan.model, trainer.layout.abstract_state["params"], trainer.layer_order)
+def load_params(spec: str, placed: Any) -> Any:
+    """The params of `placed` (a train.placed.Placed or a Trainer: its in-memory layer order and shardings), each
+    device reading only its slices."""
+    return read_params(spec, placed.model, placed.abstract_params, placed.layer_order)
 
 
 def read_params(spec: str, cfg: Any, target: Any, order: np.ndarray | None = None) -> Any:
@@ -128,11 +127,3 @@ def read_params(spec: str, cfg: Any, target: Any, order: np.ndarray | None = Non
         return jax.make_array_from_callback(sds.shape, sds.sharding, piece)
 
     return jax.tree_util.tree_map_with_path(leaf, target)
-
-
-def load_state(spec: str, trainer: Trainer) -> tuple[dict[str, Any], str]:
-    """(params from HFDIR with a fresh optimizer state at step 0, where they came from)."""
-    params = load_params(spec, trainer)
-    opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.layout.state["opt_state"])(params)
-    step = jax.device_put(jnp.zeros((), jnp.int32), trainer.layout.state["step"])
-    return {"params": params, "opt_state": opt_state, "step": step}, f"Hugging Face weights of {spec[len(PREFIX):]}"

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from train.loop import exit_codes, faults
+from train import exit_codes
+from train.loop import faults
 from train.loop.info import Action as ActionProtocol
 from train.loop.info import Decision, Services, StepInfo, Update
 from train.runtime import hardware
@@ -90,7 +91,7 @@ class MetricsLogging(Action):
         tps = s.rep["tokens_per_step"] / recent
         mfu = hardware.mfu(s.rep["flops_per_step"], recent, s.peak, s.peak_measured)
         record = {"step": step, **info.values, "step_time_s": recent, "tokens_per_s": tps, "mfu": mfu,
-                  **s.trainer.source.progress(step, plan.global_batch, plan.model.seq_len + 1)}
+                  **s.trainer.tokens.progress(step, plan.global_batch, plan.model.seq_len + 1)}
         if jax.process_count() > 1:  # every process logs at the same steps, so this gather cannot hang
             record["host_step_time_s"] = host_step_times(recent)
         s.log.write(record)

@@ -17,6 +17,7 @@ import checkpoint
 from checkpoint import format as ckpt_format
 from checkpoint import meta as meta_lib
 from mesh.errors import probe_directory
+from train import placed as placed_lib
 from train.config import ConfigError
 from train.hf import restore as hf_import
 from train.lora import base as lora_base
@@ -67,7 +68,7 @@ def _check_restore_from(trainer: Trainer, workdir: pathlib.Path, wanted: dict[st
     """checkpoint.restore_from (of a run without checkpoints of its own) holds what this config trains."""
     ck = trainer.plan.checkpoint
     if ck.restore_from.startswith(hf_import.PREFIX):
-        hf_import.check(ck.restore_from, trainer, workdir)
+        hf_import.check(ck.restore_from, trainer.placed, workdir)
     elif ck.restore_from:
         source, step = checkpoint.open_source(ck.restore_from)
         try:
@@ -112,7 +113,7 @@ def start(trainer: Trainer, ckpts: checkpoint.Checkpoints, say: Callable[[str], 
             say(f"resuming with changed settings: {'; '.join(changes)}")
         if "order" not in restored.meta.get("config", {}).get("data", {"order": None}):  # written before data.order
             _train_with_random_windows(trainer)
-        state = ckpt_format.from_tree(trainer, restored.tree, lora_base.for_trainer(trainer))
+        state = ckpt_format.from_tree(trainer, restored.tree, lora_base.for_placed(trainer.placed))
         return Start(state, restored.tree["rng"], restored.step,
                      f"resumed from {restored.where}, {restored.tier} tier", True, time.perf_counter() - t0)
     return _from_elsewhere(trainer, t0)
@@ -121,9 +122,9 @@ def start(trainer: Trainer, ckpts: checkpoint.Checkpoints, say: Callable[[str], 
 def _train_with_random_windows(trainer: Trainer) -> None:
     """What a checkpoint from before data.order trained with, so the batches replay exactly (the plan, and so
     the checkpoint meta, say so)."""
-    source = dataclasses.replace(trainer.plan.source, order="random")
-    trainer.plan = dataclasses.replace(trainer.plan, source=source)
-    trainer.source = dataclasses.replace(trainer.source, order="random")
+    data = dataclasses.replace(trainer.plan.data, order="random")
+    trainer.plan = dataclasses.replace(trainer.plan, data=data)
+    trainer.tokens = dataclasses.replace(trainer.tokens, order="random")
 
 
 def _from_elsewhere(trainer: Trainer, t0: float) -> Start:
@@ -133,23 +134,30 @@ def _from_elsewhere(trainer: Trainer, t0: float) -> Start:
     spec, params_only = trainer.plan.checkpoint.restore_from, trainer.plan.checkpoint.restore_params_only
     if trainer.frozen:  # LoRA: fresh adapters and optimizer state on the base read from its source
         origin = f"{lora_base.adapter_count(trainer):,} adapter parameters initialized on {lora_base.describe(spec)}"
-        return Start(lora_base.fresh_state(trainer), rng, 0, origin, False, time.perf_counter() - t0)
+        state = _fresh_optimizer(trainer, placed_lib.initialized(trainer.placed).params)
+        return Start(state, rng, 0, origin, False, time.perf_counter() - t0)
     if not spec:
         return Start(trainer.init_state(), rng, 0, "initialized", False, time.perf_counter() - t0)
     if spec.startswith(hf_import.PREFIX):  # Hugging Face weights: params only, fresh optimizer, step 0
-        state, origin = hf_import.load_state(spec, trainer)
-        return Start(state, rng, 0, origin, False, time.perf_counter() - t0)
+        state = _fresh_optimizer(trainer, placed_lib.from_hf(trainer.placed, spec).params)
+        return Start(state, rng, 0, f"Hugging Face weights of {spec[len(hf_import.PREFIX):]}", False,
+                     time.perf_counter() - t0)
     source, step = checkpoint.open_source(spec)
     if params_only:
-        got = checkpoint.restore_source(source, step, {"params": ckpt_format.target(trainer)["params"]}, True, spec)
-        params = ckpt_format.params_from_tree(trainer, got.tree["params"])
-        opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.layout.state["opt_state"])(params)
-        state = {"params": params, "opt_state": opt_state,
-                 "step": jax.device_put(jnp.zeros((), jnp.int32), trainer.layout.state["step"])}
-        return Start(trainer.from_logical(state), rng, 0, f"params of {got.where}", False, time.perf_counter() - t0)
+        got = checkpoint.restore_source(source, step, ckpt_format.params_target(trainer), True, spec)
+        params = trainer.placed.from_logical(ckpt_format.params_from_tree(trainer, got.tree["params"]))
+        return Start(_fresh_optimizer(trainer, params), rng, 0, f"params of {got.where}", False,
+                     time.perf_counter() - t0)
     got = checkpoint.restore_source(source, step, ckpt_format.target(trainer), False, spec)
     return Start(ckpt_format.from_tree(trainer, got.tree), rng, got.step, f"full state of {got.where}", False,
                  time.perf_counter() - t0)
+
+
+def _fresh_optimizer(trainer: Trainer, params: dict[str, Any]) -> dict[str, Any]:
+    """A first state on `params` (in the layout's in-memory order): a fresh optimizer state and step 0."""
+    opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.layout.state["opt_state"])(params)
+    return {"params": params, "opt_state": opt_state,
+            "step": jax.device_put(jnp.zeros((), jnp.int32), trainer.layout.state["step"])}
 
 
 def cut_metrics(workdir: pathlib.Path, step: int) -> None:

@@ -20,10 +20,11 @@ from jax.experimental import multihost_utils
 
 import checkpoint
 from mesh.errors import UserError, probe_directory
+from train import exit_codes
 from train.config import ConfigError, Plan
 from train.data import loader as data_lib
 from train.loop import actions as actions_lib
-from train.loop import exit_codes, phases, preemption, resume
+from train.loop import phases, preemption, resume
 from train.loop.builtin import say
 from train.loop.goodput import Goodput
 from train.loop.info import Services
@@ -185,7 +186,7 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
     if is_main and not options.compile_only:  # a what-if compile leaves the run's own config.json alone
         record = phases.with_history(resolved, phases.read(path), phase["changes"], options.config_file)
         (path / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-        data_lib.copy_tokenizer(plan.data, path)
+        data_lib.copy_tokenizer(plan.data.files, path)
     return Compiled(trainer, compiled, rep, options.peak_tflops, resolved)
 
 

@@ -32,7 +32,7 @@ def recorded_config(trainer: Trainer) -> dict[str, Any]:
     """The run's config as meta records it: the raw config, JSON-safe now (not in the commit), with the data
     order the plan trains with (resume sets `random` for a checkpoint from before data.order)."""
     config = json.loads(json.dumps(trainer.config.to_dict(), default=str))
-    config.setdefault("data", {})["order"] = trainer.plan.source.order
+    config.setdefault("data", {})["order"] = trainer.plan.data.order
     return config
 
 

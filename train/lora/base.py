@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 import checkpoint
 import models
@@ -14,7 +13,6 @@ from checkpoint import meta as meta_lib
 from checkpoint import plain
 from models import lora
 from train.hf import restore as hf_import
-from train.trainer import Trainer
 
 PARAMS = "params/"
 
@@ -26,13 +24,14 @@ def describe(spec: str) -> str:
     return f"the params of {spec}" if spec else "the model's initialization from train.seed"
 
 
-def adapter_count(trainer: Trainer) -> int:
-    """The run's trained parameters (the log's "training N parameters" counts the model)."""
-    cfg = trainer.plan.model
-    return lora.adapter_count(cfg, models.family_of(cfg).lora_projections(cfg))
+def adapter_count(placed: Any) -> int:
+    """The trained parameters of `placed` (a train.placed.Placed or a Trainer; the log's "training N parameters"
+    counts the model)."""
+    cfg = placed.model
+    return lora.adapter_count(cfg, models.family_of(cfg).forward.lora_projections(cfg))
 
 
-def load(spec: str, cfg: Any, seed: int, target: dict[str, Any]) -> dict[str, jax.Array]:
+def load(spec: str, cfg: models.ModelConfig, seed: int, target: dict[str, Any]) -> dict[str, jax.Array]:
     """{saved-tree path: array} for `target` ({'params/...': ShapeDtypeStruct with its sharding}): from `hf:DIR`,
     from the params of a checkpoint `PATH[:STEP]` (every checksum verified), or recomputed from `seed` ('')."""
     nested = plain.nest({k[len(PARAMS):]: v for k, v in target.items()})
@@ -46,7 +45,7 @@ def load(spec: str, cfg: Any, seed: int, target: dict[str, Any]) -> dict[str, ja
     return {PARAMS + k: v for k, v in plain.flatten(got).items()}
 
 
-def initialized(cfg: Any, seed: int, target: Any) -> Any:
+def initialized(cfg: models.ModelConfig, seed: int, target: Any) -> Any:
     """The leaves of `target` (nested like params) as the model's initialization from `seed` makes them, compiled
     for those leaves only (XLA drops the others)."""
     names = set(plain.flatten(target))
@@ -56,33 +55,20 @@ def initialized(cfg: Any, seed: int, target: Any) -> Any:
     return jax.jit(init, out_shardings=jax.tree.map(lambda s: s.sharding, target))()
 
 
-def fresh_state(trainer: Trainer) -> dict[str, Any]:
-    """A LoRA run's first state: the base from its source, newly initialized adapters, their optimizer state, step
-    0, in the layout's in-memory order (the base is never initialized at random only to be replaced)."""
-    abstract = trainer.layout.abstract_state
-    adapters = {k: v for k, v in plain.flatten({"params": abstract["params"]}).items() if k not in trainer.frozen}
-    adapters = initialized(trainer.plan.model, trainer.plan.train.seed, plain.nest(adapters)["params"])
-    flat = {**for_trainer(trainer), **plain.flatten({"params": adapters})}
-    params = plain.from_plain(plain.nest(flat)["params"], abstract["params"])
-    opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.layout.state["opt_state"])(params)
-    step = jax.device_put(jnp.zeros((), jnp.int32), trainer.layout.state["step"])
-    return trainer.from_logical({"params": params, "opt_state": opt_state, "step": step})
-
-
-def for_trainer(trainer: Trainer) -> dict[str, jax.Array] | None:
-    """The run's base in its shardings (None without LoRA): what checkpoint.format.from_tree completes a state with."""
-    if not trainer.frozen:
+def for_placed(placed: Any) -> dict[str, jax.Array] | None:
+    """The base of `placed` (a train.placed.Placed or a Trainer) in its shardings (None without LoRA): what
+    checkpoint.format.from_tree completes a state with."""
+    if not placed.frozen:
         return None
-    return load(trainer.plan.checkpoint.restore_from, trainer.plan.model, trainer.plan.train.seed,
-                ckpt_format.frozen_target(trainer))
+    return load(placed.base, placed.model, placed.seed, ckpt_format.frozen_target(placed))
 
 
-def check_source(trainer: Trainer, workdir: Any = None) -> None:
+def check_source(trainer: Any, workdir: Any = None) -> None:
     """Before compiling: the base's source holds this model (a one-line error otherwise); Hugging Face tokenizer
     files are copied into `workdir`, as for any hf: start."""
     spec = trainer.plan.checkpoint.restore_from
     if spec.startswith(hf_import.PREFIX):
-        hf_import.check(spec, trainer, workdir)
+        hf_import.check(spec, trainer.placed, workdir)
     elif spec:
         source, step = checkpoint.open_source(spec)
         wanted = plain.nest(ckpt_format.frozen_target(trainer))

@@ -15,8 +15,7 @@ import models
 from checkpoint import cadence
 from mesh import topology as topology_lib
 from mesh.errors import check_writable
-from train import cli
-from train.loop import exit_codes
+from train import cli, exit_codes
 from train.planner import calibrate, report, search
 
 _CONFIG = cli.config_file("config", "experiments/default.py", "Experiment config file.")

@@ -22,12 +22,12 @@ CONTEXT_ATTENTION_SHARE = 0.25
 
 
 def has_experts(cfg: models.ModelConfig) -> bool:
-    return models.family_of(cfg).expert_buffers(cfg) is not None
+    return models.family_of(cfg).parallel.expert_buffers(cfg) is not None
 
 
 def long_sequence(cfg: models.ModelConfig) -> bool:
     family = models.family_of(cfg)
-    return family.attention_flops_per_token(cfg) >= CONTEXT_ATTENTION_SHARE * family.flops_per_token(cfg)
+    return family.cost.attention_flops_per_token(cfg) >= CONTEXT_ATTENTION_SHARE * family.cost.flops_per_token(cfg)
 
 
 def replicas(sizes: Mapping[str, int]) -> int:
@@ -53,7 +53,7 @@ def _batch(sizes: Mapping[str, int], global_batch: int) -> str | None:
 
 def _widths(cfg: models.ModelConfig, sizes: Mapping[str, int]) -> str | None:
     """The sizes the family names per logical axis (models.Family.divisibility), and the layers into stages."""
-    for logical, settings in models.family_of(cfg).divisibility(cfg).items():
+    for logical, settings in models.family_of(cfg).parallel.divisibility(cfg).items():
         axis = SPLIT_BY.get(logical)
         if axis and any(size % sizes[axis] for _, size in settings):
             return f"{logical} not divisible by {axis}={sizes[axis]}"

@@ -78,8 +78,8 @@ def per_token_layer_bytes(cfg: models.ModelConfig, remat: str, tensor: int, sequ
     parallelism leaves whole (the residual stream, the norms and their outputs), so every byte is split."""
     family = models.family_of(cfg)
     if sequence_parallel:
-        return family.layer_bytes_per_token(cfg, remat, 1) / tensor
-    return family.layer_bytes_per_token(cfg, remat, tensor)
+        return family.cost.layer_bytes_per_token(cfg, remat, 1) / tensor
+    return family.cost.layer_bytes_per_token(cfg, remat, tensor)
 
 
 def rows_per_device(c: Candidate, global_batch: int) -> float:
@@ -146,7 +146,7 @@ def gathered_kv_bytes(cfg: models.ModelConfig, c: Candidate, tokens: float) -> f
     sizes = c.sizes
     if sizes["pipeline"] == 1 or sizes["context"] == 1:
         return 0.0
-    kv = models.family_of(cfg).kv_heads(cfg)
+    kv = models.family_of(cfg).parallel.kv_heads(cfg)
     kv_heads = kv / math.gcd(kv, sizes["tensor"])  # heads split over `tensor`, or one each when fewer
     per_token = 2 * kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize  # K and V
     return 2 * tokens * sizes["context"] * per_token  # the blocks and their gradients
@@ -158,7 +158,7 @@ def expert_buffer_bytes(cfg: models.ModelConfig, c: Candidate, global_batch: int
     combined buffers (d_model wide) and the experts' hidden before and after the activation (d_mlp / tensor wide)
     in place of the dense MLP's two per token that per_token_layer_bytes counted; the backward of one layer holds
     the two buffers' gradients. (0, 0) for a dense model."""
-    experts = models.family_of(cfg).expert_buffers(cfg)
+    experts = models.family_of(cfg).parallel.expert_buffers(cfg)
     if experts is None:
         return 0.0, 0.0
     sizes, b = c.sizes, jnp.dtype(cfg.compute_dtype).itemsize

@@ -38,11 +38,10 @@ def platform(topo: topology_lib.Topology) -> str:
     return jax.devices()[0].platform
 
 
-def attention_kernel(cfg: models.ModelConfig, topo: topology_lib.Topology) -> str:
+def attention_kernel(cfg: models.TransformerConfig, topo: topology_lib.Topology) -> str:
     """`xla` or `cudnn`: the family's `attention` setting resolved as a run on the topology's devices would."""
-    requested = getattr(cfg, "attention", "xla")
     try:
-        return attention_lib.resolve(requested, platform(topo), cfg.compute_dtype, cfg.head_dim)
+        return attention_lib.resolve(cfg.attention, platform(topo), cfg.compute_dtype, cfg.head_dim)
     except ValueError:
         return "xla"  # an explicit cudnn the platform cannot run: the run itself will say so
 

@@ -59,7 +59,7 @@ def hardware_flops_per_device(cfg: models.ModelConfig, c: Candidate, global_batc
     model = per_token * global_batch * cfg.seq_len / math.prod(sizes.values())
     extra = (cfg.remat == "full") + (sizes["pipeline"] > 1)
     # save_dots keeps the projections but recomputes the attention's batched matmuls (their forward FLOPs: a third)
-    attention_forward = models.family_of(cfg).attention_flops_per_token(cfg) / 3
+    attention_forward = models.family_of(cfg).cost.attention_flops_per_token(cfg) / 3
     attention = attention_forward * global_batch * cfg.seq_len / math.prod(sizes.values())
     return model * (1 + extra / 3) + (attention if cfg.remat == "save_dots" else 0.0)
 
@@ -68,7 +68,7 @@ def expert_padding_flops_per_token(cfg: models.ModelConfig) -> float:
     """Matmul FLOPs per token the experts run beyond the model FLOPs' count: the model counts the k experts a
     token is routed to, but each expert's MLP runs on every slot of its [rows, experts, capacity] buffer, filled
     or empty, so a token costs experts x capacity / seq_len slots' worth of expert matmuls (6 per weight)."""
-    experts = models.family_of(cfg).expert_buffers(cfg)
+    experts = models.family_of(cfg).parallel.expert_buffers(cfg)
     if experts is None:
         return 0.0
     per_expert = memory.expert_params(cfg) / experts.experts

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from train.loop import exit_codes
+from train import exit_codes
 
 # Statuses a restart cannot help: done; a user error (fix it first); numbers that are not finite (a replay
 # repeats them); no restorable checkpoint (a restart would begin again at step 0).

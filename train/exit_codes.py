@@ -1,6 +1,9 @@
-"""Exit statuses of `python -m train`, which launchers and schedulers act on, in one place: requeue on
-REQUEUE; every other non-zero status is a failure whose cause is the last line of stderr."""
+"""Exit statuses of every `python -m train.*` command, which launchers and schedulers act on, in one place:
+requeue on REQUEUE; every other non-zero status is a failure whose cause is the last line of stderr. The
+lowest module of train/: every entry point, the loop and the runtime read it."""
 from __future__ import annotations
+
+from mesh.errors import UserError
 
 OK = 0             # trained to train.steps (or the run had already reached it)
 CRASH = 1          # an unexpected exception: see the traceback
@@ -15,6 +18,10 @@ WATCHDOG = 124     # no step completed within train.step_timeout_s: every thread
 # A second Ctrl-C kills the process with the default action (a shell reports status 130).
 
 
+class ConfigError(UserError):
+    """A training setting the user can fix; the message is one line naming the setting."""
+
+
 class Stop(Exception):
     """Ends the run with `status`; the message is the last line printed."""
 
@@ -27,7 +34,6 @@ def status_of(error: BaseException) -> int | None:
     """The documented status of an expected failure; None for a crash."""
     # Imported only once a run has failed: train.cli imports this module, and a flag error need not load Orbax.
     from checkpoint import NoRestorableCheckpoint, SaveFailed
-    from mesh.errors import UserError
     if isinstance(error, Stop):
         return error.status
     if isinstance(error, UserError):

@@ -1,6 +1,7 @@
 """The model of a run started from `checkpoint.restore_from=hf:DIR`: the family its config.json's `architectures`
 names (through each family's adapter, models/hf.py) and the shapes and options config.json decides; the preset
-names the family and what config.json does not carry. Read by train/config.py before anything is built."""
+names the family and what config.json does not carry. Read by train/config.py's model resolution before anything
+is built, so it sits below it (train/hf/ reads the directory's tensors with it)."""
 from __future__ import annotations
 
 import json
