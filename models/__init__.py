@@ -1,6 +1,9 @@
 """Model families behind one contract (models/contract.py), in Flax NNX; they name logical axes only and
-import nothing of ours. Importing this package registers GPT and Llama."""
-from models import gpt, llama  # noqa: F401  (registers the families)
+import nothing of ours. Importing this package imports every module in it, and each family's module registers
+itself (contract.register): a new family is its own files, with no line added here."""
+import importlib
+import pkgutil
+
 from models.config import ModelConfigError, from_dict
 from models.contract import (
                              FAMILIES,
@@ -31,7 +34,10 @@ from models.gpt_config import GPT_PRESETS, GPTConfig
 from models.llama_config import LLAMA_PRESETS, LlamaConfig
 from models.moe import is_moe, on_whole_rows
 
-PRESETS = {**GPT_PRESETS, **LLAMA_PRESETS}
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+PRESETS = {name: values for family in FAMILIES.values() for name, values in family.presets.items()}
 
 __all__ = ["Cost", "Decoding", "ExpertBuffers", "FAMILIES", "Family", "Forward", "GPTConfig", "GPT_PRESETS",
            "LAYERS", "LLAMA_PRESETS", "LlamaConfig", "ModelConfig", "ModelConfigError", "PRESETS", "Parallel",

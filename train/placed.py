@@ -132,10 +132,11 @@ def restore(placed: Placed, workdir: pathlib.Path, step: int | None = None, lora
     return merged(placed) if lora == "merge" else placed
 
 
-def from_run(workdir: pathlib.Path, step: int | None = None, mesh: dict | None = None, lora: str = "keep",
+def from_run(workdir: pathlib.Path | str, step: int | None = None, mesh: dict | None = None, lora: str = "keep",
              num_devices: int | None = None) -> Placed:
     """A run's model on its decoding mesh (decoding_config), restored from its checkpoint `step` (default: the
     newest), with its tokenizer. A damaged tokenizer.json or a missing step stops before anything is read."""
+    workdir = pathlib.Path(workdir).expanduser()
     config = decoding_config(workdir, mesh)
     codec = tok_lib.load_run_codec(workdir)
     run_config.run_checkpoints(workdir, step)
