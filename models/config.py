@@ -19,6 +19,12 @@ class ModelConfigError(UserError):
     """A model setting the user can fix; the message is one line naming the setting."""
 
 
+def described(default: Any, help: str) -> Any:
+    """A config field with its one-line help: the field is a `model.*` setting, and the configuration reference
+    (train/model_settings.py, docs/configuration.md) shows the help beside it."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 def check_common(cfg: Any, positive: tuple[str, ...]) -> None:
     """Checks every family shares: positive sizes, dtypes, remat policy, an even head dimension."""
     for key in positive:
@@ -90,9 +96,10 @@ def check_lora(cfg: Any) -> None:
 class LoRAFields:
     """Low-rank adapters (models/lora.py): lora_rank 0 trains the whole model; above 0 the base is frozen and each
     projection of `lora_targets` (q, k, v, o: attention; mlp: both MLP matrices) gains (alpha/rank)·A·B."""
-    lora_rank: int = 0
-    lora_alpha: float = 16.0
-    lora_targets: str = "q,v"
+    lora_rank: int = described(0, "LoRA's rank; 0: no adapters, every weight trains; above 0 the base "
+                                  "(checkpoint.restore_from) is frozen")
+    lora_alpha: float = described(16.0, "adapters add alpha/rank x A.B to each weight")
+    lora_targets: str = described("q,v", "comma list of the projections that get adapters: " + ", ".join(LORA_TARGETS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,35 +109,39 @@ class MoEFields(LoRAFields):
     `experts_per_token` experts; capacity_factor 0 is dropless, else each expert takes at most
     ceil(capacity_factor * seq_len * k / n_experts) tokens of a row. The router's z-loss (ST-MoE) and
     load-balancing loss (Switch) join the objective with these weights (the usual 1e-3 and 1e-2)."""
-    n_experts: int = 0
-    experts_per_token: int = 2
-    capacity_factor: float = 0.0
-    moe_every: int = 1
-    router_z_loss_weight: float = 1e-3
-    load_balance_weight: float = 1e-2
+    n_experts: int = described(0, "experts of each mixture-of-experts block; 0: a dense model (models/moe.py)")
+    experts_per_token: int = described(2, "the top-k experts each token is routed to")
+    capacity_factor: float = described(0.0, "tokens an expert takes, as a multiple of its even share of a row; 0: "
+                                            "dropless")
+    moe_every: int = described(1, "every k-th block is a mixture of experts (k divides n_layers)")
+    router_z_loss_weight: float = described(1e-3, "the weight of the router's z-loss in the objective (ST-MoE)")
+    load_balance_weight: float = described(1e-2, "the weight of the load-balancing loss in the objective (Switch)")
 
 
 @dataclasses.dataclass(frozen=True)
 class SharedFields(MoEFields):
     """The fields every built-in family has, with their defaults (a family may change a default, e.g. norm_eps).
     `head_dim` follows from them."""
-    vocab_size: int = 256
-    seq_len: int = 64
-    d_model: int = 128
-    n_layers: int = 8
-    n_heads: int = 8
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
-    remat: str = "none"  # none | full | save_dots
-    norm_eps: float = 1e-6
+    vocab_size: int = described(256, "tokens in the vocabulary; unset: the DATADIR's (its meta.json), else the "
+                                     "preset's")
+    seq_len: int = described(64, "tokens per row")
+    d_model: int = described(128, "the width of the residual stream")
+    n_layers: int = described(8, "transformer blocks")
+    n_heads: int = described(8, "attention (query) heads")
+    param_dtype: str = described("float32", "the dtype the parameters are kept in: " + ", ".join(DTYPES))
+    compute_dtype: str = described("float32", "the dtype the matmuls run in: float32 or bfloat16 (float16 would need "
+                                              "loss scaling)")
+    remat: str = described("none", "what the backward pass recomputes: " + ", ".join(REMAT_POLICIES)
+                           + " (save_dots keeps matmul outputs)")
+    norm_eps: float = described(1e-6, "the epsilon of every norm")
     # Packed documents end at this token (set by train.config from data.document_mask and the DATADIR's
     # eos id; -1: a row is one stream): see models/documents.py.
     document_eos_id: int = -1
     # Rows carry a loss mask, a target that does not count stored as -(id+1) (set by train.config from
     # data.loss_mask): see models/documents.py.
     masked_targets: bool = False
-    attention: str = "auto"  # auto | xla | cudnn (models/attention.py)
-    loss_chunk_size: int = 0  # positions per chunk of the head + loss (models/lm_loss.py); 0: all at once
+    attention: str = described("auto", f"{', '.join(ATTENTION)}; auto: cuDNN's flash kernel where it runs, else XLA's")
+    loss_chunk_size: int = described(0, "positions per chunk of the head + loss; 0: all at once (models/lm_loss.py)")
 
     @property
     def head_dim(self) -> int:

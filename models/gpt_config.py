@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from models.config import LOSS_CHUNK, ModelConfigError, SharedFields, check_common
+from models.config import LOSS_CHUNK, ModelConfigError, SharedFields, check_common, described
 
 POSITIONS = ("rotary", "learned")
 NORMS = ("rmsnorm", "layernorm")
@@ -21,14 +21,16 @@ class GPTConfig(SharedFields):
     (and an untied head) has vocab_size rounded up to a multiple of it (GPT-2's 50,257 ids in 50,304 rows); the
     padded rows' logits are -inf, so nothing samples or scores them."""
     family: ClassVar[str] = "gpt"
-    mlp_ratio: int = 4
-    positions: str = "rotary"
-    max_positions: int = 0
-    bias: bool = False
-    norm: str = "rmsnorm"
-    tie_embeddings: bool = False
-    activation: str = "gelu_tanh"
-    vocab_multiple: int = 1
+    mlp_ratio: int = described(4, "the MLP's width as a multiple of d_model")
+    positions: str = described("rotary", "rotary, or learned (GPT-2's table of absolute positions, max_positions rows)")
+    max_positions: int = described(0, "rows of the learned position table; 0: seq_len")
+    bias: bool = described(False, "a bias in every projection (GPT-2's)")
+    norm: str = described("rmsnorm", "rmsnorm, or layernorm (GPT-2's, with a bias)")
+    tie_embeddings: bool = described(False, "the output head reuses the embedding matrix")
+    activation: str = described("gelu_tanh", "the MLP's GELU: gelu_tanh (GPT-2's gelu_new) or gelu (the exact erf "
+                                             "form)")
+    vocab_multiple: int = described(1, "the embedding table has vocab_size rounded up to a multiple of it (gpt2: 64); "
+                                       "the padded rows' logits are -inf")
 
     @property
     def d_mlp(self) -> int:

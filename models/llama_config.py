@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from models.config import LOSS_CHUNK, ModelConfigError, SharedFields, check_common
+from models.config import LOSS_CHUNK, ModelConfigError, SharedFields, check_common, described
 
 # Llama 3.1's rotary frequency scaling: (factor, low_freq_factor, high_freq_factor, original context).
 ROPE_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -33,12 +33,13 @@ def parse_rope_scaling(value: Any) -> tuple[float, float, float, int] | None:
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig(SharedFields):
     family: ClassVar[str] = "llama"
-    norm_eps: float = 1e-5
-    n_kv_heads: int = 4
-    d_mlp: int = 384
-    rope_theta: float = 500000.0
-    rope_scaling: Any = None  # None or (factor, low_freq_factor, high_freq_factor, original context)
-    tie_embeddings: bool = False
+    norm_eps: float = described(1e-5, "the epsilon of every norm")
+    n_kv_heads: int = described(4, "key/value heads (grouped-query attention)")
+    d_mlp: int = described(384, "the SwiGLU MLP's width")
+    rope_theta: float = described(500000.0, "the rotary embeddings' base frequency")
+    rope_scaling: Any = described(None, "Llama 3.1's rotary scaling FACTOR,LOW_FREQ_FACTOR,HIGH_FREQ_FACTOR,"
+                                        "ORIGINAL_CONTEXT (e.g. 8,1,4,8192), or none")
+    tie_embeddings: bool = described(False, "the output head reuses the embedding matrix")
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", parse_rope_scaling(self.rope_scaling))

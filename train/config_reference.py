@@ -50,9 +50,9 @@ def section_table(section: type[Section]) -> list[str]:
 def model_table() -> list[str]:
     """model.*: preset and family, then every family field (unset: the preset's value, else the family's)."""
     rows = section_table(model_settings.ModelSection)[:-1]
-    for name, (kind, owners) in model_settings.family_fields().items():
+    for name, (kind, owners, help_) in model_settings.family_fields().items():
         families = "" if len(owners) == len(models.FAMILIES) else f"({', '.join(owners)} only)"
-        help_text = " ".join(filter(None, (model_settings.HELP.get(name, ""), families)))
+        help_text = " ".join(filter(None, (help_, families)))
         rows.append(f"| `model.{name}` | unset | {kind.__name__} | {_cell(help_text)} |")
     note = ("A family field left unset keeps the preset's value (the family's default where the preset does not "
             "set it); a field the family does not have is an error when set.")

@@ -56,24 +56,10 @@ class ParamLayout:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where every piece of the state and the batch lives on the mesh."""
-    mesh: jax.sharding.Mesh
-    rules: dict[str, tuple[str, ...]]
-    param_specs: Any      # PartitionSpecs, shaped like the params
-    logical_axes: Any     # logical names, shaped like the params
+class Layout(ParamLayout):
+    """A ParamLayout with where the rest of the training state lives: the optimizer's moments and the step."""
     state: Any            # NamedShardings, shaped like the state
-    batch: NamedSharding  # [batch, seq+1] tokens
     abstract_state: Any   # ShapeDtypeStructs with shardings
-
-    @property
-    def params(self) -> Any:
-        """The params' NamedShardings (as ParamLayout.params)."""
-        return self.state["params"]
-
-    def constrain(self):
-        """The activation-sharding hook handed to the model."""
-        return sharding_specs.constrainer(self.mesh, self.rules)
 
 
 def param_layout(model: models.ModelConfig, rules: dict[str, tuple[str, ...]],
@@ -102,7 +88,8 @@ def plan_layout(plan: Plan, mesh: jax.sharding.Mesh, tx: optax.GradientTransform
     abstract = {"params": abstract_params, "opt_state": jax.eval_shape(tx.init, abstract_params),
                 "step": jax.ShapeDtypeStruct((), jnp.int32)}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    return Layout(mesh, plan.rules, params.param_specs, params.logical_axes, shardings, params.batch, abstract)
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(ParamLayout)}
+    return Layout(**fields, state=shardings, abstract_state=abstract)
 
 
 def init_state(plan: Plan, layout: Layout, tx: optax.GradientTransformation, seed: int) -> State:
