@@ -19,12 +19,9 @@ from tests.helpers import ROOT, run_cli
 from tests.test_multiprocess import TRAIN, committed
 
 STEPS, HEARTBEAT_S = 16, 5
-# Tasks sized to the one node; every other #SBATCH line of the script (--requeue, --signal=TERM@120,
-# --open-mode=append) is used as shipped.
-NODE = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10"]
+# --signal=USR1@45 under --time=1: SLURM's timer, which runs every 30 s, sends it 15 to 45 s after the start.
+WARN_S = 45
 CONFIG, *OVERRIDES = TRAIN  # the script passes --config=CONFIG itself
-RUN = [*OVERRIDES, f"--config.train.steps={STEPS}", "--config.fault_injection.step_delay_s=0.3",
-       "--num_cpu_devices=4", f"--heartbeat_timeout_s={HEARTBEAT_S}"]
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +39,16 @@ def slurm(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def warned(slurm, tmp_path_factory):
+    """One task under a 1-minute limit with --signal=USR1@45 in place of the script's TERM@120. Submitted before
+    the other test runs, it waits for its warning meanwhile (the node's CPUs are shared: OverSubscribe)."""
+    workdir = tmp_path_factory.mktemp("warned") / "run"
+    job = submit(slurm, workdir, "--time=1", f"--signal=USR1@{WARN_S}", tasks=1, steps=100000, delay_s=0.5)
+    yield job, workdir
+    slurm.run("scancel", job)
+
+
+@pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, float]:
     """{step: loss} of the same training in one process of 8 devices, outside SLURM."""
     workdir = tmp_path_factory.mktemp("reference") / "run"
@@ -50,10 +57,15 @@ def reference(tmp_path_factory) -> dict[int, float]:
     return helpers.losses(workdir)
 
 
-def submit(slurm, workdir: pathlib.Path, *sbatch: str) -> str:
-    """sbatch train.sbatch from the repository (its submit directory), the tasks running this interpreter."""
-    out = slurm.run("sbatch", "--parsable", *NODE, f"--output={workdir.parent / 'job.out'}", *sbatch,
-                    "experiments/slurm/train.sbatch", CONFIG.removeprefix("--config="), str(workdir), *RUN,
+def submit(slurm, workdir: pathlib.Path, *sbatch: str, tasks: int = 2, steps: int = STEPS, delay_s: float = 0.3) -> str:
+    """sbatch train.sbatch from the repository (its submit directory), the tasks running this interpreter. The
+    tasks are sized to the one node; every other #SBATCH line of the script (--requeue, --signal=TERM@120,
+    --open-mode=append) is used as shipped unless `sbatch` overrides it."""
+    node = ["--nodes=1", f"--ntasks-per-node={tasks}", "--gpus-per-node=0", "--cpus-per-task=1"]
+    train = [*OVERRIDES, f"--config.train.steps={steps}", f"--config.fault_injection.step_delay_s={delay_s}",
+             f"--num_cpu_devices={8 // tasks}", f"--heartbeat_timeout_s={HEARTBEAT_S}"]
+    out = slurm.run("sbatch", "--parsable", *node, f"--output={workdir.parent / 'job.out'}", *sbatch,
+                    "experiments/slurm/train.sbatch", CONFIG.removeprefix("--config="), str(workdir), *train,
                     cwd=ROOT, env={"PYTHON": sys.executable})
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
@@ -129,9 +141,9 @@ def preempt(slurm, job: str, workdir: pathlib.Path, resumed_from: int) -> int:
     return int(saved[0])
 
 
-def test_sbatch_trains_as_one_process_through_a_save_a_lost_task_and_a_preemption(slurm, reference, tmp_path):
+def test_sbatch_trains_as_one_process_through_a_save_a_lost_task_and_a_preemption(slurm, warned, reference, tmp_path):
     workdir = tmp_path / "run"
-    job = submit(slurm, workdir)
+    job = submit(slurm, workdir, "--time=10")
     usr1 = save_and_go_on(slurm, job, workdir)
     events = lose_a_task(slurm, job, workdir, usr1)
     term = preempt(slurm, job, workdir, usr1)
@@ -147,3 +159,20 @@ def test_sbatch_trains_as_one_process_through_a_save_a_lost_task_and_a_preemptio
     records = [r for r in records if "loss" in r]
     assert all(len(r["host_step_time_s"]) == 2 for r in records)  # two processes, joined from SLURM's variables
     print(f"\n{slurm.version}: SIGUSR1 saved {usr1}; {events}; SIGTERM saved {term}")
+
+
+def test_signal_usr1_before_the_time_limit_saves_and_training_goes_on(slurm, warned):
+    """SLURM sends the warning WARN_S seconds before the limit (its timer's period early, at most): the task saves
+    the step reached and trains on; nothing is requeued (a time limit left to USR1 ends the job)."""
+    job, workdir = warned
+    deadline = time.monotonic() + 120
+    while not (committed(workdir) and helpers.last_step(workdir) > min(committed(workdir))):
+        assert time.monotonic() < deadline, ("no save after the warning", slurm.job(job), output(workdir)[-2000:])
+        time.sleep(0.2)
+    saved, record = min(committed(workdir)), slurm.job(job)
+    assert output(workdir).count("SIGUSR1: saving a checkpoint after the step in flight; training goes on") == 1
+    assert record["Restarts"] == "0" and record["JobState"] in ("RUNNING", "COMPLETING", "TIMEOUT"), record
+    started = time.mktime(time.strptime(record["StartTime"], "%Y-%m-%dT%H:%M:%S"))
+    after_s = (workdir / "checkpoints" / str(saved)).stat().st_mtime - started
+    assert 60 - WARN_S - 5 < after_s < 60, after_s  # before the limit, not before the warning was due
+    print(f"\nUSR1@{WARN_S} with --time=1: saved step {saved} {after_s:.0f}s after the start")
