@@ -18,7 +18,7 @@ from tests import helpers, slurm_cluster
 from tests.helpers import ROOT, run_cli
 from tests.test_multiprocess import TRAIN, committed
 
-STEPS, HEARTBEAT_S = 16, 5
+STEPS, HEARTBEAT_S = 20, 5  # steps enough that the preemption comes before the last
 # --signal=USR1@45 under --time=1: SLURM's timer, which runs every 30 s, sends it 15 to 45 s after the start.
 WARN_S = 45
 CONFIG, *OVERRIDES = TRAIN  # the script passes --config=CONFIG itself
@@ -128,29 +128,34 @@ def lose_a_task(slurm, job: str, workdir: pathlib.Path, saved: int) -> dict[str,
     return {"kill_to_requeue_s": ended, "requeue_to_resumed_s": resumed, "steps_lost": lost}
 
 
-def preempt(slurm, job: str, workdir: pathlib.Path, resumed_from: int) -> int:
+def preempt(slurm, job: str, workdir: pathlib.Path, resumed_from: int) -> tuple[int, dict[str, float]]:
     """SIGTERM to the job's tasks (scancel --signal=TERM, as SLURM does before a time limit or a preemption): both
     save one step, exit 75, and the script requeues the job."""
     wait(lambda: helpers.last_step(workdir) > resumed_from + 1, slurm, job, "steps after the resume")
     assert slurm.run("scancel", "--signal=TERM", job).returncode == 0
-    wait(lambda: restarts(slurm, job) == 2, slurm, job, "the requeue after the preemption")
+    ended = wait(lambda: restarts(slurm, job) == 2, slurm, job, "the requeue after the preemption")
     saved = re.findall(r"preempted: saved checkpoint \S+/checkpoints/(\d+); run the same", output(workdir))
     assert len(saved) == 2 and saved[0] == saved[1], output(workdir)[-3000:]  # one line per task, one step
     assert "tasks 0-1: Exited with exit code 75" in output(workdir) or \
         output(workdir).count("Exited with exit code 75") == 2, output(workdir)[-3000:]
-    return int(saved[0])
+    lost = helpers.last_step(workdir) - int(saved[0])
+    assert lost == 0, lost  # nothing logged past the save: the tasks agree on the step to stop at
+    resumed = wait(lambda: f"resumed from {workdir}/checkpoints/{saved[0]}," in output(workdir), slurm, job,
+                   "the attempt after the preemption")
+    return int(saved[0]), {"term_to_requeue_s": ended, "requeue_to_resumed_s": resumed, "steps_lost": lost}
 
 
 def test_sbatch_trains_as_one_process_through_a_save_a_lost_task_and_a_preemption(slurm, warned, reference, tmp_path):
+    """One job, three attempts: a SIGUSR1 save, a lost task (requeued by the script), a SIGTERM preemption (saved,
+    75, requeued), then the rest; the losses are the reference's. (`warned` only starts that job first.)"""
     workdir = tmp_path / "run"
     job = submit(slurm, workdir, "--time=10")
     usr1 = save_and_go_on(slurm, job, workdir)
     events = lose_a_task(slurm, job, workdir, usr1)
-    term = preempt(slurm, job, workdir, usr1)
+    term, preempted = preempt(slurm, job, workdir, usr1)
     wait(lambda: slurm.job(job).get("JobState") == "COMPLETED", slurm, job, "the last attempt", timeout=180)
     record = slurm.job(job)
     assert record["ExitCode"] == "0:0" and record["Restarts"] == "2", record
-    assert f"resumed from {workdir}/checkpoints/{term}," in output(workdir)
     logged = helpers.losses(workdir)
     assert sorted(logged) == list(range(1, STEPS + 1))
     np.testing.assert_allclose([logged[s] for s in range(1, STEPS + 1)],
@@ -158,7 +163,7 @@ def test_sbatch_trains_as_one_process_through_a_save_a_lost_task_and_a_preemptio
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line]
     records = [r for r in records if "loss" in r]
     assert all(len(r["host_step_time_s"]) == 2 for r in records)  # two processes, joined from SLURM's variables
-    print(f"\n{slurm.version}: SIGUSR1 saved {usr1}; {events}; SIGTERM saved {term}")
+    print(f"\n{slurm.version}: SIGUSR1 saved {usr1}; lost task {events}; SIGTERM saved {term} {preempted}")
 
 
 def test_signal_usr1_before_the_time_limit_saves_and_training_goes_on(slurm, warned):
