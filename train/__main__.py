@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 
 import jax
 from absl import app, flags, logging
@@ -55,6 +56,9 @@ def _config():
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    # A save asked for (SIGUSR1, e.g. SLURM's --signal=USR1@N) before the run has started has nothing to save:
+    # ignored until the run's own handler (train/loop/preemption.py) replaces this, rather than killing the process.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     logging.set_verbosity(logging.WARNING)  # keep the progress line readable
     # Importing jax starts no backend: the XLA flags, device count and cluster below still take effect.
     xla_env.apply()  # GPU XLA flags and memory fraction the user has not set; recorded in config.json
