@@ -244,7 +244,10 @@ def _check_out(out: pathlib.Path, inputs: list[dict], recipe: dict, overwrite: b
         if not overwrite:
             raise PrepareError(f"--out={out} holds data prepared {_difference(meta, inputs, recipe)}; pass "
                                f"--overwrite to replace it, or choose another --out")
-    elif out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if overwrite:  # --overwrite replaces a DATADIR, never a folder of the user's own files
+            raise PrepareError(f"--out={out} exists and is not a prepared DATADIR (no meta.json), so --overwrite "
+                               f"does not replace it; choose an empty or new directory")
         raise PrepareError(f"--out={out} exists and is not a prepared DATADIR; choose an empty or new "
                            f"directory (or pass --overwrite)")
     return False
