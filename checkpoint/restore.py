@@ -9,6 +9,7 @@ import dataclasses
 import os
 import pathlib
 import re
+import sys
 import time
 from typing import Any, Callable
 
@@ -22,6 +23,22 @@ from checkpoint.local import LocalCheckpoints
 from checkpoint.manager import Checkpoints
 
 SET_ASIDE = "checkpoints.set_aside"  # next to DIR/checkpoints
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """A restore that fails on a missing file leaves TensorStore callbacks that fire after Orbax closed their
+    asyncio loop; Python would print each one's 'Event loop is closed' traceback around the one line that
+    names the damage. Only those are dropped; every other unraisable exception reaches the previous hook."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+                and unraisable.object is None):
+            previous(unraisable)
+    sys.unraisablehook = hook
+
+
+_quiet_closed_loop_callbacks()
 
 
 @dataclasses.dataclass(frozen=True)

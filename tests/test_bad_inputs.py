@@ -1,19 +1,25 @@
 """Every bad input of the user's path is one `error:` line naming it, exit status 2, before any expensive work,
 and nothing is written (a failed start leaves no workdir behind). One table; every command line runs in a forked
 child of one warm interpreter (tests/forked.py), so the table costs one interpreter start."""
+import errno
 import json
 import os
 import re
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
+import models
 from checkpoint import safetensors_io
 from tests.forked import run_many
 from tests.helpers import ROOT, tiny_config
+from train import config as config_lib
 from train import exit_codes
 from train.data import prepare
+from train.hf import export as hf_export
+from train.loop import goodput
 from train.runtime.lock import WorkdirLock
 
 TINY = ["--config=experiments/tiny.py", "--config.mesh.data=8"]
@@ -58,6 +64,23 @@ def _damaged_checkpoint(tmp):
     return source
 
 
+def _checkpoint_without_manifest(tmp):
+    """A copy of the fixture run (config.json and checkpoint 3) whose checkpoint lacks one file, its OCDBT
+    manifest: the restore fails inside TensorStore, whose late callbacks used to print tracebacks."""
+    source = tmp / "no-manifest"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "checkpoint_604b7c2", source)
+    (source / "checkpoints" / "3" / "state" / "manifest.ocdbt").unlink()
+    return source
+
+
+def _user_folder(tmp):
+    """A folder of a user's own files (no meta.json): not a DATADIR, so train.prepare --overwrite leaves it."""
+    mine = tmp / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    return mine
+
+
 def _run_without_step_99(tmp):
     """A run directory with config.json (the tiny model on one device) and a (bare) checkpoint 3."""
     run = tmp / "trained"
@@ -81,6 +104,7 @@ def _cases(tmp):
     bad, hf, trained = _datadirs(tmp), _hf_truncated(tmp), _run_without_step_99(tmp)
     damaged = _damaged_checkpoint(tmp)
     chats = _chats(tmp)
+    no_manifest, mine = _checkpoint_without_manifest(tmp), _user_folder(tmp)
     (tmp / "file").write_text("a file, so nothing can be created under it")
     W, blocked, busy = tmp / "W", tmp / "file" / "sub", tmp / "busy"  # busy: held by the test process
     tokens = [*TINY, "--config.data.source=tokens", f"--workdir={W}"]
@@ -149,6 +173,14 @@ def _cases(tmp):
                                                f"optimizer.lr=0.003, and that cannot change between phases (steps, "
                                                f"cadences, loggers, actions, data.path and the layout can); set it "
                                                f"back, or use a new --workdir"), [trained / ".lock"]),
+        "prepare --overwrite on a folder that is not a DATADIR": ("train.prepare", [
+            f"--input={ROOT / 'train' / 'data'}", f"--out={mine}", "--overwrite"],
+            rf"--out={t(str(mine))} exists and is not a prepared DATADIR \(no meta.json\), so --overwrite does not "
+            r"replace it; choose an empty or new directory", [mine / "meta.json", mine / "train.bin"]),
+        "sample on a checkpoint missing a file": ("train.sample", [f"--workdir={no_manifest}", "--prompt=a",
+                                                                   "--num_cpu_devices=1"],
+                                                  rf".*{t(str(no_manifest))}/checkpoints/3 is damaged \(its arrays "
+                                                  r"do not restore .*", []),
         "plan --hosts=0": ("train.plan", ["--config=experiments/tiny.py", "--hosts=0"], t("--hosts=0: must be >= 1"),
                            []),
         "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],
@@ -196,3 +228,37 @@ def test_every_bad_input_is_one_line_exit_2_and_writes_nothing(outcomes):
         if not ok or left:
             failures.append(f"{name}: status {status}, stderr {err.strip()[-600:]!r}, left behind {left}")
     assert not failures, "\n".join(failures)
+
+
+
+def _export_inputs():
+    """The tiny Llama (a family with a Hugging Face adapter) and zero parameters of its shapes."""
+    config = tiny_config()
+    config.model.preset = "llama3-tiny"
+    cfg = config_lib.resolve(config, 1).model
+    return cfg, jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), models.abstract_params(cfg)[0])
+
+
+def test_export_keeps_a_users_out_tmp_and_leaves_nothing_when_writing_fails(tmp_path, monkeypatch):
+    """train.export_hf --out=X once deleted a user's X.tmp (its temporary folder had that name); a failed write
+    (a full disk) left its temporary folder behind."""
+    cfg, params = _export_inputs()
+    (tmp_path / "hf.tmp").mkdir()
+    (tmp_path / "hf.tmp" / "mine.txt").write_text("mine")
+    hf_export.write(tmp_path / "hf", cfg, params, "float32")
+    assert (tmp_path / "hf.tmp" / "mine.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "hf.tmp"]
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(safetensors_io, "write", full)
+    with pytest.raises(OSError):
+        hf_export.write(tmp_path / "again", cfg, params, "float32")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "hf.tmp"]
+
+
+def test_a_damaged_goodput_json_is_a_record_lost_not_a_stop(tmp_path, capsys):
+    (tmp_path / "goodput.json").write_text('{"attempts": [{"wall_s": 1.0}')
+    assert goodput.Goodput(tmp_path).attempts == []
+    assert f"warning: {tmp_path / 'goodput.json'} is damaged" in capsys.readouterr().err
