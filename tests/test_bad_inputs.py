@@ -19,7 +19,7 @@ from train import config as config_lib
 from train import exit_codes
 from train.data import prepare
 from train.hf import export as hf_export
-from train.loop import goodput
+from train.loop import goodput, phases
 from train.runtime.lock import WorkdirLock
 
 TINY = ["--config=experiments/tiny.py", "--config.mesh.data=8"]
@@ -97,6 +97,29 @@ def _chats(tmp):
     (tmp / "chats.jsonl").write_text(json.dumps(answered) + "\n" + json.dumps(answered) + "\n")
     prepare.prepare([str(tmp / "chats.jsonl")], str(tmp / "chat"), "bytes", data_format="chat")
     return tmp / "chat"
+
+
+# Values a section's declaration refuses (train/sections.py): {override: the error line after it}.
+DECLARED = {"optimizer.b1=1.5": "use a decay in [0, 1)", "optimizer.b2=-0.1": "use a decay in [0, 1)",
+            "optimizer.eps=-1": "must be a positive number",
+            "optimizer.weight_decay=-1": "must be a number >= 0 (0 turns it off)",
+            "optimizer.min_lr_ratio=2": "use a fraction in [0, 1] of optimizer.lr",
+            "optimizer.lr=nan": "must be a finite number", "optimizer.lr=inf": "must be a finite number",
+            "train.seed=-1": "use a whole number >= 0",
+            "data.eval_percent=100": "use a percentage in [0, 100) of the data held out for evaluation",
+            "data.eval_percent=150": "use a percentage in [0, 100) of the data held out for evaluation"}
+
+
+def _declared(tmp):
+    """A row per DECLARED value: refused by the declaration before anything compiles or is written."""
+    W = tmp / "W"
+    rows = {}
+    for override, message in DECLARED.items():
+        key, value = override.split("=")
+        shown = repr(float(value)) if key.startswith("optimizer") else value
+        rows[override] = ("train", [*TINY, f"--config.{override}", f"--workdir={W}"],
+                          re.escape(f"{key}={shown}: {message}"), [W])
+    return rows
 
 
 def _cases(tmp):
@@ -181,6 +204,20 @@ def _cases(tmp):
                                                                    "--num_cpu_devices=1"],
                                                   rf".*{t(str(no_manifest))}/checkpoints/3 is damaged \(its arrays "
                                                   r"do not restore .*", []),
+        **_declared(tmp),
+        "no --config where the workdir holds no run": ("train", [f"--workdir={W}"],
+                                                        rf"--workdir={t(str(W))}: no run to continue there \(no "
+                                                        r"config.json\); start one with --config=EXPERIMENT.py, "
+                                                        r"e.g. --config=experiments/default.py", [W]),
+        "an empty --workdir": ("train", [*TINY, "--workdir="],
+                               t("--workdir='': give the run's directory, e.g. --workdir=runs/mine"), []),
+        "plan.auto with sharding.strategy=zero9": ("train", ["--config=experiments/tiny.py", "--config.plan.auto=True",
+                                                             "--config.sharding.strategy=zero9", f"--workdir={W}"],
+                                                   r"sharding.strategy='zero9': unknown strategy; .*", [W]),
+        "plan.auto with train.grad_accum_steps=0": ("train", ["--config=experiments/tiny.py",
+                                                              "--config.plan.auto=True",
+                                                              "--config.train.grad_accum_steps=0", f"--workdir={W}"],
+                                                    t("train.grad_accum_steps=0: must be a positive number"), [W]),
         "plan --hosts=0": ("train.plan", ["--config=experiments/tiny.py", "--hosts=0"], t("--hosts=0: must be >= 1"),
                            []),
         "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],
@@ -262,3 +299,12 @@ def test_a_damaged_goodput_json_is_a_record_lost_not_a_stop(tmp_path, capsys):
     (tmp_path / "goodput.json").write_text('{"attempts": [{"wall_s": 1.0}')
     assert goodput.Goodput(tmp_path).attempts == []
     assert f"warning: {tmp_path / 'goodput.json'} is damaged" in capsys.readouterr().err
+
+
+def test_a_run_that_never_saved_takes_a_corrected_setting(tmp_path):
+    """A bad value that compiled (config.json written) but never reached a checkpoint does not lock the workdir."""
+    saved = {"optimizer": {"lr": 1e9}, "train": {"seed": 0}}
+    fixed = {"optimizer": {"lr": 3e-3}, "train": {"seed": 0}}
+    assert phases.changes(saved, fixed, tmp_path, saved_state=False) == {"optimizer.lr": [1e9, 3e-3]}
+    with pytest.raises(exit_codes.ConfigError, match="cannot change between phases"):
+        phases.changes(saved, fixed, tmp_path, saved_state=True)

@@ -41,13 +41,15 @@ _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/spmdtrain/xla",
 
 def _config():
     """(the config, the experiment file it came from): --config's, or without --config the run in --workdir's
-    (with this command line's overrides); a new workdir without --config gets the default experiment."""
+    (with this command line's overrides); without --config, a workdir that holds no run is an error."""
     flag = flags.FLAGS[_CONFIG.name]
     if not flag.present:
         workdir = pathlib.Path(_WORKDIR.value).expanduser()
         resumed = phases.resume_config(workdir, config_flags.get_override_values(flag))
-        if resumed is not None:
-            return resumed, ""
+        if resumed is None:  # a mistyped path would otherwise start the default experiment there
+            raise exit_codes.ConfigError(f"--workdir={workdir}: no run to continue there (no config.json); start "
+                                         f"one with --config=EXPERIMENT.py, e.g. --config=experiments/default.py")
+        return resumed, ""
     config = _CONFIG.value
     train_config.pin_layout_if_mesh_given(config, config_flags.get_override_values(flag))
     return config, flag.config_filename
@@ -59,6 +61,8 @@ def main(argv: list[str]) -> int:
     # A save asked for (SIGUSR1, e.g. SLURM's --signal=USR1@N) before the run has started has nothing to save:
     # ignored until the run's own handler (train/loop/preemption.py) replaces this, rather than killing the process.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if not _WORKDIR.value.strip():  # '' would train into the current directory
+        raise exit_codes.ConfigError("--workdir='': give the run's directory, e.g. --workdir=runs/mine")
     logging.set_verbosity(logging.WARNING)  # keep the progress line readable
     # Importing jax starts no backend: the XLA flags, device count and cluster below still take effect.
     xla_env.apply()  # GPU XLA flags and memory fraction the user has not set; recorded in config.json

@@ -135,13 +135,16 @@ def claimed(workdir: str):
         yield path
     except UserError:
         lock.release()
-        saved = (path / "checkpoints").is_dir() and any(p.name.isdigit() for p in (path / "checkpoints").iterdir())
         logged = (path / "metrics.jsonl").is_file() and (path / "metrics.jsonl").stat().st_size > 0
-        if created and not saved and not logged and jax.process_index() == 0:
+        if created and not _saved_a_checkpoint(path) and not logged and jax.process_index() == 0:
             shutil.rmtree(path, ignore_errors=True)  # everything in it was written by this start
         raise
     finally:
         lock.release()
+
+
+def _saved_a_checkpoint(path: pathlib.Path) -> bool:
+    return (path / "checkpoints").is_dir() and any(p.name.isdigit() for p in (path / "checkpoints").iterdir())
 
 
 def _phase_changes(trainer: Trainer, path: pathlib.Path) -> dict[str, list[Any]]:
@@ -149,7 +152,7 @@ def _phase_changes(trainer: Trainer, path: pathlib.Path) -> dict[str, list[Any]]
     saved = phases.read(path)
     if saved is None:
         return {}
-    changed = phases.changes(saved["config"], trainer.config.to_dict(), path)
+    changed = phases.changes(saved["config"], trainer.config.to_dict(), path, _saved_a_checkpoint(path))
     if changed:
         say("this phase changes " + "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items()))
     return changed
