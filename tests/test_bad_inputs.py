@@ -110,6 +110,22 @@ DECLARED = {"optimizer.b1=1.5": "use a decay in [0, 1)", "optimizer.b2=-0.1": "u
             "data.eval_percent=150": "use a percentage in [0, 100) of the data held out for evaluation"}
 
 
+# Multi-process flags that describe no cluster: (row, flags, the error line).
+COORDINATOR = [
+    ("--coordinator_address without a port", ["--coordinator_address=localhost", "--num_processes=2"],
+     "--coordinator_address='localhost': give HOST:PORT (process 0's host and a free port), e.g. 10.0.0.1:1234"),
+    ("--coordinator_address on no host", ["--coordinator_address=no.such.host.invalid:1234", "--num_processes=2"],
+     "--coordinator_address='no.such.host.invalid:1234': the host 'no.such.host.invalid' does not resolve (Name "
+     "or service not known); give process 0's host name or address"),
+    ("a coordinator that never answers", ["--coordinator_address=127.0.0.1:1", "--num_processes=2",
+                                          "--process_id=1", "--init_timeout_s=1"],
+     "--coordinator_address='127.0.0.1:1': process 0's coordinator did not answer within --init_timeout_s=1; "
+     "start process 0 there, or fix the address or port"),
+    ("--heartbeat_timeout_s=-1", ["--coordinator_address=127.0.0.1:1", "--num_processes=2",
+                                  "--heartbeat_timeout_s=-1"], "--heartbeat_timeout_s=-1: must be >= 1 (seconds)"),
+]
+
+
 def _declared(tmp):
     """A row per DECLARED value: refused by the declaration before anything compiles or is written."""
     W = tmp / "W"
@@ -128,6 +144,9 @@ def _cases(tmp):
     damaged = _damaged_checkpoint(tmp)
     chats = _chats(tmp)
     no_manifest, mine = _checkpoint_without_manifest(tmp), _user_folder(tmp)
+    syntax, no_get = tmp / "syntax.py", tmp / "no_get.py"
+    syntax.write_text("def get_config(:\n")
+    no_get.write_text("x = 1\n")
     (tmp / "file").write_text("a file, so nothing can be created under it")
     W, blocked, busy = tmp / "W", tmp / "file" / "sub", tmp / "busy"  # busy: held by the test process
     tokens = [*TINY, "--config.data.source=tokens", f"--workdir={W}"]
@@ -218,6 +237,11 @@ def _cases(tmp):
                                                               "--config.plan.auto=True",
                                                               "--config.train.grad_accum_steps=0", f"--workdir={W}"],
                                                     t("train.grad_accum_steps=0: must be a positive number"), [W]),
+        "a config file with a syntax error": ("train", [f"--config={syntax}", f"--workdir={W}"],
+                                              rf"--config={t(str(syntax))}: SyntaxError at line 1: .*", [W]),
+        "a config file without get_config": ("train", [f"--config={no_get}", f"--workdir={W}"],
+                                             rf"--config={t(str(no_get))}: the file has no get_config\(\); .*", [W]),
+        **{name: ("train", [*TINY, *flags, f"--workdir={W}"], t(line), [W]) for name, flags, line in COORDINATOR},
         "plan --hosts=0": ("train.plan", ["--config=experiments/tiny.py", "--hosts=0"], t("--hosts=0: must be >= 1"),
                            []),
         "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],
