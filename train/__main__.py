@@ -3,6 +3,7 @@ an existing run in DIR and no --config, `python -m train --workdir=DIR [--config
 with the config it trained with (train/loop/phases.py)."""
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import signal
@@ -12,6 +13,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from mesh import use_cpu_devices
+from mesh.errors import check_writable
 from train import cli, exit_codes
 from train import config as train_config
 from train.loop import phases
@@ -55,14 +57,28 @@ def _config():
     return config, flag.config_filename
 
 
+def _check_flags() -> None:
+    """The command's own flags, each a one-line error before any device work."""
+    if not _WORKDIR.value.strip():  # '' would train into the current directory
+        raise exit_codes.ConfigError("--workdir='': give the run's directory, e.g. --workdir=runs/mine")
+    if not (math.isfinite(_PEAK_TFLOPS.value) and _PEAK_TFLOPS.value >= 0):
+        raise exit_codes.ConfigError(f"--peak_tflops={_PEAK_TFLOPS.value}: must be a number >= 0 (0: the "
+                                     f"datasheet's or the measured peak)")
+    if _AUDIT.value and _HOSTS.value < 1:
+        raise exit_codes.ConfigError(f"--hosts={_HOSTS.value}: must be >= 1")
+    if _AUDIT.value and not 0 < _AUDIT_MFU.value <= 1:
+        raise exit_codes.ConfigError(f"--audit_mfu={_AUDIT_MFU.value}: must be in (0, 1] (the MFU assumed)")
+    if _CACHE.value and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        check_writable("--compilation_cache", _CACHE.value, "directory", parents=True)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     # A save asked for (SIGUSR1, e.g. SLURM's --signal=USR1@N) before the run has started has nothing to save:
     # ignored until the run's own handler (train/loop/preemption.py) replaces this, rather than killing the process.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    if not _WORKDIR.value.strip():  # '' would train into the current directory
-        raise exit_codes.ConfigError("--workdir='': give the run's directory, e.g. --workdir=runs/mine")
+    _check_flags()
     logging.set_verbosity(logging.WARNING)  # keep the progress line readable
     # Importing jax starts no backend: the XLA flags, device count and cluster below still take effect.
     xla_env.apply()  # GPU XLA flags and memory fraction the user has not set; recorded in config.json

@@ -262,6 +262,8 @@ def prepare(inputs: list[str], out: str, spec: str, *, text_field: str = "text",
         raise PrepareError(f"--val_percent={val_percent}: use a percentage in [0, 100)")
     if num_workers < 1:
         raise PrepareError(f"--num_workers={num_workers}: use 1 or more")
+    if spec.startswith("train-bpe:") and not bpe_sample_mb > 0:
+        raise PrepareError(f"--bpe_sample_mb={bpe_sample_mb}: must be > 0 (the MB of text the BPE trains on)")
     if text_split not in corpus.TEXT_SPLITS:
         raise PrepareError(f"--text_split={text_split}: use one of {', '.join(corpus.TEXT_SPLITS)}")
     files = corpus.inputs(inputs)
