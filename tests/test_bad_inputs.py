@@ -19,7 +19,7 @@ from train import config as config_lib
 from train import exit_codes
 from train.data import prepare
 from train.hf import export as hf_export
-from train.loop import goodput, phases
+from train.loop import goodput, metrics, phases
 from train.runtime.lock import WorkdirLock
 
 TINY = ["--config=experiments/tiny.py", "--config.mesh.data=8"]
@@ -349,3 +349,24 @@ def test_a_run_that_never_saved_takes_a_corrected_setting(tmp_path):
     assert phases.changes(saved, fixed, tmp_path, saved_state=False) == {"optimizer.lr": [1e9, 3e-3]}
     with pytest.raises(exit_codes.ConfigError, match="cannot change between phases"):
         phases.changes(saved, fixed, tmp_path, saved_state=True)
+
+
+@pytest.mark.parametrize("env,line", [
+    ({"WANDB_MODE": "bogus"}, "WANDB_MODE=bogus: use online, offline or disabled (train.loggers=wandb)"),
+    ({}, "train.loggers=wandb: no W&B API key (WANDB_API_KEY, or ~/.netrc for api.wandb.ai); run `wandb login`, "
+         "or set WANDB_MODE=offline to keep the run on disk"),
+    ({"WANDB_MODE": "offline"}, None)])
+def test_wandb_without_a_key_or_with_a_bad_mode_is_one_line_before_any_work(env, line, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if line is None:
+        metrics.check_wandb()
+        return
+    with pytest.raises(exit_codes.ConfigError) as raised:
+        metrics.check_wandb()
+    assert str(raised.value) == line

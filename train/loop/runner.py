@@ -28,14 +28,14 @@ from train.loop import phases, preemption, resume
 from train.loop.builtin import say
 from train.loop.goodput import Goodput
 from train.loop.info import Services
-from train.loop.metrics import MetricsLog
+from train.loop.metrics import MetricsLog, check_wandb
 from train.loop.saver import Saver
 from train.loop.scheduler import Outcome, Scheduler
 from train.loop.watchdog import Watchdog
 from train.planner import audit as audit_lib
 from train.planner import auto as planner_auto
 from train.planner import compile_report as report_lib
-from train.runtime import extras, hardware, versions, xla_env
+from train.runtime import hardware, versions, xla_env
 from train.runtime.hardware import GiB
 from train.runtime.lock import WorkdirLock
 from train.trainer import Trainer
@@ -96,7 +96,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
     config, planned = planner_auto.apply(config, jax.device_count(), phases.read(pathlib.Path(workdir).expanduser()))
     actions_lib.check_names(config.train)
     if "wandb" in actions_lib.names(config.train.loggers):
-        extras.check("wandb", "train.loggers=wandb")
+        check_wandb()
     trainer = Trainer.build(config)  # every user error is raised here, before the workdir is touched
     with claimed(workdir) as path:  # created if needed and locked; nothing in it is touched yet
         changed = {}
