@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import struct
 
 import jax
 import numpy as np
@@ -62,6 +63,28 @@ def _damaged_checkpoint(tmp):
     blob[len(blob) // 2:len(blob) // 2 + 64] = bytes(255 - b for b in blob[len(blob) // 2:len(blob) // 2 + 64])
     data.write_bytes(bytes(blob))
     return source
+
+
+def _garbage_header(tmp):
+    """An HF directory whose safetensors file starts with a header length no file could hold."""
+    hf = tmp / "hf-garbage"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(struct.pack("<Q", 2 ** 63 + 5) + b"garbage" * 10)
+    return hf
+
+
+def _without_tokenizer(tmp):
+    """A copy of the good DATADIR without its tokenizer.json."""
+    shutil.copytree(tmp / "data", tmp / "no-tokenizer")
+    (tmp / "no-tokenizer" / "tokenizer.json").unlink()
+    return tmp / "no-tokenizer"
+
+
+def _damaged_zst(tmp):
+    """A .jsonl.zst whose bytes are no zstd frame."""
+    (tmp / "damaged.jsonl.zst").write_bytes(b"not zstd at all" * 10)
+    return tmp / "damaged.jsonl.zst"
 
 
 def _checkpoint_without_manifest(tmp):
@@ -145,6 +168,7 @@ def _cases(tmp):
     chats = _chats(tmp)
     no_manifest, mine = _checkpoint_without_manifest(tmp), _user_folder(tmp)
     syntax, no_get = tmp / "syntax.py", tmp / "no_get.py"
+    garbage, no_tokenizer, zst = _garbage_header(tmp), _without_tokenizer(tmp), _damaged_zst(tmp)
     syntax.write_text("def get_config(:\n")
     no_get.write_text("x = 1\n")
     (tmp / "file").write_text("a file, so nothing can be created under it")
@@ -259,6 +283,17 @@ def _cases(tmp):
                                  t("--mtbf_hours=-5.0: must be a number >= 0 (0: no cadence)"), []),
         "plan --restart_s=-1": ("train.plan", ["--config=experiments/tiny.py", "--restart_s=-1"],
                                 t("--restart_s=-1.0: must be a number >= 0 (seconds)"), []),
+        "a safetensors header of garbage": ("train", ["--config=experiments/llama3_tiny.py", "--config.mesh.data=-1",
+                                                      f"--config.checkpoint.restore_from=hf:{garbage}",
+                                                      f"--workdir={W}"],
+                                             rf"checkpoint.restore_from='hf:{t(str(garbage))}': .*/model.safetensors: "
+                                             r"not a readable safetensors file \(ValueError\)", [W]),
+        "a DATADIR without its tokenizer.json": ("train", [*tokens, f"--config.data.path={no_tokenizer}"],
+                                                 rf"data.path='{t(str(no_tokenizer))}': .*/tokenizer.json is missing; "
+                                                 r"run train.prepare again with --overwrite", [W]),
+        "prepare on a damaged .jsonl.zst": ("train.prepare", [f"--input={zst}", f"--out={tmp / 'D'}"],
+                                            rf"{t(str(zst))}: cannot read it \(zstd decompress error: .*\)",
+                                            [tmp / "D"]),
         "plan --hosts=0": ("train.plan", ["--config=experiments/tiny.py", "--hosts=0"], t("--hosts=0: must be >= 1"),
                            []),
         "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],
