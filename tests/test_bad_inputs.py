@@ -169,6 +169,7 @@ def _cases(tmp):
     no_manifest, mine = _checkpoint_without_manifest(tmp), _user_folder(tmp)
     syntax, no_get = tmp / "syntax.py", tmp / "no_get.py"
     garbage, no_tokenizer, zst = _garbage_header(tmp), _without_tokenizer(tmp), _damaged_zst(tmp)
+    (tmp / "empty.txt").write_text("")
     syntax.write_text("def get_config(:\n")
     no_get.write_text("x = 1\n")
     (tmp / "file").write_text("a file, so nothing can be created under it")
@@ -294,6 +295,14 @@ def _cases(tmp):
         "prepare on a damaged .jsonl.zst": ("train.prepare", [f"--input={zst}", f"--out={tmp / 'D'}"],
                                             rf"{t(str(zst))}: cannot read it \(zstd decompress error: .*\)",
                                             [tmp / "D"]),
+        "prepare on an empty file": ("train.prepare", [f"--input={tmp / 'empty.txt'}", f"--out={tmp / 'D'}"],
+                                     t("--input: the corpus has no training documents (1 files); add text"),
+                                     [tmp / "D"]),
+        "plan.auto with train.global_batch_size=0": ("train", ["--config=experiments/tiny.py",
+                                                               "--config.plan.auto=True",
+                                                               "--config.train.global_batch_size=0",
+                                                               f"--workdir={W}"],
+                                                     t("train.global_batch_size=0: must be a positive number"), [W]),
         "plan --hosts=0": ("train.plan", ["--config=experiments/tiny.py", "--hosts=0"], t("--hosts=0: must be >= 1"),
                            []),
         "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],

@@ -186,7 +186,8 @@ class Progress:
     """One stderr line: documents/s, tokens/s, MB done and an ETA from the input bytes left."""
 
     def __init__(self, total_bytes: int):
-        self.total, self.t0, self.shown = total_bytes, time.perf_counter(), 0.0
+        self.total, self.t0 = total_bytes, time.perf_counter()
+        self.shown = self.t0  # the first line after 0.5 s: a small input that fails prints only its error
         self.docs = self.tokens = self.bytes = 0
 
     def add(self, docs: int, tokens: int, nbytes: int) -> None:
@@ -315,11 +316,11 @@ def _write(staging: pathlib.Path, files, listed, recipe, text_field, val_percent
     init = (tok.to_str(), eos, bos, val_percent, dtype, recipe["tokenizer"] == "bytes", renderer is not None)
     docs = _chunks(files, renderer.documents if renderer else docs_of)
     counts, nearest = _stream(staging, _encoded(docs, num_workers, init), progress)
-    progress.show(final=True)
     if renderer is not None:
         chat.check_skipped(renderer.counts, max_skipped_percent)
     if counts["train"]["tokens"] == 0:
         raise CorpusError(f"--input: the corpus has no training documents ({len(files)} files); add text")
+    progress.show(final=True)  # after the checks: a failed preparation ends on its error line alone
     if val_percent > 0 and counts["val"]["documents"] == 0:
         _fill_val(staging, counts, nearest, dtype, val_percent)
     tok.save(str(staging / tok_lib.FILE))
