@@ -149,6 +149,22 @@ COORDINATOR = [
 ]
 
 
+# The benchmark scripts' bad flags: (script, flag, the error line as a regex).
+EXPERIMENTS = [
+    ("bench_train", "--steps=0", re.escape("--steps=0: 0 is not a positive integer")),
+    ("bench_train", "--source=csv", re.escape("--source=csv: value should be one of <text|tokens|synthetic>")),
+    ("bench_train", "--configs=nope", re.escape("--configs=['nope']: each must be an experiment file of "
+                                                "experiments/ (without .py) or a model preset")),
+    ("bench_context", "--seq_lens=abc", re.escape("--seq_lens=['abc']: each must be a whole number > 0, e.g. "
+                                                  "1024,2048")),
+    ("bench_checkpoint", "--repeats=0", re.escape("--repeats=0: 0 is not a positive integer")),
+    ("bench_checkpoint", "--models=abc", re.escape("--models=['abc']: each must be D_MODELxN_LAYERS, e.g. 384x6")),
+    ("bench_data", "--mb=-1", re.escape("--mb=-1.0: must be > 0 (MB of text to prepare)")),
+    ("bench_data", "--tokenizers=wordpiece", re.escape("--tokenizers=['wordpiece']: each must be bytes, "
+                                                       "train-bpe:VOCAB or hf:PATH (train.prepare's --tokenizer)")),
+]
+
+
 def _declared(tmp):
     """A row per DECLARED value: refused by the declaration before anything compiles or is written."""
     W = tmp / "W"
@@ -307,6 +323,7 @@ def _cases(tmp):
                                    rf"--json={t(str(blocked))}: cannot write there .*", [blocked]),
         "eval --json a directory": ("train.eval", [f"--workdir={trained}", "--tasks=x", f"--json={tmp}"],
                                     rf"--json={t(str(tmp))}: exists and is not a file; choose another path", []),
+        **{f"{module} {arg}": (f"experiments.{module}", [arg], line, []) for module, arg, line in EXPERIMENTS},
         "plan --hosts=0": ("train.plan", ["--config=experiments/tiny.py", "--hosts=0"], t("--hosts=0: must be >= 1"),
                            []),
         "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],
