@@ -262,8 +262,9 @@ def _cases(tmp):
             r"replace it; choose an empty or new directory", [mine / "meta.json", mine / "train.bin"]),
         "sample on a checkpoint missing a file": ("train.sample", [f"--workdir={no_manifest}", "--prompt=a",
                                                                    "--num_cpu_devices=1"],
-                                                  rf".*{t(str(no_manifest))}/checkpoints/3 is damaged \(its arrays "
-                                                  r"do not restore .*", []),
+                                                  rf"--workdir={t(str(no_manifest))}: {t(str(no_manifest))}/"
+                                                  r"checkpoints/3 is damaged \(its arrays do not restore .*\); "
+                                                  r"give an older one with --step=N", []),
         **_declared(tmp),
         "no --config where the workdir holds no run": ("train", [f"--workdir={W}"],
                                                         rf"--workdir={t(str(W))}: no run to continue there \(no "
