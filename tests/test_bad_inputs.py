@@ -186,6 +186,8 @@ def _cases(tmp):
     syntax, no_get = tmp / "syntax.py", tmp / "no_get.py"
     garbage, no_tokenizer, zst = _garbage_header(tmp), _without_tokenizer(tmp), _damaged_zst(tmp)
     (tmp / "empty.txt").write_text("")
+    (tmp / "small").mkdir()
+    (tmp / "small" / "a.txt").write_text("tiny text " * 100)
     syntax.write_text("def get_config(:\n")
     no_get.write_text("x = 1\n")
     (tmp / "file").write_text("a file, so nothing can be created under it")
@@ -325,6 +327,12 @@ def _cases(tmp):
         "eval --json a directory": ("train.eval", [f"--workdir={trained}", "--tasks=x", f"--json={tmp}"],
                                     rf"--json={t(str(tmp))}: exists and is not a file; choose another path", []),
         **{f"{module} {arg}": (f"experiments.{module}", [arg], line, []) for module, arg, line in EXPERIMENTS},
+        "a held-out split shorter than a row": ("train", [*TINY, f"--config.data.path={tmp / 'small'}",
+                                                         "--config.data.eval_percent=1",
+                                                         f"--config.data.cache_dir={tmp / 'cache'}", f"--workdir={W}"],
+                                                "data.path=.*: the held-out split of text has \\d+ tokens, fewer than "
+                                                r"one row of 65; use more data \(or a larger data.eval_percent\) or a "
+                                                r"shorter model.seq_len", [W]),
         "plan --hosts=0": ("train.plan", ["--config=experiments/tiny.py", "--hosts=0"], t("--hosts=0: must be >= 1"),
                            []),
         "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],
