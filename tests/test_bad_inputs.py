@@ -333,6 +333,8 @@ def _cases(tmp):
                                                 "data.path=.*: the held-out split of text has \\d+ tokens, fewer than "
                                                 r"one row of 65; use more data \(or a larger data.eval_percent\) or a "
                                                 r"shorter model.seq_len", [W]),
+        "train --audit --topology=nonexistent": ("train", [*TINY, "--audit", "--topology=nonexistent",
+                                                            f"--workdir={W}"], r"--topology=nonexistent: .*", [W]),
         "plan --hosts=0": ("train.plan", ["--config=experiments/tiny.py", "--hosts=0"], t("--hosts=0: must be >= 1"),
                            []),
         "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],

@@ -12,6 +12,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from mesh import topology as topology_lib
 from mesh import use_cpu_devices
 from mesh.errors import check_writable
 from train import cli, exit_codes
@@ -68,6 +69,8 @@ def _check_flags() -> None:
         raise exit_codes.ConfigError(f"--hosts={_HOSTS.value}: must be >= 1")
     if _AUDIT.value and not 0 < _AUDIT_MFU.value <= 1:
         raise exit_codes.ConfigError(f"--audit_mfu={_AUDIT_MFU.value}: must be in (0, 1] (the MFU assumed)")
+    if _AUDIT.value and _TOPOLOGY.value:  # a TopologyError names --topology before the compile, not after it
+        topology_lib.get_topology(_TOPOLOGY.value, hosts=_HOSTS.value)
     if _CACHE.value and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         check_writable("--compilation_cache", _CACHE.value, "directory", parents=True)
 
