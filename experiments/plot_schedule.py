@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 import numpy as np
 
+from mesh.errors import UserError, check_writable
 from sharding import schedules as S
 from train.runtime import extras
 
@@ -119,8 +120,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         names = S.NAMES if args.all else (args.schedule,)
         args.schedules = [S.build(n, args.stages, args.microbatches, virtual_stages(n)) for n in names]
     except S.ScheduleConfigError as error:
-        parser.error(str(error))
+        _fail(str(error))
     return args
+
+
+def _fail(message: str) -> NoReturn:
+    """One line and exit 2, as the project's commands end on a bad flag (argparse would add its usage text)."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def main(argv: Sequence[str] | None = None) -> str:
@@ -128,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> str:
         print(f"error: {extras.message('matplotlib', 'python -m experiments.plot_schedule')}", file=sys.stderr)
         sys.exit(2)
     args = parse_args(argv)
+    try:
+        check_writable("--out", args.out)  # before drawing, not after
+    except UserError as error:
+        _fail(str(error))
     render(args.schedules, args.out)
     for schedule in args.schedules:
         p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages

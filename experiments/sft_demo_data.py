@@ -13,6 +13,9 @@ import argparse
 import json
 import pathlib
 import random
+import sys
+
+from mesh.errors import UserError, check_writable
 
 TASK = """# Repeat the word, as multiple choice; prompts in the default chat template (experiments/sft_demo_data.py).
 task: repeat
@@ -67,6 +70,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     out, rng = pathlib.Path(args.out), random.Random(args.seed)
+    try:
+        check_writable("--out", args.out, "directory", parents=True)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     (out / "tasks").mkdir(parents=True, exist_ok=True)
     with open(out / "chats.jsonl", "w") as f:
         f.writelines(json.dumps(c) + "\n" for c in conversations(args.conversations, rng))
