@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from mesh.errors import UserError, check_writable
 from sharding import schedules as S
+from train import cli
 from train.runtime import extras
 
 try:  # the `plots` extra: without it main() says which pip install to run
@@ -99,7 +100,7 @@ def render(schedules: Sequence[S.Schedule], out: str) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="1f1b", help=" | ".join(S.NAMES))
     parser.add_argument("--stages", type=int, default=4, help="pipeline stages p (mesh.pipeline)")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches m (pipeline.microbatches)")
@@ -120,14 +121,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         names = S.NAMES if args.all else (args.schedule,)
         args.schedules = [S.build(n, args.stages, args.microbatches, virtual_stages(n)) for n in names]
     except S.ScheduleConfigError as error:
-        _fail(str(error))
+        cli.fail(str(error))
     return args
-
-
-def _fail(message: str) -> NoReturn:
-    """One line and exit 2, as the project's commands end on a bad flag (argparse would add its usage text)."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 def main(argv: Sequence[str] | None = None) -> str:
@@ -138,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     try:
         check_writable("--out", args.out)  # before drawing, not after
     except UserError as error:
-        _fail(str(error))
+        cli.fail(str(error))
     render(args.schedules, args.out)
     for schedule in args.schedules:
         p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages

@@ -9,13 +9,13 @@ experiments/data/chats.jsonl, the README's conversations, is the chats.jsonl of 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import random
 import sys
 
 from mesh.errors import UserError, check_writable
+from train import cli
 
 TASK = """# Repeat the word, as multiple choice; prompts in the default chat template (experiments/sft_demo_data.py).
 task: repeat
@@ -64,7 +64,7 @@ def task_rows(rng: random.Random) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder to write chats.jsonl and tasks/ into")
     p.add_argument("--conversations", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)

@@ -342,6 +342,8 @@ def _cases(tmp):
                                         r"pipeline.schedule='zz': unknown schedule; use one of .*", [tmp / "s.png"]),
         "sft_demo_data unwritable --out": ("experiments.sft_demo_data", [f"--out={blocked}"],
                                            rf"--out={t(str(blocked))}: cannot write there .*", [blocked]),
+        "chaos_goodput --mtbf_s=abc": ("experiments.chaos_goodput", ["--mtbf_s=abc"],
+                                       t("argument --mtbf_s: invalid float value: 'abc'"), []),
         "plan --hosts=0": ("train.plan", ["--config=experiments/tiny.py", "--hosts=0"], t("--hosts=0: must be >= 1"),
                            []),
         "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],

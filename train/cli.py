@@ -15,6 +15,7 @@ or failing config file, an unknown flag, a missing required flag, absl's UsageEr
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import re
 import sys
@@ -32,6 +33,13 @@ _CONFIG_FLAGS: list[Any] = []
 def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(exit_codes.USER_ERROR)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the scripts that use it, failing as the commands do: one `error:` line, exit 2, no usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(message)
 
 
 def _last_line(text: str) -> str:
