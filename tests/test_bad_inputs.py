@@ -344,6 +344,8 @@ def _cases(tmp):
                                            rf"--out={t(str(blocked))}: cannot write there .*", [blocked]),
         "chaos_goodput --mtbf_s=abc": ("experiments.chaos_goodput", ["--mtbf_s=abc"],
                                        t("argument --mtbf_s: invalid float value: 'abc'"), []),
+        "launch with a bad setting": ("train.launch", ["--", *TINY, "--config.train.steps=-1", f"--workdir={W}"],
+                                      t("train.steps=-1: must be a positive number"), [W]),
         "plan --hosts=0": ("train.plan", ["--config=experiments/tiny.py", "--hosts=0"], t("--hosts=0: must be >= 1"),
                            []),
         "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],
