@@ -186,6 +186,7 @@ def _cases(tmp):
     syntax, no_get = tmp / "syntax.py", tmp / "no_get.py"
     garbage, no_tokenizer, zst = _garbage_header(tmp), _without_tokenizer(tmp), _damaged_zst(tmp)
     (tmp / "empty.txt").write_text("")
+    (tmp / "no-config" / "checkpoints" / "3").mkdir(parents=True)
     (tmp / "small").mkdir()
     (tmp / "small" / "a.txt").write_text("tiny text " * 100)
     syntax.write_text("def get_config(:\n")
@@ -346,6 +347,10 @@ def _cases(tmp):
                                        t("argument --mtbf_s: invalid float value: 'abc'"), []),
         "launch with a bad setting": ("train.launch", ["--", *TINY, "--config.train.steps=-1", f"--workdir={W}"],
                                       t("train.steps=-1: must be a positive number"), [W]),
+        "a run whose config.json was deleted": ("train", [f"--workdir={tmp / 'no-config'}"],
+                                                t(f"--workdir={tmp / 'no-config'}: its config.json is missing, though "
+                                                  f"checkpoints/ is there; restore the file, or give the --config "
+                                                  f"the run trained with"), [tmp / "no-config" / ".lock"]),
         "plan --hosts=0": ("train.plan", ["--config=experiments/tiny.py", "--hosts=0"], t("--hosts=0: must be >= 1"),
                            []),
         "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],

@@ -49,6 +49,9 @@ def _config():
     if not flag.present:
         workdir = pathlib.Path(_WORKDIR.value).expanduser()
         resumed = phases.resume_config(workdir, config_flags.get_override_values(flag))
+        if resumed is None and (workdir / "checkpoints").is_dir():
+            raise exit_codes.ConfigError(f"--workdir={workdir}: its config.json is missing, though checkpoints/ "
+                                         f"is there; restore the file, or give the --config the run trained with")
         if resumed is None:  # a mistyped path would otherwise start the default experiment there
             raise exit_codes.ConfigError(f"--workdir={workdir}: no run to continue there (no config.json); start "
                                          f"one with --config=EXPERIMENT.py, e.g. --config=experiments/default.py")
