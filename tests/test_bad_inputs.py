@@ -137,7 +137,8 @@ DECLARED = {"optimizer.b1=1.5": "use a decay in [0, 1)", "optimizer.b2=-0.1": "u
 COORDINATOR = [
     ("--coordinator_address without a port", ["--coordinator_address=localhost", "--num_processes=2"],
      "--coordinator_address='localhost': give HOST:PORT (process 0's host and a free port), e.g. 10.0.0.1:1234"),
-    ("--coordinator_address on no host", ["--coordinator_address=no.such.host.invalid:1234", "--num_processes=2"],
+    ("--coordinator_address on no host", ["--coordinator_address=no.such.host.invalid:1234", "--num_processes=2",
+                                          "--init_timeout_s=1"],
      "--coordinator_address='no.such.host.invalid:1234': the host 'no.such.host.invalid' does not resolve (Name "
      "or service not known); give process 0's host name or address"),
     ("a coordinator that never answers", ["--coordinator_address=127.0.0.1:1", "--num_processes=2",

@@ -58,37 +58,41 @@ def detect(coordinator_address: str = "", num_processes: int = 1, process_id: in
 
 
 def _host_port(address: str, setting: str) -> tuple[str, int]:
-    """(host, port) of a HOST:PORT that names a resolvable host, else a one-line error naming `setting`."""
+    """(host, port) of a HOST:PORT, else a one-line error naming `setting`."""
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ClusterError(f"{setting}={address!r}: give HOST:PORT (process 0's host and a free port), e.g. "
                            f"10.0.0.1:1234")
-    try:
-        socket.getaddrinfo(host.strip("[]"), int(port))
-    except OSError as e:
-        raise ClusterError(f"{setting}={address!r}: the host {host!r} does not resolve ({e.strerror or e}); give "
-                           f"process 0's host name or address") from None
     return host.strip("[]"), int(port)
 
 
 def _wait_for_coordinator(cluster: Cluster, timeout_s: int) -> None:
-    """A process other than 0 first reaches process 0's coordinator over TCP: one that never answers is a line
+    """Within --init_timeout_s the coordinator's host must resolve (a pod's DNS name may appear late, so it is
+    retried), and a process other than 0 must reach process 0's coordinator over TCP: either failing is a line
     naming the address, where JAX would abort the process (a core dump) once its own timeout ran out."""
     setting = "--coordinator_address" if cluster.method == "flags" else "JAX_COORDINATOR_ADDRESS"
-    host, port = _host_port(cluster.coordinator_address, setting)
-    if cluster.process_id == 0:
-        return
-    deadline = time.monotonic() + timeout_s
+    address = cluster.coordinator_address
+    host, port = _host_port(address, setting)
+    deadline, why = time.monotonic() + timeout_s, None
     while True:
         try:
+            socket.getaddrinfo(host, port)
+            why = None
+            if cluster.process_id == 0:
+                return
             socket.create_connection((host, port), timeout=1.0).close()
             return
+        except socket.gaierror as e:
+            why = e.strerror or str(e)
         except OSError:
-            if time.monotonic() > deadline:
-                raise ClusterError(f"{setting}={cluster.coordinator_address!r}: process 0's coordinator did not "
-                                   f"answer within --init_timeout_s={timeout_s}; start process 0 there, or fix the "
-                                   f"address or port") from None
-            time.sleep(0.5)
+            pass
+        if time.monotonic() > deadline:
+            if why:
+                raise ClusterError(f"{setting}={address!r}: the host {host!r} does not resolve ({why}); give "
+                                   f"process 0's host name or address")
+            raise ClusterError(f"{setting}={address!r}: process 0's coordinator did not answer within "
+                               f"--init_timeout_s={timeout_s}; start process 0 there, or fix the address or port")
+        time.sleep(0.5)
 
 
 def initialize(cluster: Cluster | None, *, init_timeout_s: int, heartbeat_timeout_s: int,
