@@ -352,6 +352,10 @@ def _cases(tmp):
                                                 t(f"--workdir={tmp / 'no-config'}: its config.json is missing, though "
                                                   f"checkpoints/ is there; restore the file, or give the --config "
                                                   f"the run trained with"), [tmp / "no-config" / ".lock"]),
+        "sample with a prompt longer than the context": ("train.sample", [
+            f"--workdir={trained}", "--prompt_tokens=" + ",".join(["1"] * 70), "--num_cpu_devices=1",
+            "--config.mesh.data=1"], t("--prompt: 70 tokens, longer than the 64 the model was trained on "
+                                       "(model.seq_len); shorten it"), []),
         "plan --hosts=0": ("train.plan", ["--config=experiments/tiny.py", "--hosts=0"], t("--hosts=0: must be >= 1"),
                            []),
         "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],
