@@ -9,6 +9,7 @@ import dataclasses
 import os
 import pathlib
 import re
+import sys
 import time
 from typing import Any, Callable
 
@@ -22,6 +23,22 @@ from checkpoint.local import LocalCheckpoints
 from checkpoint.manager import Checkpoints
 
 SET_ASIDE = "checkpoints.set_aside"  # next to DIR/checkpoints
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """A restore that fails on a missing file leaves TensorStore callbacks that fire after Orbax closed their
+    asyncio loop; Python would print each one's 'Event loop is closed' traceback around the one line that
+    names the damage. Only those are dropped; every other unraisable exception reaches the previous hook."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+                and unraisable.object is None):
+            previous(unraisable)
+    sys.unraisablehook = hook
+
+
+_quiet_closed_loop_callbacks()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,13 +147,15 @@ def open_source(spec: str) -> tuple[Checkpoints, int]:
     return source, step if step is not None else steps[-1]
 
 
-def restore_source(source: Checkpoints, step: int, target: Any, params_only: bool, spec: str) -> Restored:
-    """Restore another run's checkpoint, read-only: a damaged one is an error, never moved."""
+def restore_source(source: Checkpoints, step: int, target: Any, params_only: bool, spec: str,
+                   named: tuple[str, str] | None = None) -> Restored:
+    """Restore another run's checkpoint, read-only: a damaged one is an error, never moved. `named`: (the setting,
+    how to name an older step) in the words of a tool that takes no checkpoint.restore_from (train.sample)."""
+    setting, older = named or (f"checkpoint.restore_from={spec!r}", "name an older step as PATH:STEP")
     try:
         tree, meta = _load(source, step, target, params_only)
     except _Damaged as e:
-        raise RestoreFromError(f"checkpoint.restore_from={spec!r}: {source.step_dir(step)} is damaged ({e}); "
-                               f"name an older step as PATH:STEP") from None
+        raise RestoreFromError(f"{setting}: {source.step_dir(step)} is damaged ({e}); {older}") from None
     return Restored(step, tree, meta, source.step_dir(step))
 
 

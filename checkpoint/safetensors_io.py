@@ -4,6 +4,7 @@ safetensors package's numpy slicing does not read), and neither torch nor safete
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import struct
 from typing import Mapping
@@ -27,6 +28,8 @@ def read_header(path: pathlib.Path) -> tuple[int, dict]:
     try:
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
+            if size > os.fstat(f.fileno()).st_size - 8:  # garbage where the header's length should be
+                raise ValueError
             header = json.loads(f.read(size))
     except (OSError, struct.error, ValueError, UnicodeDecodeError) as e:
         raise SafetensorsError(f"{path}: not a readable safetensors file ({type(e).__name__})") from None

@@ -10,18 +10,24 @@ import time
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import flags, logging
 
 import checkpoint
 from checkpoint import format as ckpt_format
 from checkpoint import integrity
 from experiments.tiny import get_config
+from train import cli
 from train.trainer import Trainer
 
 _MODELS = flags.DEFINE_list("models", ["384x6", "640x10"], "d_model x n_layers of each state measured "
                             "(params + two Adam moments: about 36 x n_layers x d_model^2 bytes).")
 _DEVICES = flags.DEFINE_integer("num_cpu_devices", 8, "Virtual CPU devices.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Saves and restores timed per figure (the median is shown).")
+flags.register_validator("models", lambda specs: all(len(s.split("x")) == 2 and all(x.isdigit() and int(x) > 0
+                                                                                      for x in s.split("x"))
+                                                     for s in specs),
+                         "each must be D_MODELxN_LAYERS, e.g. 384x6")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Saves and restores timed per figure (the median is shown).",
+                                lower_bound=1)
 
 
 def build(d_model: int, n_layers: int, mesh: dict):
@@ -124,4 +130,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)  # a bad flag or setting: one line, exit 2

@@ -9,15 +9,19 @@ import importlib
 import time
 
 import jax
-from absl import app, flags
+from absl import flags
 
 from mesh import use_cpu_devices
+from train import cli
 from train.trainer import Trainer
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["1024", "2048", "4096", "8192", "16384"], "Tokens per row.")
 _CONTEXTS = flags.DEFINE_list("contexts", ["1", "2", "4", "8"], "mesh.context sizes (devices, nothing else split).")
 _CONFIG = flags.DEFINE_string("config", "tiny", "Experiment file in experiments/.")
 _BATCH = flags.DEFINE_integer("global_batch", 1, "Rows per step.")
+for _name in ("seq_lens", "contexts"):
+    flags.register_validator(_name, lambda values: all(v.isdigit() and int(v) > 0 for v in values),
+                             "each must be a whole number > 0, e.g. 1024,2048")
 
 
 def temp_bytes(seq_len: int, context: int) -> int:
@@ -45,4 +49,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)  # a bad flag or setting: one line, exit 2

@@ -13,10 +13,11 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments.default import get_config
 from mesh import use_cpu_devices
+from train import cli
 from train.data.loader import stdlib_files
 from train.trainer import Trainer
 
@@ -26,6 +27,12 @@ _TOKENIZERS = flags.DEFINE_list("tokenizers", ["bytes", "train-bpe:8192"], "Toke
 _STEPS = flags.DEFINE_integer("steps", 20, "Default-experiment steps timed for the input pipeline share.")
 _SKIP_PREPARE = flags.DEFINE_boolean("skip_prepare", False, "Only the input pipeline share.")
 _SKIP_SHARE = flags.DEFINE_boolean("skip_share", False, "Only train.prepare.")
+flags.register_validator("mb", lambda mb: mb > 0, "must be > 0 (MB of text to prepare)")
+flags.register_validator("workers", lambda values: all(v.isdigit() and int(v) > 0 for v in values),
+                         "each must be a whole number > 0")
+flags.register_validator("tokenizers", lambda specs: all(s == "bytes" or s.startswith(("train-bpe:", "hf:"))
+                                                         for s in specs),
+                         "each must be bytes, train-bpe:VOCAB or hf:PATH (train.prepare's --tokenizer)")
 
 
 def make_corpus(directory: pathlib.Path, megabytes: float) -> pathlib.Path:
@@ -118,4 +125,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)  # a bad flag or setting: one line, exit 2

@@ -11,7 +11,7 @@ import importlib
 import time
 
 import jax
-from absl import app, flags
+from absl import flags
 
 from mesh import (
     bench,  # defines --num_cpu_devices (and the sweep's flags), shared here
@@ -19,6 +19,7 @@ from mesh import (
     topology,
     use_cpu_devices,
 )
+from train import cli
 from train.planner import audit
 from train.planner import compile_report as report
 from train.trainer import Trainer
@@ -87,4 +88,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)  # a bad flag or setting: one line, exit 2

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import importlib
 import json
+import pathlib
 import time
 
 import jax
 import optax
-from absl import app, flags
+from absl import flags
 
 import models
 from mesh import use_cpu_devices
 from mesh.errors import UserError
+from train import cli
 from train.planner import compile_report as report
 from train.runtime import hardware
 from train.state import make_optimizer
@@ -32,11 +34,15 @@ _LAYOUTS = flags.DEFINE_list("layouts", ["data=8", "fsdp=8", "data=2;fsdp=2;tens
                                          "data=2;pipeline=2;tensor=2", "data=2;tensor=4;sp", "data=2;context=4",
                                          "data=2;context=2;tensor=2;sp"],
                              "Meshes, axes separated by ';' (`sp`: sequence parallelism on).")
-_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps per row (after 3 warm-up steps).")
+_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps per row (after 3 warm-up steps).", lower_bound=1)
 _NUM_CPU_DEVICES = flags.DEFINE_integer("num_cpu_devices", 8, "Virtual devices when the platform is CPU.")
-_SOURCE = flags.DEFINE_string("source", "synthetic", "data.source for every run.")
+_SOURCE = flags.DEFINE_enum("source", "synthetic", ["text", "tokens", "synthetic"], "data.source for every run.")
 _JSON = flags.DEFINE_string("json", "", "Also write the rows to this JSON file.")
 WARMUP = 3
+flags.register_validator(
+    "configs", lambda names: all(n in models.PRESETS or (pathlib.Path(__file__).parent / f"{n}.py").is_file()
+                                 for n in names),
+    "each must be an experiment file of experiments/ (without .py) or a model preset")
 
 
 def _parse_layout(text: str) -> tuple[dict[str, int], bool]:
@@ -133,4 +139,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)  # a bad flag or setting: one line, exit 2

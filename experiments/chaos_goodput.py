@@ -15,7 +15,6 @@ nothing, so the restart time is the mean over the attempts that trained.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -28,6 +27,7 @@ import tempfile
 import time
 
 from checkpoint import cadence
+from train import cli
 
 STEPS = 10 ** 7  # never reached: the run ends when the time is up
 
@@ -128,7 +128,7 @@ def table(rows: list[dict], args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mtbf_s", type=float, default=30.0, help="mean seconds between failures")
     p.add_argument("--minutes", type=float, default=5.0, help="wall time of the experiment")
     p.add_argument("--every_steps", type=int, default=40, help="steps between persistent checkpoints")

@@ -12,7 +12,9 @@ from typing import Sequence
 
 import numpy as np
 
+from mesh.errors import UserError, check_writable
 from sharding import schedules as S
+from train import cli
 from train.runtime import extras
 
 try:  # the `plots` extra: without it main() says which pip install to run
@@ -98,7 +100,7 @@ def render(schedules: Sequence[S.Schedule], out: str) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="1f1b", help=" | ".join(S.NAMES))
     parser.add_argument("--stages", type=int, default=4, help="pipeline stages p (mesh.pipeline)")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches m (pipeline.microbatches)")
@@ -119,7 +121,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         names = S.NAMES if args.all else (args.schedule,)
         args.schedules = [S.build(n, args.stages, args.microbatches, virtual_stages(n)) for n in names]
     except S.ScheduleConfigError as error:
-        parser.error(str(error))
+        cli.fail(str(error))
     return args
 
 
@@ -128,6 +130,10 @@ def main(argv: Sequence[str] | None = None) -> str:
         print(f"error: {extras.message('matplotlib', 'python -m experiments.plot_schedule')}", file=sys.stderr)
         sys.exit(2)
     args = parse_args(argv)
+    try:
+        check_writable("--out", args.out)  # before drawing, not after
+    except UserError as error:
+        cli.fail(str(error))
     render(args.schedules, args.out)
     for schedule in args.schedules:
         p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages

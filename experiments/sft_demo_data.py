@@ -9,10 +9,13 @@ experiments/data/chats.jsonl, the README's conversations, is the chats.jsonl of 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import random
+import sys
+
+from mesh.errors import UserError, check_writable
+from train import cli
 
 TASK = """# Repeat the word, as multiple choice; prompts in the default chat template (experiments/sft_demo_data.py).
 task: repeat
@@ -61,12 +64,17 @@ def task_rows(rng: random.Random) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder to write chats.jsonl and tasks/ into")
     p.add_argument("--conversations", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     out, rng = pathlib.Path(args.out), random.Random(args.seed)
+    try:
+        check_writable("--out", args.out, "directory", parents=True)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     (out / "tasks").mkdir(parents=True, exist_ok=True)
     with open(out / "chats.jsonl", "w") as f:
         f.writelines(json.dumps(c) + "\n" for c in conversations(args.conversations, rng))

@@ -60,5 +60,8 @@ def head_loss(h_BxLxD: jax.Array, head_DxV: jax.Array, targets_BxL: jax.Array,
         h, targets, m = xs
         return total + jnp.sum(_token_losses(h, head_DxV, targets, constrain, vocab_size) * m), None
 
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (chunks(h_BxLxD), chunks(targets_BxL), chunks(mask)))
+    # The carry starts as a 0 that varies over the same manual mesh axes as the chunks' losses (inside a
+    # shard_map, e.g. a pipeline stage, scan needs the two to match): a sum of empty slices of every input.
+    zero = sum(jnp.sum(x[:, :0]).astype(jnp.float32) for x in (h_BxLxD, head_DxV, targets_BxL, mask))
+    total, _ = jax.lax.scan(body, zero, (chunks(h_BxLxD), chunks(targets_BxL), chunks(mask)))
     return total, jnp.sum(mask)

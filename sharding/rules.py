@@ -57,6 +57,14 @@ def normalize(rules: Mapping[str, tuple[str, ...] | str | None]) -> Rules:
     return out
 
 
+def check_strategy(strategy: str) -> None:
+    """A one-line error for a strategy no table is registered under."""
+    if strategy not in STRATEGIES:
+        raise ShardingConfigError(
+            f"sharding.strategy={strategy!r}: unknown strategy; use one of {', '.join(sorted(STRATEGIES))} "
+            f"or register one with sharding.register_strategy")
+
+
 def resolve(strategy: str, overrides: Mapping | None = None, mesh_sizes: Mapping[str, int] | None = None) -> Rules:
     """The rules of `strategy` with `overrides` applied on top, checked against the mesh.
 
@@ -64,10 +72,7 @@ def resolve(strategy: str, overrides: Mapping | None = None, mesh_sizes: Mapping
     used by some rule, or devices would silently hold copies of the same work. With `mesh.pipeline` > 1
     the rule `layers -> pipeline` is added: each stage holds its slice of the stacked layers.
     """
-    if strategy not in STRATEGIES:
-        raise ShardingConfigError(
-            f"sharding.strategy={strategy!r}: unknown strategy; use one of {', '.join(sorted(STRATEGIES))} "
-            f"or register one with sharding.register_strategy")
+    check_strategy(strategy)
     rules = dict(STRATEGIES[strategy])
     rules.update(normalize(overrides or {}))
     if mesh_sizes is not None and mesh_sizes.get("pipeline", 1) > 1:

@@ -1,19 +1,26 @@
 """Every bad input of the user's path is one `error:` line naming it, exit status 2, before any expensive work,
 and nothing is written (a failed start leaves no workdir behind). One table; every command line runs in a forked
 child of one warm interpreter (tests/forked.py), so the table costs one interpreter start."""
+import errno
 import json
 import os
 import re
 import shutil
+import struct
 
+import jax
 import numpy as np
 import pytest
 
+import models
 from checkpoint import safetensors_io
 from tests.forked import run_many
 from tests.helpers import ROOT, tiny_config
+from train import config as config_lib
 from train import exit_codes
 from train.data import prepare
+from train.hf import export as hf_export
+from train.loop import goodput, metrics, phases
 from train.runtime.lock import WorkdirLock
 
 TINY = ["--config=experiments/tiny.py", "--config.mesh.data=8"]
@@ -58,6 +65,45 @@ def _damaged_checkpoint(tmp):
     return source
 
 
+def _garbage_header(tmp):
+    """An HF directory whose safetensors file starts with a header length no file could hold."""
+    hf = tmp / "hf-garbage"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(struct.pack("<Q", 2 ** 63 + 5) + b"garbage" * 10)
+    return hf
+
+
+def _without_tokenizer(tmp):
+    """A copy of the good DATADIR without its tokenizer.json."""
+    shutil.copytree(tmp / "data", tmp / "no-tokenizer")
+    (tmp / "no-tokenizer" / "tokenizer.json").unlink()
+    return tmp / "no-tokenizer"
+
+
+def _damaged_zst(tmp):
+    """A .jsonl.zst whose bytes are no zstd frame."""
+    (tmp / "damaged.jsonl.zst").write_bytes(b"not zstd at all" * 10)
+    return tmp / "damaged.jsonl.zst"
+
+
+def _checkpoint_without_manifest(tmp):
+    """A copy of the fixture run (config.json and checkpoint 3) whose checkpoint lacks one file, its OCDBT
+    manifest: the restore fails inside TensorStore, whose late callbacks used to print tracebacks."""
+    source = tmp / "no-manifest"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "checkpoint_604b7c2", source)
+    (source / "checkpoints" / "3" / "state" / "manifest.ocdbt").unlink()
+    return source
+
+
+def _user_folder(tmp):
+    """A folder of a user's own files (no meta.json): not a DATADIR, so train.prepare --overwrite leaves it."""
+    mine = tmp / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    return mine
+
+
 def _run_without_step_99(tmp):
     """A run directory with config.json (the tiny model on one device) and a (bare) checkpoint 3."""
     run = tmp / "trained"
@@ -76,11 +122,76 @@ def _chats(tmp):
     return tmp / "chat"
 
 
+# Values a section's declaration refuses (train/sections.py): {override: the error line after it}.
+DECLARED = {"optimizer.b1=1.5": "use a decay in [0, 1)", "optimizer.b2=-0.1": "use a decay in [0, 1)",
+            "optimizer.eps=-1": "must be a positive number",
+            "optimizer.weight_decay=-1": "must be a number >= 0 (0 turns it off)",
+            "optimizer.min_lr_ratio=2": "use a fraction in [0, 1] of optimizer.lr",
+            "optimizer.lr=nan": "must be a finite number", "optimizer.lr=inf": "must be a finite number",
+            "train.seed=-1": "use a whole number >= 0",
+            "data.eval_percent=100": "use a percentage in [0, 100) of the data held out for evaluation",
+            "data.eval_percent=150": "use a percentage in [0, 100) of the data held out for evaluation"}
+
+
+# Multi-process flags that describe no cluster: (row, flags, the error line).
+COORDINATOR = [
+    ("--coordinator_address without a port", ["--coordinator_address=localhost", "--num_processes=2"],
+     "--coordinator_address='localhost': give HOST:PORT (process 0's host and a free port), e.g. 10.0.0.1:1234"),
+    ("--coordinator_address on no host", ["--coordinator_address=no.such.host.invalid:1234", "--num_processes=2",
+                                          "--init_timeout_s=1"],
+     "--coordinator_address='no.such.host.invalid:1234': the host 'no.such.host.invalid' does not resolve (Name "
+     "or service not known); give process 0's host name or address"),
+    ("a coordinator that never answers", ["--coordinator_address=127.0.0.1:1", "--num_processes=2",
+                                          "--process_id=1", "--init_timeout_s=1"],
+     "--coordinator_address='127.0.0.1:1': process 0's coordinator did not answer within --init_timeout_s=1; "
+     "start process 0 there, or fix the address or port"),
+    ("--heartbeat_timeout_s=-1", ["--coordinator_address=127.0.0.1:1", "--num_processes=2",
+                                  "--heartbeat_timeout_s=-1"], "--heartbeat_timeout_s=-1: must be >= 1 (seconds)"),
+]
+
+
+# The benchmark scripts' bad flags: (script, flag, the error line as a regex).
+EXPERIMENTS = [
+    ("bench_train", "--steps=0", re.escape("--steps=0: 0 is not a positive integer")),
+    ("bench_train", "--source=csv", re.escape("--source=csv: value should be one of <text|tokens|synthetic>")),
+    ("bench_train", "--configs=nope", re.escape("--configs=['nope']: each must be an experiment file of "
+                                                "experiments/ (without .py) or a model preset")),
+    ("bench_context", "--seq_lens=abc", re.escape("--seq_lens=['abc']: each must be a whole number > 0, e.g. "
+                                                  "1024,2048")),
+    ("bench_checkpoint", "--repeats=0", re.escape("--repeats=0: 0 is not a positive integer")),
+    ("bench_checkpoint", "--models=abc", re.escape("--models=['abc']: each must be D_MODELxN_LAYERS, e.g. 384x6")),
+    ("bench_data", "--mb=-1", re.escape("--mb=-1.0: must be > 0 (MB of text to prepare)")),
+    ("bench_data", "--tokenizers=wordpiece", re.escape("--tokenizers=['wordpiece']: each must be bytes, "
+                                                       "train-bpe:VOCAB or hf:PATH (train.prepare's --tokenizer)")),
+]
+
+
+def _declared(tmp):
+    """A row per DECLARED value: refused by the declaration before anything compiles or is written."""
+    W = tmp / "W"
+    rows = {}
+    for override, message in DECLARED.items():
+        key, value = override.split("=")
+        shown = repr(float(value)) if key.startswith("optimizer") else value
+        rows[override] = ("train", [*TINY, f"--config.{override}", f"--workdir={W}"],
+                          re.escape(f"{key}={shown}: {message}"), [W])
+    return rows
+
+
 def _cases(tmp):
     """{name: (module, args, the error line as a regex, paths that must not exist afterwards)}."""
     bad, hf, trained = _datadirs(tmp), _hf_truncated(tmp), _run_without_step_99(tmp)
     damaged = _damaged_checkpoint(tmp)
     chats = _chats(tmp)
+    no_manifest, mine = _checkpoint_without_manifest(tmp), _user_folder(tmp)
+    syntax, no_get = tmp / "syntax.py", tmp / "no_get.py"
+    garbage, no_tokenizer, zst = _garbage_header(tmp), _without_tokenizer(tmp), _damaged_zst(tmp)
+    (tmp / "empty.txt").write_text("")
+    (tmp / "no-config" / "checkpoints" / "3").mkdir(parents=True)
+    (tmp / "small").mkdir()
+    (tmp / "small" / "a.txt").write_text("tiny text " * 100)
+    syntax.write_text("def get_config(:\n")
+    no_get.write_text("x = 1\n")
     (tmp / "file").write_text("a file, so nothing can be created under it")
     W, blocked, busy = tmp / "W", tmp / "file" / "sub", tmp / "busy"  # busy: held by the test process
     tokens = [*TINY, "--config.data.source=tokens", f"--workdir={W}"]
@@ -149,6 +260,102 @@ def _cases(tmp):
                                                f"optimizer.lr=0.003, and that cannot change between phases (steps, "
                                                f"cadences, loggers, actions, data.path and the layout can); set it "
                                                f"back, or use a new --workdir"), [trained / ".lock"]),
+        "prepare --overwrite on a folder that is not a DATADIR": ("train.prepare", [
+            f"--input={ROOT / 'train' / 'data'}", f"--out={mine}", "--overwrite"],
+            rf"--out={t(str(mine))} exists and is not a prepared DATADIR \(no meta.json\), so --overwrite does not "
+            r"replace it; choose an empty or new directory", [mine / "meta.json", mine / "train.bin"]),
+        "sample on a checkpoint missing a file": ("train.sample", [f"--workdir={no_manifest}", "--prompt=a",
+                                                                   "--num_cpu_devices=1"],
+                                                  rf"--workdir={t(str(no_manifest))}: {t(str(no_manifest))}/"
+                                                  r"checkpoints/3 is damaged \(its arrays do not restore .*\); "
+                                                  r"give an older one with --step=N", []),
+        **_declared(tmp),
+        "no --config where the workdir holds no run": ("train", [f"--workdir={W}"],
+                                                        rf"--workdir={t(str(W))}: no run to continue there \(no "
+                                                        r"config.json\); start one with --config=EXPERIMENT.py, "
+                                                        r"e.g. --config=experiments/default.py", [W]),
+        "an empty --workdir": ("train", [*TINY, "--workdir="],
+                               t("--workdir='': give the run's directory, e.g. --workdir=runs/mine"), []),
+        "plan.auto with sharding.strategy=zero9": ("train", ["--config=experiments/tiny.py", "--config.plan.auto=True",
+                                                             "--config.sharding.strategy=zero9", f"--workdir={W}"],
+                                                   r"sharding.strategy='zero9': unknown strategy; .*", [W]),
+        "plan.auto with train.grad_accum_steps=0": ("train", ["--config=experiments/tiny.py",
+                                                              "--config.plan.auto=True",
+                                                              "--config.train.grad_accum_steps=0", f"--workdir={W}"],
+                                                    t("train.grad_accum_steps=0: must be a positive number"), [W]),
+        "a config file with a syntax error": ("train", [f"--config={syntax}", f"--workdir={W}"],
+                                              rf"--config={t(str(syntax))}: SyntaxError at line 1: .*", [W]),
+        "a config file without get_config": ("train", [f"--config={no_get}", f"--workdir={W}"],
+                                             rf"--config={t(str(no_get))}: the file has no get_config\(\); .*", [W]),
+        **{name: ("train", [*TINY, *flags, f"--workdir={W}"], t(line), [W]) for name, flags, line in COORDINATOR},
+        "prepare --bpe_sample_mb=0": ("train.prepare", [f"--input={ROOT / 'train' / 'data'}", f"--out={tmp / 'D'}",
+                                                        "--tokenizer=train-bpe:300", "--bpe_sample_mb=0"],
+                                      t("--bpe_sample_mb=0.0: must be > 0 (the MB of text the BPE trains on)"),
+                                      [tmp / "D"]),
+        "train --peak_tflops=nan": ("train", [*TINY, "--peak_tflops=nan", f"--workdir={W}"],
+                                    t("--peak_tflops=nan: must be a number >= 0 (0: the datasheet's or the measured "
+                                      "peak)"), [W]),
+        "train --audit_mfu=2": ("train", [*TINY, "--audit", "--audit_mfu=2", f"--workdir={W}"],
+                                t("--audit_mfu=2.0: must be in (0, 1] (the MFU assumed)"), [W]),
+        "train --hosts=0": ("train", [*TINY, "--audit", "--hosts=0", f"--workdir={W}"], t("--hosts=0: must be >= 1"),
+                            [W]),
+        "plan --top=0": ("train.plan", ["--config=experiments/tiny.py", "--top=0"],
+                         t("--top=0: must be >= 1 (rows of the ranked table)"), []),
+        "plan --mtbf_hours=-5": ("train.plan", ["--config=experiments/tiny.py", "--mtbf_hours=-5"],
+                                 t("--mtbf_hours=-5.0: must be a number >= 0 (0: no cadence)"), []),
+        "plan --restart_s=-1": ("train.plan", ["--config=experiments/tiny.py", "--restart_s=-1"],
+                                t("--restart_s=-1.0: must be a number >= 0 (seconds)"), []),
+        "a safetensors header of garbage": ("train", ["--config=experiments/llama3_tiny.py", "--config.mesh.data=-1",
+                                                      f"--config.checkpoint.restore_from=hf:{garbage}",
+                                                      f"--workdir={W}"],
+                                             rf"checkpoint.restore_from='hf:{t(str(garbage))}': .*/model.safetensors: "
+                                             r"not a readable safetensors file \(ValueError\)", [W]),
+        "a DATADIR without its tokenizer.json": ("train", [*tokens, f"--config.data.path={no_tokenizer}"],
+                                                 rf"data.path='{t(str(no_tokenizer))}': .*/tokenizer.json is missing; "
+                                                 r"run train.prepare again with --overwrite", [W]),
+        "prepare on a damaged .jsonl.zst": ("train.prepare", [f"--input={zst}", f"--out={tmp / 'D'}"],
+                                            rf"{t(str(zst))}: cannot read it \(zstd decompress error: .*\)",
+                                            [tmp / "D"]),
+        "prepare on an empty file": ("train.prepare", [f"--input={tmp / 'empty.txt'}", f"--out={tmp / 'D'}"],
+                                     t("--input: the corpus has no training documents (1 files); add text"),
+                                     [tmp / "D"]),
+        "plan.auto with train.global_batch_size=0": ("train", ["--config=experiments/tiny.py",
+                                                               "--config.plan.auto=True",
+                                                               "--config.train.global_batch_size=0",
+                                                               f"--workdir={W}"],
+                                                     t("train.global_batch_size=0: must be a positive number"), [W]),
+        "eval unwritable --json": ("train.eval", [f"--workdir={trained}", "--tasks=x", f"--json={blocked}"],
+                                   rf"--json={t(str(blocked))}: cannot write there .*", [blocked]),
+        "eval --json a directory": ("train.eval", [f"--workdir={trained}", "--tasks=x", f"--json={tmp}"],
+                                    rf"--json={t(str(tmp))}: exists and is not a file; choose another path", []),
+        **{f"{module} {arg}": (f"experiments.{module}", [arg], line, []) for module, arg, line in EXPERIMENTS},
+        "a held-out split shorter than a row": ("train", [*TINY, f"--config.data.path={tmp / 'small'}",
+                                                         "--config.data.eval_percent=1",
+                                                         f"--config.data.cache_dir={tmp / 'cache'}", f"--workdir={W}"],
+                                                "data.path=.*: the held-out split of text has \\d+ tokens, fewer than "
+                                                r"one row of 65; use more data \(or a larger data.eval_percent\) or a "
+                                                r"shorter model.seq_len", [W]),
+        "train --audit --topology=nonexistent": ("train", [*TINY, "--audit", "--topology=nonexistent",
+                                                            f"--workdir={W}"], r"--topology=nonexistent: .*", [W]),
+        "plot_schedule unwritable --out": ("experiments.plot_schedule", [f"--out={blocked}/s.png"],
+                                           rf"--out={t(str(blocked))}/s.png: the directory .* does not exist; .*",
+                                           [blocked]),
+        "plot_schedule --schedule=zz": ("experiments.plot_schedule", ["--schedule=zz", f"--out={tmp / 's.png'}"],
+                                        r"pipeline.schedule='zz': unknown schedule; use one of .*", [tmp / "s.png"]),
+        "sft_demo_data unwritable --out": ("experiments.sft_demo_data", [f"--out={blocked}"],
+                                           rf"--out={t(str(blocked))}: cannot write there .*", [blocked]),
+        "chaos_goodput --mtbf_s=abc": ("experiments.chaos_goodput", ["--mtbf_s=abc"],
+                                       t("argument --mtbf_s: invalid float value: 'abc'"), []),
+        "launch with a bad setting": ("train.launch", ["--", *TINY, "--config.train.steps=-1", f"--workdir={W}"],
+                                      t("train.steps=-1: must be a positive number"), [W]),
+        "a run whose config.json was deleted": ("train", [f"--workdir={tmp / 'no-config'}"],
+                                                t(f"--workdir={tmp / 'no-config'}: its config.json is missing, though "
+                                                  f"checkpoints/ is there; restore the file, or give the --config "
+                                                  f"the run trained with"), [tmp / "no-config" / ".lock"]),
+        "sample with a prompt longer than the context": ("train.sample", [
+            f"--workdir={trained}", "--prompt_tokens=" + ",".join(["1"] * 70), "--num_cpu_devices=1",
+            "--config.mesh.data=1"], t("--prompt: 70 tokens, longer than the 64 the model was trained on "
+                                       "(model.seq_len); shorten it"), []),
         "plan --hosts=0": ("train.plan", ["--config=experiments/tiny.py", "--hosts=0"], t("--hosts=0: must be >= 1"),
                            []),
         "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],
@@ -196,3 +403,67 @@ def test_every_bad_input_is_one_line_exit_2_and_writes_nothing(outcomes):
         if not ok or left:
             failures.append(f"{name}: status {status}, stderr {err.strip()[-600:]!r}, left behind {left}")
     assert not failures, "\n".join(failures)
+
+
+
+def _export_inputs():
+    """The tiny Llama (a family with a Hugging Face adapter) and zero parameters of its shapes."""
+    config = tiny_config()
+    config.model.preset = "llama3-tiny"
+    cfg = config_lib.resolve(config, 1).model
+    return cfg, jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), models.abstract_params(cfg)[0])
+
+
+def test_export_keeps_a_users_out_tmp_and_leaves_nothing_when_writing_fails(tmp_path, monkeypatch):
+    """train.export_hf --out=X once deleted a user's X.tmp (its temporary folder had that name); a failed write
+    (a full disk) left its temporary folder behind."""
+    cfg, params = _export_inputs()
+    (tmp_path / "hf.tmp").mkdir()
+    (tmp_path / "hf.tmp" / "mine.txt").write_text("mine")
+    hf_export.write(tmp_path / "hf", cfg, params, "float32")
+    assert (tmp_path / "hf.tmp" / "mine.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "hf.tmp"]
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(safetensors_io, "write", full)
+    with pytest.raises(OSError):
+        hf_export.write(tmp_path / "again", cfg, params, "float32")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "hf.tmp"]
+
+
+def test_a_damaged_goodput_json_is_a_record_lost_not_a_stop(tmp_path, capsys):
+    (tmp_path / "goodput.json").write_text('{"attempts": [{"wall_s": 1.0}')
+    assert goodput.Goodput(tmp_path).attempts == []
+    assert f"warning: {tmp_path / 'goodput.json'} is damaged" in capsys.readouterr().err
+
+
+def test_a_run_that_never_saved_takes_a_corrected_setting(tmp_path):
+    """A bad value that compiled (config.json written) but never reached a checkpoint does not lock the workdir."""
+    saved = {"optimizer": {"lr": 1e9}, "train": {"seed": 0}}
+    fixed = {"optimizer": {"lr": 3e-3}, "train": {"seed": 0}}
+    assert phases.changes(saved, fixed, tmp_path, saved_state=False) == {"optimizer.lr": [1e9, 3e-3]}
+    with pytest.raises(exit_codes.ConfigError, match="cannot change between phases"):
+        phases.changes(saved, fixed, tmp_path, saved_state=True)
+
+
+@pytest.mark.parametrize("env,line", [
+    ({"WANDB_MODE": "bogus"}, "WANDB_MODE=bogus: use online, offline or disabled (train.loggers=wandb)"),
+    ({}, "train.loggers=wandb: no W&B API key (WANDB_API_KEY, or ~/.netrc for api.wandb.ai); run `wandb login`, "
+         "or set WANDB_MODE=offline to keep the run on disk"),
+    ({"WANDB_MODE": "offline"}, None)])
+def test_wandb_without_a_key_or_with_a_bad_mode_is_one_line_before_any_work(env, line, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if line is None:
+        metrics.check_wandb()
+        return
+    with pytest.raises(exit_codes.ConfigError) as raised:
+        metrics.check_wandb()
+    assert str(raised.value) == line

@@ -216,7 +216,7 @@ def test_plan_cli_run_it_line_trains_the_planned_layout(tmp_path):
     line = next(l for l in done.stdout.splitlines() if l.startswith("run it: "))
     words = shlex.split(line[len("run it: "):])
     assert words[:4] == ["python", "-m", "train", "--config=experiments/tiny.py"]
-    assert "--config.model.preset=llama3-tiny" in words
+    assert "--config.model.preset=llama3-tiny" in words and "--workdir=runs/tiny" in words
     run = tmp_path / "run"
     trained = run_cli(*words[3:], f"--workdir={run}", "--config.train.steps=2", "--config.optimizer.warmup_steps=1")
     assert trained.returncode == 0, trained.stderr[-2000:]

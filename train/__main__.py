@@ -3,6 +3,7 @@ an existing run in DIR and no --config, `python -m train --workdir=DIR [--config
 with the config it trained with (train/loop/phases.py)."""
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import signal
@@ -11,7 +12,9 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from mesh import topology as topology_lib
 from mesh import use_cpu_devices
+from mesh.errors import check_writable
 from train import cli, exit_codes
 from train import config as train_config
 from train.loop import phases
@@ -41,16 +44,38 @@ _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/spmdtrain/xla",
 
 def _config():
     """(the config, the experiment file it came from): --config's, or without --config the run in --workdir's
-    (with this command line's overrides); a new workdir without --config gets the default experiment."""
+    (with this command line's overrides); without --config, a workdir that holds no run is an error."""
     flag = flags.FLAGS[_CONFIG.name]
     if not flag.present:
         workdir = pathlib.Path(_WORKDIR.value).expanduser()
         resumed = phases.resume_config(workdir, config_flags.get_override_values(flag))
-        if resumed is not None:
-            return resumed, ""
+        if resumed is None and (workdir / "checkpoints").is_dir():
+            raise exit_codes.ConfigError(f"--workdir={workdir}: its config.json is missing, though checkpoints/ "
+                                         f"is there; restore the file, or give the --config the run trained with")
+        if resumed is None:  # a mistyped path would otherwise start the default experiment there
+            raise exit_codes.ConfigError(f"--workdir={workdir}: no run to continue there (no config.json); start "
+                                         f"one with --config=EXPERIMENT.py, e.g. --config=experiments/default.py")
+        return resumed, ""
     config = _CONFIG.value
     train_config.pin_layout_if_mesh_given(config, config_flags.get_override_values(flag))
     return config, flag.config_filename
+
+
+def _check_flags() -> None:
+    """The command's own flags, each a one-line error before any device work."""
+    if not _WORKDIR.value.strip():  # '' would train into the current directory
+        raise exit_codes.ConfigError("--workdir='': give the run's directory, e.g. --workdir=runs/mine")
+    if not (math.isfinite(_PEAK_TFLOPS.value) and _PEAK_TFLOPS.value >= 0):
+        raise exit_codes.ConfigError(f"--peak_tflops={_PEAK_TFLOPS.value}: must be a number >= 0 (0: the "
+                                     f"datasheet's or the measured peak)")
+    if _AUDIT.value and _HOSTS.value < 1:
+        raise exit_codes.ConfigError(f"--hosts={_HOSTS.value}: must be >= 1")
+    if _AUDIT.value and not 0 < _AUDIT_MFU.value <= 1:
+        raise exit_codes.ConfigError(f"--audit_mfu={_AUDIT_MFU.value}: must be in (0, 1] (the MFU assumed)")
+    if _AUDIT.value and _TOPOLOGY.value:  # a TopologyError names --topology before the compile, not after it
+        topology_lib.get_topology(_TOPOLOGY.value, hosts=_HOSTS.value)
+    if _CACHE.value and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        check_writable("--compilation_cache", _CACHE.value, "directory", parents=True)
 
 
 def main(argv: list[str]) -> int:
@@ -59,6 +84,7 @@ def main(argv: list[str]) -> int:
     # A save asked for (SIGUSR1, e.g. SLURM's --signal=USR1@N) before the run has started has nothing to save:
     # ignored until the run's own handler (train/loop/preemption.py) replaces this, rather than killing the process.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    _check_flags()
     logging.set_verbosity(logging.WARNING)  # keep the progress line readable
     # Importing jax starts no backend: the XLA flags, device count and cluster below still take effect.
     xla_env.apply()  # GPU XLA flags and memory fraction the user has not set; recorded in config.json

@@ -15,6 +15,7 @@ or failing config file, an unknown flag, a missing required flag, absl's UsageEr
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import re
 import sys
@@ -32,6 +33,13 @@ _CONFIG_FLAGS: list[Any] = []
 def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(exit_codes.USER_ERROR)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the scripts that use it, failing as the commands do: one `error:` line, exit 2, no usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(message)
 
 
 def _last_line(text: str) -> str:
@@ -107,14 +115,31 @@ def parse_flags(argv: list[str]) -> list[str]:
     except flags.Error as e:
         fail(flag_error_message(e))
     except (KeyError, AttributeError) as e:
+        if "has no attribute 'get_config'" in str(e):
+            name, path = _config_file_named(argv)
+            fail(f"--{name}={path}: the file has no get_config(); an experiment file defines get_config() returning "
+                 f"its ConfigDict (see experiments/tiny.py)")
         name = next((n for n, _ in _CONFIG_FLAGS if any(a.lstrip("-").startswith(f"{n}.") for a in argv)), "config")
         fail(key_error_message(name, e, argv))
+    except SyntaxError as e:  # the experiment file is Python the user wrote
+        name, path = _config_file_named(argv)
+        fail(f"--{name}={path}: {type(e).__name__} at line {e.lineno}: {e.msg}")
     for name, holder in _CONFIG_FLAGS:
         try:
             holder.value.keys()  # a config that failed to load raises its stored error on first access
         except OSError as e:
             fail(_config_load_message(name, e))
     return rest
+
+
+def _config_file_named(argv: list[str]) -> tuple[str, str]:
+    """(flag name, file) of the config file flag the command line gives (the first), for a file that fails to load."""
+    for name, _ in _CONFIG_FLAGS:
+        for arg in argv:
+            if arg.lstrip("-").startswith(f"{name}="):
+                return name, arg.split("=", 1)[1]
+    name = _CONFIG_FLAGS[0][0] if _CONFIG_FLAGS else "config"
+    return name, getattr(flags.FLAGS[name], "config_filename", "") if name in flags.FLAGS else ""
 
 
 def adopt_command_flags(main: Callable[..., Any]) -> None:

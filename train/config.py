@@ -107,10 +107,11 @@ def _pipeline(section: Any, model: models.ModelConfig, mesh_sizes: dict[str, int
     return PipelinePlan(name, p, m, v)
 
 
-def _check_settings(config: ml_collections.ConfigDict) -> None:
+def check_settings(config: ml_collections.ConfigDict) -> None:
     """Every declared check of every section (train/sections.py), then the checks across settings."""
     for section in sections.SECTIONS:
         section.check(config[section.KEY])
+    sharding_rules.check_strategy(config.sharding.strategy)  # registered at run time, so no declared choices
     ck = config.checkpoint
     local_dir, every = ck.local_dir, ck.local_every_steps
     if bool(local_dir) != bool(every):
@@ -222,7 +223,7 @@ def _model_values(config: ml_collections.ConfigDict, data: datadir.DataSpec | No
 def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str | None = None) -> Plan:
     """Validate `config` for `num_devices` devices of `platform` (default: this process's first device's);
     raises a UserError (mesh/errors.py) naming the setting."""
-    _check_settings(config)
+    check_settings(config)
     data = datadir.resolve(config.data, config.train.global_batch_size)
     model = models.from_dict(_model_values(config, data))
     if data and data.vocab_size and model.vocab_size < data.vocab_size:

@@ -33,7 +33,9 @@ def _takes(spec: Spec) -> str:
     if spec.allowed:
         return f"{kind}: {spec.allowed}"
     bounds = [f">= {spec.minimum:g}" if spec.minimum is not None else "",
-              f"> {spec.above:g}" if spec.above is not None else ""]
+              f"> {spec.above:g}" if spec.above is not None else "",
+              f"<= {spec.maximum:g}" if spec.maximum is not None else "",
+              f"< {spec.below:g}" if spec.below is not None else ""]
     return " ".join([kind, *filter(None, bounds)])
 
 

@@ -92,7 +92,11 @@ def main(argv: list[str]) -> int:
     cfg, params, step = restore_params(workdir, FLAGS.step)
     if FLAGS.merge_lora:
         cfg, params = merged(cfg, params)
-    write(out, cfg, params, FLAGS.dtype, codec if codec.from_run else None, FLAGS.max_shard_gb * 1e9)
+    try:
+        write(out, cfg, params, FLAGS.dtype, codec if codec.from_run else None, FLAGS.max_shard_gb * 1e9)
+    except OSError as e:  # e.g. a full disk: nothing is left behind (write removes its temporary folder)
+        raise ExportError(f"--out={out}: writing failed ({e.strerror}); free space there or choose another "
+                          f"--out") from None
     print(f"wrote {out} (step {step}, {FLAGS.dtype}, {models.param_count(cfg):,} parameters)")
     return exit_codes.OK
 

@@ -42,21 +42,34 @@ _IMAGE = flags.DEFINE_string("image", "spmdtrain:latest", "With --emit: the cont
 _GPUS = flags.DEFINE_integer("gpus_per_process", 8, "With --emit: GPUs each process (pod) drives.")
 
 
+_SAID_LOCK = threading.Lock()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _forward(stream, prefix: str, out) -> None:
+def _forward(stream, prefix: str, out, said: set[str] | None = None) -> None:
+    """Each line of one process's stream with its [pN] prefix; an `error:` line (every process checks the same
+    settings) is said once, as the command's own line, without a prefix."""
     for line in iter(stream.readline, ""):
+        if said is not None and line.startswith("error: "):
+            with _SAID_LOCK:
+                if line in said:
+                    continue
+                said.add(line)
+            out.write(line)
+            out.flush()
+            continue
         out.write(f"{prefix}{line}")
         out.flush()
 
 
 def start(num_processes: int, num_cpu_devices: int, train_args: list[str]) -> list[subprocess.Popen]:
     address = f"127.0.0.1:{free_port()}"
-    procs = []
+    procs, said = [], set()
     for i in range(num_processes):
         cmd = [sys.executable, "-m", "train", *train_args, f"--coordinator_address={address}",
                f"--num_processes={num_processes}", f"--process_id={i}", f"--num_cpu_devices={num_cpu_devices}"]
@@ -64,8 +77,8 @@ def start(num_processes: int, num_cpu_devices: int, train_args: list[str]) -> li
         # not also directly (a second SIGINT would abort it before its preemption save).
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
                                 start_new_session=True)
-        for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            threading.Thread(target=_forward, args=(stream, f"[p{i}] ", out), daemon=True).start()
+        for stream, out, seen in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, said)):
+            threading.Thread(target=_forward, args=(stream, f"[p{i}] ", out, seen), daemon=True).start()
         procs.append(proc)
     return procs
 

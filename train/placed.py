@@ -126,7 +126,8 @@ def restore(placed: Placed, workdir: pathlib.Path, step: int | None = None, lora
     from its checkpoint.restore_from, its adapters kept (`lora="keep"`) or merged into the base ("merge")."""
     assert lora in LORA_CHOICES, lora
     source, step, spec = run_config.run_checkpoints(workdir, step)
-    got = checkpoint.restore_source(source, step, ckpt_format.params_target(placed), True, spec)
+    got = checkpoint.restore_source(source, step, ckpt_format.params_target(placed), True, spec,
+                                    named=(f"--workdir={workdir}", "give an older one with --step=N"))
     params = ckpt_format.params_from_tree(placed, got.tree["params"], lora_base.for_placed(placed))
     placed = dataclasses.replace(placed, params=placed.from_logical(params), step=step)
     return merged(placed) if lora == "merge" else placed

@@ -60,7 +60,8 @@ class TrainSection(Section):
     KEY: ClassVar[str] = "train"
     steps: int = setting(100, "optimizer steps of the run", above=0)
     global_batch_size: int = setting(16, "rows per optimizer step, over every device", above=0)
-    seed: int = setting(0, "the seed of the initial parameters and of the data order")
+    seed: int = setting(0, "the seed of the initial parameters and of the data order", minimum=0, whole=True,
+                        error="use a whole number >= 0")
     log_every: int = setting(10, "steps between metric lines", above=0)
     eval_every: int = setting(50, "steps between evaluations; 0: only at the end", minimum=0, error=_OFF)
     eval_batches: int = setting(4, "held-out batches per evaluation; 0: no evaluation", minimum=0, error=_OFF)
@@ -84,11 +85,12 @@ class OptimizerSection(Section):
     lr: float = setting(3e-3, "the peak learning rate", above=0)
     warmup_steps: int = setting(10, "steps of linear warmup from 0", minimum=0, error=_OFF)
     decay_steps: int = setting(0, "the length of the cosine schedule; 0: train.steps", minimum=0, error=_OFF)
-    min_lr_ratio: float = setting(0.1, "the learning rate at the end of the decay, as a fraction of lr")
-    weight_decay: float = setting(0.1, "AdamW's decoupled weight decay")
-    b1: float = setting(0.9, "Adam's first-moment decay")
-    b2: float = setting(0.95, "Adam's second-moment decay")
-    eps: float = setting(1e-8, "Adam's epsilon")
+    min_lr_ratio: float = setting(0.1, "the learning rate at the end of the decay, as a fraction of lr", minimum=0,
+                                  maximum=1, error="use a fraction in [0, 1] of optimizer.lr")
+    weight_decay: float = setting(0.1, "AdamW's decoupled weight decay", minimum=0)
+    b1: float = setting(0.9, "Adam's first-moment decay", minimum=0, below=1, error="use a decay in [0, 1)")
+    b2: float = setting(0.95, "Adam's second-moment decay", minimum=0, below=1, error="use a decay in [0, 1)")
+    eps: float = setting(1e-8, "Adam's epsilon", above=0)
     clip_norm: float = setting(1.0, "the global gradient norm clipped to; 0: no clipping", minimum=0, error=_OFF)
 
 
@@ -103,7 +105,8 @@ class DataSection(Section):
                         "DIR_A:0.7,DIR_B:0.3, or a flat train.bin")
     token_dtype: str = setting("uint16", "the dtype of a flat train.bin (a DATADIR's meta.json says its own)",
                                choices=datadir.DTYPES, error="use uint16 or uint32")
-    eval_percent: int = setting(5, "percent held out for evaluation where the data has no val split")
+    eval_percent: int = setting(5, "percent held out for evaluation where the data has no val split", minimum=0,
+                                below=100, error="use a percentage in [0, 100) of the data held out for evaluation")
     cache_dir: str = setting("", "where the text source caches its tokens; '': ~/.cache/spmdtrain")
     order: str = setting("epochs", "epochs: each window once per epoch; random: windows drawn with replacement",
                          choices=datadir.ORDERS, error="use epochs (each window once per epoch) or random")

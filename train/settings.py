@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import Any, Callable, ClassVar
 
 from ml_collections import config_dict
@@ -22,6 +23,8 @@ class Spec:
     choices: tuple | None = None  # checked: the value must be one of them
     minimum: float | None = None  # checked: value >= minimum
     above: float | None = None    # checked: value > above
+    maximum: float | None = None  # checked: value <= maximum
+    below: float | None = None    # checked: value < below
     whole: bool = False           # checked: an int (not a bool)
     error: str | None = None      # the message after `section.key=value: `, where the usual one does not fit
     kind: type | None = None      # the config type when the default does not show it (a None placeholder)
@@ -34,7 +37,7 @@ class Spec:
 
     @property
     def checked(self) -> bool:
-        numeric = self.minimum is not None or self.above is not None or self.whole
+        numeric = self.whole or any(b is not None for b in (self.minimum, self.above, self.maximum, self.below))
         return bool(self.choices or numeric or self.error or self.type is bool)
 
     def message(self) -> str:
@@ -56,10 +59,12 @@ class Spec:
             return isinstance(value, self.type)
         if self.whole and (not isinstance(value, int) or isinstance(value, bool)):
             return False
-        if not isinstance(value, (int, float)):
+        if not isinstance(value, (int, float)) or not math.isfinite(value):  # nan passes every comparison
             return False
         return not ((self.minimum is not None and value < self.minimum) or
-                    (self.above is not None and value <= self.above))
+                    (self.above is not None and value <= self.above) or
+                    (self.maximum is not None and value > self.maximum) or
+                    (self.below is not None and value >= self.below))
 
     def convert(self, value: Any) -> Any:
         if self.parse is not None:
@@ -68,8 +73,8 @@ class Spec:
 
 
 def setting(default: Any, help: str, **spec: Any) -> Any:
-    """A dataclass field declaring one setting (Spec's keywords: choices, minimum, above, whole, error, kind,
-    allowed, parse); the field's own default is the Plan's value of the config default."""
+    """A dataclass field declaring one setting (Spec's keywords: choices, minimum, above, maximum, below, whole,
+    error, kind, allowed, parse); the field's own default is the Plan's value of the config default."""
     s = Spec(default, help, **spec)
     if isinstance(default, dict):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata={_SPEC: s})
@@ -102,7 +107,9 @@ class Section:
         for name, s in cls.specs().items():
             value = values.get(name, s.default)
             if s.checked and not s.accepts(value):
-                raise ConfigError(f"{cls.KEY}.{name}={value!r}: {s.message()}")
+                infinite = isinstance(value, float) and not math.isfinite(value) and not s.choices
+                message = "must be a finite number" if infinite else s.message()
+                raise ConfigError(f"{cls.KEY}.{name}={value!r}: {message}")
 
     @classmethod
     def from_config(cls, values: Any, **extra: Any) -> Any:

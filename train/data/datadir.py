@@ -93,8 +93,10 @@ def _source(where: str, weight: float, setting: str, name: str) -> SourceSpec:
                 if not mask.is_file():
                     raise DataConfigError(f"{setting}: {mask} is missing; run train.prepare again with --overwrite")
                 _check_size(mask, "uint8", setting, meta.get(split, {}).get("tokens"))
-        if (p / tokenizer.FILE).is_file():
-            _check_tokenizer(p / tokenizer.FILE, setting)
+        if not (p / tokenizer.FILE).is_file():  # the run copies it beside its checkpoints
+            raise DataConfigError(f"{setting}: {p / tokenizer.FILE} is missing; run train.prepare again with "
+                                  f"--overwrite")
+        _check_tokenizer(p / tokenizer.FILE, setting)
         return SourceSpec(name, p / "train.bin", p / "val.bin", weight, meta)
     if p.is_file():
         sibling = p.with_name("val.bin")

@@ -204,12 +204,15 @@ def load(data_cfg: Any, vocab_size: int, length: int, spec: datadir.DataSpec | N
         spec = spec or datadir.resolve(data_cfg, None)
         streams = tuple(_open_stream(s, spec.dtype, data_cfg.eval_percent) for s in spec.sources)
         cumulative = order_lib.integer_weights([s.weight for s in spec.sources])
+    # What sizes the held-out split: a DATADIR's val.bin comes from train.prepare, else data.eval_percent cuts it.
+    val_files = data_cfg.source == "tokens" and all(s.val is not None for s in spec.sources)
+    held_setting = "train.prepare --val_percent" if val_files else "data.eval_percent"
     for stream in streams:
         for split, arr in (("training", stream.train), ("held-out", stream.eval)):
             if len(arr) <= length:
                 raise ConfigError(f"data.path={data_cfg.path!r}: the {split} split of {stream.name} has {len(arr)} "
                                   f"tokens, fewer than one row of {length}; use more data (or a larger "
-                                  f"--val_percent) or a shorter model.seq_len")
+                                  f"{held_setting}) or a shorter model.seq_len")
         if data_cfg.source == "tokens":
             top = max(largest_id(stream.train), largest_id(stream.eval))
             if top >= vocab_size:

@@ -186,7 +186,8 @@ class Progress:
     """One stderr line: documents/s, tokens/s, MB done and an ETA from the input bytes left."""
 
     def __init__(self, total_bytes: int):
-        self.total, self.t0, self.shown = total_bytes, time.perf_counter(), 0.0
+        self.total, self.t0 = total_bytes, time.perf_counter()
+        self.shown = self.t0  # the first line after 0.5 s: a small input that fails prints only its error
         self.docs = self.tokens = self.bytes = 0
 
     def add(self, docs: int, tokens: int, nbytes: int) -> None:
@@ -244,7 +245,10 @@ def _check_out(out: pathlib.Path, inputs: list[dict], recipe: dict, overwrite: b
         if not overwrite:
             raise PrepareError(f"--out={out} holds data prepared {_difference(meta, inputs, recipe)}; pass "
                                f"--overwrite to replace it, or choose another --out")
-    elif out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if overwrite:  # --overwrite replaces a DATADIR, never a folder of the user's own files
+            raise PrepareError(f"--out={out} exists and is not a prepared DATADIR (no meta.json), so --overwrite "
+                               f"does not replace it; choose an empty or new directory")
         raise PrepareError(f"--out={out} exists and is not a prepared DATADIR; choose an empty or new "
                            f"directory (or pass --overwrite)")
     return False
@@ -259,6 +263,8 @@ def prepare(inputs: list[str], out: str, spec: str, *, text_field: str = "text",
         raise PrepareError(f"--val_percent={val_percent}: use a percentage in [0, 100)")
     if num_workers < 1:
         raise PrepareError(f"--num_workers={num_workers}: use 1 or more")
+    if spec.startswith("train-bpe:") and not bpe_sample_mb > 0:
+        raise PrepareError(f"--bpe_sample_mb={bpe_sample_mb}: must be > 0 (the MB of text the BPE trains on)")
     if text_split not in corpus.TEXT_SPLITS:
         raise PrepareError(f"--text_split={text_split}: use one of {', '.join(corpus.TEXT_SPLITS)}")
     files = corpus.inputs(inputs)
@@ -310,11 +316,11 @@ def _write(staging: pathlib.Path, files, listed, recipe, text_field, val_percent
     init = (tok.to_str(), eos, bos, val_percent, dtype, recipe["tokenizer"] == "bytes", renderer is not None)
     docs = _chunks(files, renderer.documents if renderer else docs_of)
     counts, nearest = _stream(staging, _encoded(docs, num_workers, init), progress)
-    progress.show(final=True)
     if renderer is not None:
         chat.check_skipped(renderer.counts, max_skipped_percent)
     if counts["train"]["tokens"] == 0:
         raise CorpusError(f"--input: the corpus has no training documents ({len(files)} files); add text")
+    progress.show(final=True)  # after the checks: a failed preparation ends on its error line alone
     if val_percent > 0 and counts["val"]["documents"] == 0:
         _fill_val(staging, counts, nearest, dtype, val_percent)
     tok.save(str(staging / tok_lib.FILE))

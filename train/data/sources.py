@@ -8,6 +8,8 @@ import bz2
 import dataclasses
 import gzip
 import hashlib
+import importlib
+import importlib.util
 import io
 import lzma
 import pathlib
@@ -126,8 +128,9 @@ def open_bytes(item: Input) -> IO[bytes]:
 
 
 def read_errors() -> tuple[type[BaseException], ...]:
-    """What a damaged compressed stream raises while it is read."""
-    return (OSError, EOFError, lzma.LZMAError, ValueError)
+    """What a damaged compressed stream raises while it is read (zstandard's own error where it is installed)."""
+    zstd = (importlib.import_module("zstandard").ZstdError,) if importlib.util.find_spec("zstandard") else ()
+    return (OSError, EOFError, lzma.LZMAError, ValueError, *zstd)
 
 
 def _dataset_parts(spec: str) -> tuple[str, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-from mesh.errors import UserError
+from mesh.errors import UserError, check_writable
 
 
 class EvalError(UserError):
@@ -39,6 +39,10 @@ def check(options: Options) -> None:
                                   ("batch_size", options.batch_size, options.batch_size >= 1, ">= 1")):
         if not ok:
             raise EvalError(f"--{name}={value}: must be {rule}")
+    if options.json_path is not None:  # before the tasks run, not after
+        check_writable("--json", options.json_path)
+    if options.workdir.is_dir():  # where DIR/eval/step_N.json goes (a missing run is named by the run's checks)
+        check_writable("--workdir", str(options.workdir / "eval"), "directory", parents=True)
     if options.include_path is not None and not pathlib.Path(options.include_path).expanduser().exists():
         raise EvalError(f"--include_path={options.include_path}: no such file or directory; give a folder of task "
                         f"YAML files (or one YAML file)")

@@ -88,6 +88,9 @@ def sample(workdir: pathlib.Path, step: int | None, request: Request, mesh: dict
         placed = placed_lib.restore(placed, workdir, step)
         return held_out(plan, placed, source, request.eval_batches)
     prompt = prompt_lib.prompt_tokens(plan.model.vocab_size, codec, request.prompt, request.prompt_tokens)
+    if len(prompt) > plan.model.seq_len:  # before the checkpoint is read
+        raise ConfigError(f"--prompt: {len(prompt)} tokens, longer than the {plan.model.seq_len} the model was "
+                          f"trained on (model.seq_len); shorten it")
     placed = placed_lib.restore(placed, workdir, step)
     gen = generate.Generator(placed.model, request.sampling, placed.layout.constrain(), placed.mesh)
     new, _ = gen(placed.params, np.asarray([prompt]), request.max_new)

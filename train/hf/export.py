@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import shutil
+import tempfile
 
 import jax
 import ml_dtypes
@@ -46,15 +48,26 @@ def used_vocabulary(cfg, params):
 
 
 def write(out: pathlib.Path, cfg, params, dtype: str, codec=None, max_shard_bytes: float = 5e9) -> None:
-    """Write HFDIR (through a temporary sibling, renamed at the end). `codec` is the run's
-    train.tokenizer.Codec, or None for a byte-level run (no tokenizer, no bos/eos ids)."""
+    """Write HFDIR (through a temporary sibling of a name no user folder can have, renamed at the end; removed
+    when writing fails). `codec` is the run's train.tokenizer.Codec, or None for a byte-level run (no tokenizer,
+    no bos/eos ids)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would make the exported folder private
+        _write_files(tmp, cfg, params, dtype, codec, max_shard_bytes)
+        if out.exists():
+            out.rmdir()  # empty (checked before any work)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_files(tmp: pathlib.Path, cfg, params, dtype: str, codec, max_shard_bytes: float) -> None:
     adapter = models.family_of(cfg).hf
     params = used_vocabulary(cfg, params)
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
     tensors = {k: v.astype(np_dtype) for k, v in adapter.to_hf(params, cfg).items()}
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     shards = _shards(tensors, max_shard_bytes)
     if len(shards) == 1:
         safetensors_io.write(tmp / "model.safetensors", tensors)
@@ -73,9 +86,6 @@ def write(out: pathlib.Path, cfg, params, dtype: str, codec=None, max_shard_byte
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if codec is not None:
         write_tokenizer(tmp, codec)
-    if out.exists():
-        out.rmdir()  # empty (checked before any work)
-    tmp.rename(out)
 
 
 def write_tokenizer(directory: pathlib.Path, codec) -> None:

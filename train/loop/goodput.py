@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import pathlib
+import sys
 import time
 from typing import Any
 
@@ -26,13 +27,27 @@ def process_start_time() -> float:
         return time.time()
 
 
+def earlier_attempts(path: pathlib.Path) -> list[dict[str, Any]]:
+    """The attempts goodput.json records; a damaged file is a record lost, never a reason to stop the run."""
+    if not path.exists():
+        return []
+    try:
+        attempts = json.loads(path.read_text()).get("attempts", [])
+        if isinstance(attempts, list) and all(isinstance(a, dict) for a in attempts):
+            return attempts
+    except (OSError, ValueError, AttributeError):
+        pass
+    print(f"warning: {path} is damaged; its earlier attempts are left out of the goodput, which starts anew "
+          f"with this one", file=sys.stderr, flush=True)
+    return []
+
+
 class Goodput:
     def __init__(self, workdir: pathlib.Path, enabled: bool = True):
         self.path = workdir / "goodput.json"
         self.enabled = enabled
         self.started = process_start_time()
-        previous = json.loads(self.path.read_text()) if self.path.exists() else {}
-        self.attempts: list[dict[str, Any]] = previous.get("attempts", [])
+        self.attempts: list[dict[str, Any]] = earlier_attempts(self.path)
         # Steps an earlier attempt completed: running them again is recomputation.
         self.done_before = max([a.get("last_step") or 0 for a in self.attempts], default=0)
         self.now: dict[str, Any] = {

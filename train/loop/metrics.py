@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import netrc
 import os
 import pathlib
 import sys
@@ -13,6 +14,7 @@ from typing import Any
 
 import jax
 
+from train.exit_codes import ConfigError
 from train.runtime import extras
 
 
@@ -54,6 +56,29 @@ class TensorBoard:
 
     def close(self) -> None:
         self._tb.close()
+
+
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run")
+
+
+def check_wandb() -> None:
+    """train.loggers=wandb can start: the package, a WANDB_MODE W&B knows, and (online) an API key in
+    WANDB_API_KEY or ~/.netrc (what `wandb login` writes); else one line before any work."""
+    extras.check("wandb", "train.loggers=wandb")
+    mode = os.environ.get("WANDB_MODE", "").strip().lower()
+    if mode and mode not in WANDB_MODES:
+        raise ConfigError(f"WANDB_MODE={os.environ['WANDB_MODE']}: use online, offline or disabled "
+                          f"(train.loggers=wandb)")
+    if mode not in ("", "online", "run") or os.environ.get("WANDB_API_KEY"):
+        return
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    try:
+        known = netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        known = False
+    if not known:
+        raise ConfigError(f"train.loggers=wandb: no W&B API key (WANDB_API_KEY, or ~/.netrc for {host}); run "
+                          f"`wandb login`, or set WANDB_MODE=offline to keep the run on disk")
 
 
 class WandB:

@@ -1,7 +1,8 @@
 """A run across phases. `config.json` records the config a run trains with; `python -m train --workdir=DIR` alone
 continues from it with every override it had. A later phase may change the settings of PHASE_SETTINGS (how long,
 how often, where the data and the layout are): they are taken and recorded in config.json's `history`; any other
-change (the model, the optimizer, the seed, the batch, what the data is) is refused, naming the setting."""
+change (the model, the optimizer, the seed, the batch, what the data is) is refused, naming the setting, once
+the run has saved a checkpoint (before that, nothing trained with the old value lives on)."""
 from __future__ import annotations
 
 import datetime
@@ -59,13 +60,16 @@ def read(workdir: pathlib.Path) -> dict[str, Any] | None:
     return saved
 
 
-def changes(saved: dict[str, Any], config: dict[str, Any], workdir: pathlib.Path) -> dict[str, list[Any]]:
+def changes(saved: dict[str, Any], config: dict[str, Any], workdir: pathlib.Path,
+            saved_state: bool = True) -> dict[str, list[Any]]:
     """{key: [before, now]} of the settings this phase changes; a change PHASE_SETTINGS does not allow is a
-    ConfigError naming it. A key the saved config lacks (added to the project since) is no change."""
+    ConfigError naming it, unless the run never saved a checkpoint (`saved_state` False: nothing trained with the
+    old value lives on, so a corrected setting is taken). A key the saved config lacks (added to the project
+    since) is no change."""
     before, now = _flat(_comparable(saved)), _flat(_comparable(config))
     changed = {k: [before[k], v] for k, v in now.items() if k in before and before[k] != v}
     for key, (old, new) in changed.items():
-        if not may_change(key):
+        if saved_state and not may_change(key):
             raise ConfigError(f"{key}={new!r}: the run in {workdir} trains with {key}={old!r}, and that cannot "
                               f"change between phases (steps, cadences, loggers, actions, data.path and the layout "
                               f"can); set it back, or use a new --workdir")

@@ -28,14 +28,14 @@ from train.loop import phases, preemption, resume
 from train.loop.builtin import say
 from train.loop.goodput import Goodput
 from train.loop.info import Services
-from train.loop.metrics import MetricsLog
+from train.loop.metrics import MetricsLog, check_wandb
 from train.loop.saver import Saver
 from train.loop.scheduler import Outcome, Scheduler
 from train.loop.watchdog import Watchdog
 from train.planner import audit as audit_lib
 from train.planner import auto as planner_auto
 from train.planner import compile_report as report_lib
-from train.runtime import extras, hardware, versions, xla_env
+from train.runtime import hardware, versions, xla_env
 from train.runtime.hardware import GiB
 from train.runtime.lock import WorkdirLock
 from train.trainer import Trainer
@@ -96,7 +96,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
     config, planned = planner_auto.apply(config, jax.device_count(), phases.read(pathlib.Path(workdir).expanduser()))
     actions_lib.check_names(config.train)
     if "wandb" in actions_lib.names(config.train.loggers):
-        extras.check("wandb", "train.loggers=wandb")
+        check_wandb()
     trainer = Trainer.build(config)  # every user error is raised here, before the workdir is touched
     with claimed(workdir) as path:  # created if needed and locked; nothing in it is touched yet
         changed = {}
@@ -135,13 +135,16 @@ def claimed(workdir: str):
         yield path
     except UserError:
         lock.release()
-        saved = (path / "checkpoints").is_dir() and any(p.name.isdigit() for p in (path / "checkpoints").iterdir())
         logged = (path / "metrics.jsonl").is_file() and (path / "metrics.jsonl").stat().st_size > 0
-        if created and not saved and not logged and jax.process_index() == 0:
+        if created and not _saved_a_checkpoint(path) and not logged and jax.process_index() == 0:
             shutil.rmtree(path, ignore_errors=True)  # everything in it was written by this start
         raise
     finally:
         lock.release()
+
+
+def _saved_a_checkpoint(path: pathlib.Path) -> bool:
+    return (path / "checkpoints").is_dir() and any(p.name.isdigit() for p in (path / "checkpoints").iterdir())
 
 
 def _phase_changes(trainer: Trainer, path: pathlib.Path) -> dict[str, list[Any]]:
@@ -149,7 +152,7 @@ def _phase_changes(trainer: Trainer, path: pathlib.Path) -> dict[str, list[Any]]
     saved = phases.read(path)
     if saved is None:
         return {}
-    changed = phases.changes(saved["config"], trainer.config.to_dict(), path)
+    changed = phases.changes(saved["config"], trainer.config.to_dict(), path, _saved_a_checkpoint(path))
     if changed:
         say("this phase changes " + "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items()))
     return changed

@@ -11,6 +11,7 @@ import ml_collections
 import models
 from mesh import chips
 from mesh import topology as topology_lib
+from train import config as config_lib
 from train.planner import report, search
 from train.planner.candidate import Prediction
 from train.runtime import hardware
@@ -63,6 +64,7 @@ def apply(config: ml_collections.ConfigDict, num_devices: int,
     the layout it saved (a re-measured CPU peak could otherwise flip two near-equal candidates)."""
     if not config.get("plan", {}).get("auto", False):
         return config, None
+    config_lib.check_settings(config)  # the user's own values first: the planner's choice replaces some of them
     record = (previous or {}).get("plan")
     if record and record["devices"] == num_devices and record["fixed"] == config.plan.fixed:
         if jax.process_index() == 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 
 from absl import app, flags
@@ -38,9 +39,19 @@ _DONATED = flags.DEFINE_boolean("donated", True, "The step donates its state (ac
 HOST_COPY_GBPS = 1.5
 
 
+def _check_numbers() -> None:
+    """The table's length and the cadence's inputs, each a one-line error before the search."""
+    if _TOP.value < 1:
+        raise search.PlanError(f"--top={_TOP.value}: must be >= 1 (rows of the ranked table)")
+    for flag, why in ((_MTBF, "0: no cadence"), (_RESTART, "seconds"), (_SAVE, "0: predict from the state size")):
+        if not (math.isfinite(flag.value) and flag.value >= 0):
+            raise search.PlanError(f"--{flag.name}={flag.value}: must be a number >= 0 ({why})")
+
+
 def _plan(config) -> int:
     if _HOSTS.value < 1:
         raise search.PlanError(f"--hosts={_HOSTS.value}: must be >= 1")
+    _check_numbers()
     if _JSON.value:
         check_writable("--json", _JSON.value)  # before the search, not after it
     topo = topology_lib.get_topology(_TOPOLOGY.value, hosts=_HOSTS.value)

@@ -2,6 +2,7 @@
 the runner-up, the flags that run it, and the checkpoint cadence."""
 from __future__ import annotations
 
+import pathlib
 import shlex
 from typing import Any, Mapping
 
@@ -34,9 +35,11 @@ def table(ranked: list[Prediction], top: int) -> str:
 
 def run_line(config_file: str, overrides: Mapping[str, Any], best: Prediction, auto: bool) -> str:
     """`python -m train` with the user's --config file and own overrides (those the layout does not set), then
-    the chosen layout's (and plan.auto off if the file turns it on), shell-quoted, so the line runs as printed."""
+    the chosen layout's (and plan.auto off if the file turns it on), and a --workdir named after the file,
+    shell-quoted, so the line runs as printed."""
     own = [f"--config.{k}={v}" for k, v in overrides.items() if not k.startswith(LAYOUT_KEYS)]
-    words = ["python", "-m", "train", f"--config={config_file}", *own, *best.candidate.overrides()]
+    workdir = f"--workdir=runs/{pathlib.Path(config_file.split(':', 1)[0]).stem}"
+    words = ["python", "-m", "train", f"--config={config_file}", *own, *best.candidate.overrides(), workdir]
     return "run it: " + " ".join(shlex.quote(w) for w in words + ["--config.plan.auto=False"] * auto)
 
 

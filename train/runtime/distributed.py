@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
+import time
 
 import jax
 
@@ -55,11 +57,55 @@ def detect(coordinator_address: str = "", num_processes: int = 1, process_id: in
     return None
 
 
+def _host_port(address: str, setting: str) -> tuple[str, int]:
+    """(host, port) of a HOST:PORT, else a one-line error naming `setting`."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ClusterError(f"{setting}={address!r}: give HOST:PORT (process 0's host and a free port), e.g. "
+                           f"10.0.0.1:1234")
+    return host.strip("[]"), int(port)
+
+
+def _wait_for_coordinator(cluster: Cluster, timeout_s: int) -> None:
+    """Within --init_timeout_s the coordinator's host must resolve (a pod's DNS name may appear late, so it is
+    retried), and a process other than 0 must reach process 0's coordinator over TCP: either failing is a line
+    naming the address, where JAX would abort the process (a core dump) once its own timeout ran out."""
+    setting = "--coordinator_address" if cluster.method == "flags" else "JAX_COORDINATOR_ADDRESS"
+    address = cluster.coordinator_address
+    host, port = _host_port(address, setting)
+    deadline, why = time.monotonic() + timeout_s, None
+    while True:
+        try:
+            socket.getaddrinfo(host, port)
+            why = None
+            if cluster.process_id == 0:
+                return
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except socket.gaierror as e:
+            why = e.strerror or str(e)
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            if why:
+                raise ClusterError(f"{setting}={address!r}: the host {host!r} does not resolve ({why}); give "
+                                   f"process 0's host name or address")
+            raise ClusterError(f"{setting}={address!r}: process 0's coordinator did not answer within "
+                               f"--init_timeout_s={timeout_s}; start process 0 there, or fix the address or port")
+        time.sleep(0.5)
+
+
 def initialize(cluster: Cluster | None, *, init_timeout_s: int, heartbeat_timeout_s: int,
                shutdown_timeout_s: int) -> None:
     """Join the cluster (before any JAX backend use). CPU processes talk over gloo."""
     if cluster is None:
         return
+    for name, value in (("--init_timeout_s", init_timeout_s), ("--heartbeat_timeout_s", heartbeat_timeout_s),
+                        ("--shutdown_timeout_s", shutdown_timeout_s)):
+        if value < 1:
+            raise ClusterError(f"{name}={value}: must be >= 1 (seconds)")
+    if cluster.coordinator_address is not None:
+        _wait_for_coordinator(cluster, init_timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=cluster.coordinator_address, num_processes=cluster.num_processes,
