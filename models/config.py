@@ -25,7 +25,7 @@ def described(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
-def check_common(cfg: Any, positive: tuple[str, ...]) -> None:
+def check_common(cfg: SharedFields, positive: tuple[str, ...]) -> None:
     """Checks every family shares: positive sizes, dtypes, remat policy, an even head dimension."""
     for key in positive:
         if getattr(cfg, key) < 1:
@@ -55,7 +55,7 @@ def check_common(cfg: Any, positive: tuple[str, ...]) -> None:
     check_lora(cfg)
 
 
-def check_moe(cfg: Any) -> None:
+def check_moe(cfg: SharedFields) -> None:
     """The mixture-of-experts settings (models/moe.py); n_experts 0 is a dense model and ignores the rest."""
     if not isinstance(cfg.n_experts, int) or cfg.n_experts < 0:
         raise ModelConfigError(f"model.n_experts={cfg.n_experts!r}: an integer >= 0 (0: a dense model)")
@@ -74,7 +74,7 @@ def check_moe(cfg: Any) -> None:
             raise ModelConfigError(f"model.{key}={getattr(cfg, key)!r}: a number >= 0 (0: not in the objective)")
 
 
-def check_lora(cfg: Any) -> None:
+def check_lora(cfg: SharedFields) -> None:
     """The low-rank adapter settings (models/lora.py); lora_rank 0 trains every weight and ignores alpha."""
     rank = cfg.lora_rank
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:

@@ -20,7 +20,7 @@ from flax import nnx
 
 from models import contract, gpt_hf, lm_loss, lora, moe
 from models.attention import attend_cached
-from models.config import ModelConfigError
+from models.config import ModelConfigError, SharedFields
 from models.contract import Constrain, Params, no_constraint
 from models.gpt_config import GPT_PRESETS, GPTConfig
 from models.layers import (
@@ -134,24 +134,24 @@ def abstract_params(cfg: GPTConfig) -> tuple[Params, dict]:
 
 # ----------------------------------------------------------------------------- the forward pass
 
-def weight(p: Params, name: str, cfg: Any, constrain: Constrain, axes: dict | None = None) -> jax.Array:
+def weight(p: Params, name: str, cfg: SharedFields, constrain: Constrain, axes: dict | None = None) -> jax.Array:
     """One layer's matrix `name` in the compute dtype, as the layout's hooks hand it to its matmul."""
     return constrain.weight(p[name], (axes or AXES)[name]).astype(jnp.dtype(cfg.compute_dtype))
 
 
-def biased(y: jax.Array, p: Params, name: str, cfg: Any) -> jax.Array:
+def biased(y: jax.Array, p: Params, name: str, cfg: GPTConfig) -> jax.Array:
     """`y` plus the bias `name` (broadcast over its leading dimensions) when the layer has one."""
     return y + p[name].astype(y.dtype) if name in p else y
 
 
-def norm(x: jax.Array, p: Params, name: str, cfg: Any) -> jax.Array:
+def norm(x: jax.Array, p: Params, name: str, cfg: GPTConfig) -> jax.Array:
     """The norm `name` of `x`: RMSNorm, or LayerNorm (with its `<name>_bias`) under model.norm=layernorm."""
     if getattr(cfg, "norm", "rmsnorm") == "layernorm":
         return layer_norm(x, p[name], p[name + "_bias"], cfg.norm_eps)
     return rms_norm(x, p[name], cfg.norm_eps)
 
 
-def gelu(x: jax.Array, cfg: Any) -> jax.Array:
+def gelu(x: jax.Array, cfg: GPTConfig) -> jax.Array:
     """GELU, tanh-approximated (GPT-2's gelu_new) unless model.activation=gelu."""
     return jax.nn.gelu(x, approximate=getattr(cfg, "activation", "gelu_tanh") != "gelu")
 

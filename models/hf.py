@@ -8,6 +8,8 @@ from typing import Any, Mapping, Protocol
 
 import numpy as np
 
+from models.protocols import ModelConfig
+
 Params = dict[str, Any]  # our parameters as numpy, the layer stack in logical order (models/contract.py)
 HFConfig = Mapping[str, Any]  # a config.json as a dict
 Index = tuple | None  # a block of one of our leaves (a tuple of slices), or None for all of it
@@ -25,32 +27,32 @@ class FieldsFromHF(Protocol):
 
 
 class ToHFConfig(Protocol):
-    def __call__(self, cfg: Any, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    def __call__(self, cfg: ModelConfig, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
         """config.json for our config `cfg`, its tensors in `dtype`."""
 
 
 class HFShapes(Protocol):
-    def __call__(self, cfg: Any) -> dict[str, tuple[int, ...]]:
+    def __call__(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         """Every tensor name a checkpoint of `cfg` holds, with its shape."""
 
 
 class ToHF(Protocol):
-    def __call__(self, params: Params, cfg: Any) -> dict[str, np.ndarray]:
+    def __call__(self, params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
         """Our params -> HF tensors by name, C-contiguous."""
 
 
 class LayerFromHF(Protocol):
-    def __call__(self, read: Read, key: str, i: int, cfg: Any, index: Index = None) -> np.ndarray:
+    def __call__(self, read: Read, key: str, i: int, cfg: ModelConfig, index: Index = None) -> np.ndarray:
         """Our per-layer leaf `key` of layer i (or its block `index`), reading only the rows that block needs."""
 
 
 class TopFromHF(Protocol):
-    def __call__(self, read: Read, key: str, cfg: Any, index: Index = None) -> np.ndarray:
+    def __call__(self, read: Read, key: str, cfg: ModelConfig, index: Index = None) -> np.ndarray:
         """Our leaf `key` outside the layer stack (or its block `index`)."""
 
 
 class Unsupported(Protocol):
-    def __call__(self, cfg: Any) -> str | None:
+    def __call__(self, cfg: ModelConfig) -> str | None:
         """Why `cfg` has no Hugging Face form (a phrase naming the setting and its fix), or None when it has."""
 
 
@@ -63,7 +65,7 @@ def same_name(name: str) -> str:
     return name
 
 
-def always_supported(cfg: Any) -> str | None:
+def always_supported(cfg: ModelConfig) -> str | None:
     return None
 
 

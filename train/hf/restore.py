@@ -69,7 +69,7 @@ def check(spec: str, placed: Any, workdir: pathlib.Path | None = None) -> dict[s
     return check_model(spec, placed.model, workdir)
 
 
-def check_model(spec: str, cfg: Any, workdir: pathlib.Path | None = None) -> dict[str, np.ndarray]:
+def check_model(spec: str, cfg: models.ModelConfig, workdir: pathlib.Path | None = None) -> dict[str, np.ndarray]:
     """`check` for a model config (an export merging a LoRA run's base has no Trainer)."""
     hf, tensors = open_tensors(spec)
     family = hf_model.family_of_hf(spec, hf)
@@ -107,7 +107,7 @@ def load_params(spec: str, placed: Any) -> Any:
     return read_params(spec, placed.model, placed.abstract_params, placed.layer_order)
 
 
-def read_params(spec: str, cfg: Any, target: Any, order: np.ndarray | None = None) -> Any:
+def read_params(spec: str, cfg: models.ModelConfig, target: Any, order: np.ndarray | None = None) -> Any:
     """The leaves of `target` (ShapeDtypeStructs with shardings, named as params are) from HFDIR, the layer
     stack in `order` (None: logical order), each device reading only its slices."""
     tensors = check_model(spec, cfg)
