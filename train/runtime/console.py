@@ -9,7 +9,8 @@ and, because a native abort leaves Python no chance to speak, turns a fatal nati
 heartbeats, a failed check) into one `error:` line on the console. A separate process, not a thread: it outlives an
 abort of the training process and drains the pipe.
 
-Run as a script (`python -I -S console.py LOG PROCESS`) this file is the relay; it imports only the standard library.
+Run as a script (`python -I -S console.py LOG PROCESS`: stdin the pipe, stdout the log) this file is the relay; it
+imports only the standard library.
 """
 from __future__ import annotations
 
@@ -108,21 +109,22 @@ class Relay:
 
 
 def relay(log: str, process: int) -> None:
-    """Copy stdin to `log` until every writer has closed it, printing the fatal lines' translations on stdout."""
+    """Copy stdin to stdout (the log `log`, opened by the training process) until every writer has closed it,
+    printing the fatal lines' translations on stderr (the console)."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)  # a signal for the run (srun, Ctrl-C) must not cut the log short
-    reader = Relay(process, log)
-    with open(log, "ab", buffering=0) as out:
-        for raw in iter(sys.stdin.buffer.readline, b""):
-            try:
-                out.write(raw)
-            except OSError:
-                pass  # a full disk loses log lines, never the run's console
-            for said in reader.line(raw.decode(errors="replace").rstrip("\n")):
-                print(said, flush=True)
-        last = reader.flush()
-        if last:
-            print(last, flush=True)
+    reader, out = Relay(process, log), sys.stdout.buffer
+    for raw in iter(sys.stdin.buffer.readline, b""):
+        try:
+            out.write(raw)
+            out.flush()
+        except OSError:
+            pass  # a full disk loses log lines, never the run's console
+        for said in reader.line(raw.decode(errors="replace").rstrip("\n")):
+            print(said, file=sys.stderr, flush=True)
+    last = reader.flush()
+    if last:
+        print(last, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- the training process's side
@@ -169,8 +171,9 @@ def capture(log: os.PathLike | str, process: int) -> None:
     sys.stdout.flush(), sys.stderr.flush()
     out, err = os.dup(1), os.dup(2)
     read, write = os.pipe()
-    subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), os.fspath(log), str(process)],
-                     stdin=read, stdout=err, stderr=err, close_fds=True)
+    with open(log, "ab") as file:  # opened here: the relay starts later, perhaps after a failed start removed it
+        subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), os.fspath(log), str(process)],
+                         stdin=read, stdout=file, stderr=err, close_fds=True)
     os.close(read)
     for native in (1, 2):
         os.dup2(write, native)
