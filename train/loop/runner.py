@@ -134,7 +134,7 @@ def claimed(workdir: str, logs: bool = False):
         if jax.process_index() == 0:
             lock.acquire(say)
         if logs:
-            console.capture(path / "logs" / f"process_{jax.process_index()}.log", jax.process_index())
+            _capture_logs(path)
         yield path
     except UserError:
         lock.release()
@@ -145,6 +145,17 @@ def claimed(workdir: str, logs: bool = False):
         raise
     finally:
         lock.release()
+
+
+def _capture_logs(path: pathlib.Path) -> None:
+    """The libraries' output to path/logs/process_N.log from now on; where that cannot be written, a warning, and
+    it stays on the console."""
+    log = path / "logs" / f"process_{jax.process_index()}.log"
+    try:
+        console.capture(log, jax.process_index())
+    except OSError as e:
+        print(f"warning: cannot write {log} ({e.strerror or e}); the libraries' logs stay on the console",
+              file=sys.stderr, flush=True)
 
 
 def _phase_changes(trainer: Trainer, path: pathlib.Path) -> dict[str, list[Any]]:
@@ -217,7 +228,7 @@ def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preempti
     summary = _summary(outcome, run.rep, path, services)
     say(f"done: loss {summary['final_loss']:.4f}, eval loss {summary['eval_loss']:.4f}, "
         f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}%; {goodput.line()}; outputs in "
-        f"{path} (metrics.jsonl, goodput.json, checkpoints/, compile_report.json, config.json, tensorboard/)")
+        f"{path} (metrics.jsonl, goodput.json, checkpoints/, compile_report.json, config.json, tensorboard/, logs/)")
     sys.stdout.flush()
     return {"state": outcome.state, "summary": summary, "compile_report": run.rep}
 
