@@ -30,6 +30,7 @@ COORDINATION = "Terminating process because the JAX distributed service detected
 HEARTBEATS = "stopped sending heartbeats"
 
 _console_fd: int | None = None  # the real stderr once captured
+_relay: subprocess.Popen | None = None  # held for the life of the process, never waited for: it ends after it
 
 
 def fd() -> int:
@@ -164,16 +165,16 @@ def _route_python(stream: io.TextIOBase) -> None:
 def capture(log: os.PathLike | str, process: int) -> None:
     """From now on the libraries write to `log` (appended; its folder is created) and the console keeps the
     project's lines. Once per process; the relay ends when this process (and whatever it started) has exited."""
-    global _console_fd
+    global _console_fd, _relay
     if _console_fd is not None:
         return
     os.makedirs(os.path.dirname(os.fspath(log)) or ".", exist_ok=True)
-    sys.stdout.flush(), sys.stderr.flush()
-    out, err = os.dup(1), os.dup(2)
-    read, write = os.pipe()
     with open(log, "ab") as file:  # opened here: the relay starts later, perhaps after a failed start removed it
-        subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), os.fspath(log), str(process)],
-                         stdin=read, stdout=file, stderr=err, close_fds=True)
+        sys.stdout.flush(), sys.stderr.flush()
+        out, err = os.dup(1), os.dup(2)
+        read, write = os.pipe()
+        command = [sys.executable, "-I", "-S", os.path.abspath(__file__), os.fspath(log), str(process)]
+        _relay = subprocess.Popen(command, stdin=read, stdout=file, stderr=err, close_fds=True)
     os.close(read)
     for native in (1, 2):
         os.dup2(write, native)
