@@ -78,6 +78,10 @@ def reference(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("reference") / "run"
     result = train(workdir, "--compilation_cache=", env={"JAX_COMPILATION_CACHE_DIR": ""})
     assert result.returncode == 0, result.stderr[-3000:]
+    # The periodic eval loss shows below its step's training line; nothing of the libraries reaches the console.
+    evals = re.findall(r"^step (\d+)/12 \| loss .*\nstep \1/12 \| eval loss \d+\.\d{4}$", result.stdout, re.M)
+    assert evals == ["6", "12"], result.stdout
+    assert not re.search(r"^[IWEF]\d{4} |Traceback", result.stdout + result.stderr, re.M), result.stderr[-3000:]
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [8, 10, 12]
     goodput = json.loads((workdir / "goodput.json").read_text())
     assert goodput["attempts"][0]["last_step"] == STEPS and 0 < goodput["totals"]["goodput"] < 1
@@ -254,6 +258,11 @@ def test_failed_saves_are_retried_then_stop_the_run_at_the_limit(tmp_path):
     limit_file_size(process, 256 << 10)
     assert process.wait(timeout=60) == exit_codes.SAVE_FAILED
     out = workdir.with_suffix(".out").read_text().strip().splitlines()
+    # Its console (stdout and stderr) holds the project's lines only; Orbax's errors and tracebacks are in the log.
+    foreign = [line for line in out if line and not line.startswith(("training ", "step ", "warning: ", "error: "))]
+    assert not foreign, foreign[:20]
+    log = (workdir / "logs" / "process_0.log").read_text()
+    assert "Traceback" in log and re.search(r"^E\d{4} .*\] \[process=0\]", log, re.M), log[-3000:]
     warnings = [line for line in out if line.startswith("warning: background save of checkpoint")]
     assert len(warnings) == 2 and "training goes on and saves again when the next save is due (1 failed" in warnings[0]
     assert re.match(r"error: background save of checkpoint .*/checkpoints/\d+ failed \(.*File too large.*\); "

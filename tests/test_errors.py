@@ -42,8 +42,8 @@ def raised_classes() -> dict[str, type]:
 
 def test_every_raised_error_class_is_a_user_error_or_a_documented_failure():
     classes = raised_classes()
-    assert {"train.exit_codes.ConfigError", "mesh.topology.TopologyError",
-            "train.export_hf.ExportError"} <= set(classes)
+    expected = {"train.exit_codes.ConfigError", "mesh.topology.TopologyError", "train.export_hf.ExportError"}
+    assert expected <= set(classes)
     wrong = [q for q, cls in sorted(classes.items()) if q not in NOT_USER_ERRORS and not issubclass(cls, UserError)]
     assert not wrong, f"raised for user input but not a UserError (mesh/errors.py): {wrong}"
     for qualified, status in NOT_USER_ERRORS.items():

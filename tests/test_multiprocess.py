@@ -67,6 +67,8 @@ def test_two_processes_match_one_and_a_preemption_stops_both_at_one_step(tmp_pat
     kill_process_1(workdir, signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == exit_codes.REQUEUE, out[-3000:]
+    # Gloo's lines went to each process's log, not to the console.
+    assert "Gloo" not in out and all("[Gloo]" in (workdir / "logs" / f"process_{i}.log").read_text() for i in (0, 1))
     saved = re.findall(r"\[p(\d)\] preempted: saved checkpoint .*/checkpoints/(\d+)", out)
     assert sorted(p for p, _ in saved) == ["0", "1"] and len({s for _, s in saved}) == 1, saved
     step = int(saved[0][1])
@@ -131,7 +133,8 @@ def test_a_stopped_process_ends_the_launch_and_a_lost_local_tier_comes_back_from
     out, _ = proc.communicate(timeout=120)
     took = time.monotonic() - stopped_at
     assert proc.returncode not in (0, exit_codes.REQUEUE), out[-3000:]
-    assert "stopped sending heartbeats" in out, out[-3000:]
+    assert "[p0] error: process 1 of the run stopped sending heartbeats" in out, out[-3000:]
+    assert not re.search(r"Fatal Python error|Check failure|Traceback|^\[p\d\] [IWEF]\d{4} ", out, re.M), out[-3000:]
     assert took < grace - 15, (took, out[-3000:])
 
     node0, node1 = (next(local_dir.glob(f"*/process_{i}_of_2")) for i in (0, 1))

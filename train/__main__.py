@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
     config, config_file = _config()
     # user errors and expected failures end with their documented status in cli.run
     loop.run(config, _WORKDIR.value, compile_only=_COMPILE_ONLY.value, peak_tflops=_PEAK_TFLOPS.value,
-             audit=audit, config_file=config_file)
+             audit=audit, config_file=config_file, logs=True)
     return exit_codes.OK
 
 

@@ -4,7 +4,8 @@
         -- --config=experiments/tiny.py --workdir=DIR
     python -m train.launch --emit=jobset --num_processes=4 -- --config=... --workdir=/shared/DIR > jobset.yaml
 
-Output is forwarded line by line with a `[pN]` prefix; SIGTERM/SIGINT are forwarded to every process.
+Output is forwarded line by line with a `[pN]` prefix, an `error:` line that several processes print only
+once (each process's libraries write to WORKDIR/logs/process_N.log); SIGTERM/SIGINT are forwarded to every process.
 The first process to fail stops the others (a stopped one, SIGSTOP, is woken to receive the SIGTERM) and its
 status becomes the launch's; a process that exits with the requeue status (75, after a coordinated
 preemption save) is not a failure: the launcher waits for the others to finish their save and passes 75 on.
@@ -42,34 +43,40 @@ _IMAGE = flags.DEFINE_string("image", "spmdtrain:latest", "With --emit: the cont
 _GPUS = flags.DEFINE_integer("gpus_per_process", 8, "With --emit: GPUs each process (pod) drives.")
 
 
-_SAID_LOCK = threading.Lock()
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _forward(stream, prefix: str, out, said: set[str] | None = None) -> None:
-    """Each line of one process's stream with its [pN] prefix; an `error:` line (every process checks the same
-    settings) is said once, as the command's own line, without a prefix."""
+class Errors:
+    """The `error:` lines already forwarded: every process of a run that fails on one cause (a bad setting, a
+    failed save) says so, and the launch prints it once."""
+
+    def __init__(self):
+        self.seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def first(self, line: str) -> bool:
+        if not line.startswith("error: "):
+            return True
+        with self._lock:
+            new = line not in self.seen
+            self.seen.add(line)
+            return new
+
+
+def forward(stream, prefix: str, out, errors: Errors | None = None) -> None:
+    """Copy `stream` to `out` line by line, each line after `prefix`; an `error:` line once across processes."""
     for line in iter(stream.readline, ""):
-        if said is not None and line.startswith("error: "):
-            with _SAID_LOCK:
-                if line in said:
-                    continue
-                said.add(line)
-            out.write(line)
+        if errors is None or errors.first(line):
+            out.write(f"{prefix}{line}")
             out.flush()
-            continue
-        out.write(f"{prefix}{line}")
-        out.flush()
 
 
 def start(num_processes: int, num_cpu_devices: int, train_args: list[str]) -> list[subprocess.Popen]:
     address = f"127.0.0.1:{free_port()}"
-    procs, said = [], set()
+    procs, errors = [], Errors()
     for i in range(num_processes):
         cmd = [sys.executable, "-m", "train", *train_args, f"--coordinator_address={address}",
                f"--num_processes={num_processes}", f"--process_id={i}", f"--num_cpu_devices={num_cpu_devices}"]
@@ -77,8 +84,10 @@ def start(num_processes: int, num_cpu_devices: int, train_args: list[str]) -> li
         # not also directly (a second SIGINT would abort it before its preemption save).
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
                                 start_new_session=True)
-        for stream, out, seen in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, said)):
-            threading.Thread(target=_forward, args=(stream, f"[p{i}] ", out, seen), daemon=True).start()
+        proc.forwarders = [threading.Thread(target=forward, args=(stream, f"[p{i}] ", out, errors), daemon=True)
+                           for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+        for thread in proc.forwarders:
+            thread.start()
         procs.append(proc)
     return procs
 
@@ -148,9 +157,11 @@ def run_once(num_processes: int, train_args: list[str], stopping: threading.Even
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     result = supervise(procs, _GRACE.value)
+    deadline = time.monotonic() + 10
     for p in procs:
         p.wait()
-    time.sleep(0.2)  # let the forwarding threads drain the last lines
+        for thread in p.forwarders:  # the last lines, some from the process's log relay (train/runtime/console.py)
+            thread.join(max(deadline - time.monotonic(), 0.1))
     return result
 
 

@@ -306,6 +306,7 @@ def evaluate_logged(s: Services, step: int, params: Any) -> float:
     t0 = time.perf_counter()
     loss = evaluate(s.trainer, params)
     s.log.write({"step": step, "eval_loss": loss})
+    s.log.evaluated(step, loss)
     s.goodput.add("eval_s", time.perf_counter() - t0)
     return loss
 

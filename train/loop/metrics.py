@@ -150,6 +150,13 @@ class MetricsLog:
         else:
             print(line, flush=True)
 
+    def evaluated(self, step: int, loss: float) -> None:
+        """The eval loss of `step`, on the line below that step's training line."""
+        if self.enabled:
+            after_live_line = self.live and step < self.total_steps  # that line has no newline yet
+            print(("\n" if after_live_line else "") + f"step {step}/{self.total_steps} | eval loss {loss:.4f}",
+                  flush=True)
+
     def message(self, text: str) -> None:
         if self.enabled:
             print(("\n" if self.live else "") + text, flush=True)

@@ -17,6 +17,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from train.runtime import console
+
 
 class StopSignals:
     """Context manager: installs the SIGTERM/SIGINT/SIGUSR1 handlers (main thread only) and restores the old ones."""
@@ -42,7 +44,7 @@ class StopSignals:
 
     def _save(self, signum: int, frame) -> None:
         if not self.save_now.is_set():
-            os.write(2, b"\nSIGUSR1: saving a checkpoint after the step in flight; training goes on\n")
+            os.write(console.fd(), b"\nSIGUSR1: saving a checkpoint after the step in flight; training goes on\n")
         self.save_now.set()
 
     def __exit__(self, *exc) -> None:
@@ -55,8 +57,9 @@ class StopSignals:
             signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C kills at once, even mid-call
         if not self.requested.is_set():
             # os.write, not print: a handler may interrupt a print on the main thread.
-            os.write(2, f"\n{name}: finishing the step in flight, saving a checkpoint, then exiting with status 75"
-                        f"{' (Ctrl-C again aborts at once)' if signum == signal.SIGINT else ''}\n".encode())
+            again = " (Ctrl-C again aborts at once)" if signum == signal.SIGINT else ""
+            os.write(console.fd(), f"\n{name}: finishing the step in flight, saving a checkpoint, then exiting with "
+                                   f"status 75{again}\n".encode())
         self.requested.set()
 
 

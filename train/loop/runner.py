@@ -35,7 +35,7 @@ from train.loop.watchdog import Watchdog
 from train.planner import audit as audit_lib
 from train.planner import auto as planner_auto
 from train.planner import compile_report as report_lib
-from train.runtime import hardware, versions, xla_env
+from train.runtime import console, hardware, versions, xla_env
 from train.runtime.hardware import GiB
 from train.runtime.lock import WorkdirLock
 from train.trainer import Trainer
@@ -68,6 +68,7 @@ class Options:
     peak_tflops: float = 0.0
     audit: dict[str, Any] | None = None  # {topology, hosts, mfu}
     config_file: str = ""  # the experiment file, recorded in config.json
+    logs: bool = False  # the libraries' logs to WORKDIR/logs/ (train/runtime/console.py); a test process keeps its own
 
 
 @dataclasses.dataclass
@@ -98,7 +99,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
     if "wandb" in actions_lib.names(config.train.loggers):
         check_wandb()
     trainer = Trainer.build(config)  # every user error is raised here, before the workdir is touched
-    with claimed(workdir) as path:  # created if needed and locked; nothing in it is touched yet
+    with claimed(workdir, options.logs) as path:  # created if needed and locked; nothing in it is touched yet
         changed = {}
         if not options.compile_only:
             resume.check_before_compile(trainer, path)  # checkpoint compatibility: nothing moved yet
@@ -121,17 +122,19 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
 
 
 @contextlib.contextmanager
-def claimed(workdir: str):
+def claimed(workdir: str, logs: bool = False):
     """The workdir, created if needed, held by this run (process 0 takes the lock for every process) until it
-    ends. A start that fails on a user error (a setting, a damaged restore_from checkpoint found while restoring)
-    in a directory it created removes it, unless it trained there (a checkpoint or a logged step): no empty or
-    half-made run stays."""
+    ends; with `logs`, from then on the libraries write to its logs/process_N.log, not to the console. A start that
+    fails on a user error (a setting, a damaged restore_from checkpoint found while restoring) in a directory it
+    created removes it, unless it trained there (a checkpoint or a logged step): no empty or half-made run stays."""
     created = not pathlib.Path(workdir).expanduser().exists()
     path = prepare_workdir(workdir)
     lock = WorkdirLock(path, jax.process_count())
     try:
         if jax.process_index() == 0:
             lock.acquire(say)
+        if logs:
+            _capture_logs(path)
         yield path
     except UserError:
         lock.release()
@@ -145,6 +148,16 @@ def claimed(workdir: str):
 
 def _saved_a_checkpoint(path: pathlib.Path) -> bool:
     return (path / "checkpoints").is_dir() and any(p.name.isdigit() for p in (path / "checkpoints").iterdir())
+
+def _capture_logs(path: pathlib.Path) -> None:
+    """The libraries' output to path/logs/process_N.log from now on; where that cannot be written, a warning, and
+    it stays on the console."""
+    log = path / "logs" / f"process_{jax.process_index()}.log"
+    try:
+        console.capture(log, jax.process_index())
+    except OSError as e:
+        print(f"warning: cannot write {log} ({e.strerror or e}); the libraries' logs stay on the console",
+              file=sys.stderr, flush=True)
 
 
 def _phase_changes(trainer: Trainer, path: pathlib.Path) -> dict[str, list[Any]]:
@@ -217,7 +230,7 @@ def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preempti
     summary = _summary(outcome, run.rep, path, services)
     say(f"done: loss {summary['final_loss']:.4f}, eval loss {summary['eval_loss']:.4f}, "
         f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}%; {goodput.line()}; outputs in "
-        f"{path} (metrics.jsonl, goodput.json, checkpoints/, compile_report.json, config.json, tensorboard/)")
+        f"{path} (metrics.jsonl, goodput.json, checkpoints/, compile_report.json, config.json, tensorboard/, logs/)")
     sys.stdout.flush()
     return {"state": outcome.state, "summary": summary, "compile_report": run.rep}
 
