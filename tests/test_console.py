@@ -7,8 +7,8 @@ import sys
 import textwrap
 
 from tests.helpers import ROOT
-from train import launch
 from train.runtime.console import Relay
+from train.runtime.forward import Errors, forward
 
 # What a process of a run printed (recorded from a 2-process launch whose process 1 was stopped with SIGSTOP).
 NATIVE = """\
@@ -77,8 +77,19 @@ def test_the_console_keeps_the_projects_lines_and_a_crashs_traceback(tmp_path):
 
 
 def test_launch_prints_an_error_line_once_for_all_processes():
-    errors, out = launch.Errors(), io.StringIO()
+    errors, out = Errors(), io.StringIO()
     for i in range(2):
-        launch.forward(io.StringIO("warning: w\nerror: the same cause\npreempted: saved\n"), f"[p{i}] ", out, errors)
-    assert out.getvalue().splitlines() == ["[p0] warning: w", "[p0] error: the same cause", "[p0] preempted: saved",
+        forward(io.StringIO("warning: w\nerror: the same cause\npreempted: saved\n"), f"[p{i}] ", out, errors)
+    assert out.getvalue().splitlines() == ["[p0] warning: w", "error: the same cause", "[p0] preempted: saved",
                                            "[p1] warning: w", "[p1] preempted: saved"]
+
+
+def test_a_collective_failed_by_a_lost_peer_is_one_line_not_a_traceback():
+    from jax.errors import JaxRuntimeError
+
+    from train.runtime.console import peer_failure
+
+    lost = JaxRuntimeError("INTERNAL: Gloo all-reduce failed: Connection closed by peer [127.0.0.1]:4242")
+    assert peer_failure(lost).startswith("a collective with the run's other processes failed (INTERNAL: Gloo")
+    assert peer_failure(JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")) == ""
+    assert peer_failure(RuntimeError("gloo")) == ""

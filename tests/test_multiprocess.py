@@ -133,7 +133,7 @@ def test_a_stopped_process_ends_the_launch_and_a_lost_local_tier_comes_back_from
     out, _ = proc.communicate(timeout=120)
     took = time.monotonic() - stopped_at
     assert proc.returncode not in (0, exit_codes.REQUEUE), out[-3000:]
-    assert "[p0] error: process 1 of the run stopped sending heartbeats" in out, out[-3000:]
+    assert "\nerror: process 1 of the run stopped sending heartbeats" in out, out[-3000:]
     assert not re.search(r"Fatal Python error|Check failure|Traceback|^\[p\d\] [IWEF]\d{4} ", out, re.M), out[-3000:]
     assert took < grace - 15, (took, out[-3000:])
 

@@ -4,8 +4,9 @@
         -- --config=experiments/tiny.py --workdir=DIR
     python -m train.launch --emit=jobset --num_processes=4 -- --config=... --workdir=/shared/DIR > jobset.yaml
 
-Output is forwarded line by line with a `[pN]` prefix, an `error:` line that several processes print only
-once (each process's libraries write to WORKDIR/logs/process_N.log); SIGTERM/SIGINT are forwarded to every process.
+Output is forwarded line by line with a `[pN]` prefix; an `error:` line, which every process of a run that fails
+on one cause prints, once and without the prefix (each process's libraries write to WORKDIR/logs/process_N.log).
+SIGTERM/SIGINT are forwarded to every process.
 The first process to fail stops the others (a stopped one, SIGSTOP, is woken to receive the SIGTERM) and its
 status becomes the launch's; a process that exits with the requeue status (75, after a coordinated
 preemption save) is not a failure: the launcher waits for the others to finish their save and passes 75 on.
@@ -28,6 +29,7 @@ from absl import app, flags
 from train import cli
 from train.exit_codes import REQUEUE
 from train.runtime import elastic, jobset, lock
+from train.runtime.forward import Errors, forward
 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 _NUM_CPU_DEVICES = flags.DEFINE_integer("num_cpu_devices", 4, "Virtual CPU devices per process.")
@@ -47,31 +49,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Errors:
-    """The `error:` lines already forwarded: every process of a run that fails on one cause (a bad setting, a
-    failed save) says so, and the launch prints it once."""
-
-    def __init__(self):
-        self.seen: set[str] = set()
-        self._lock = threading.Lock()
-
-    def first(self, line: str) -> bool:
-        if not line.startswith("error: "):
-            return True
-        with self._lock:
-            new = line not in self.seen
-            self.seen.add(line)
-            return new
-
-
-def forward(stream, prefix: str, out, errors: Errors | None = None) -> None:
-    """Copy `stream` to `out` line by line, each line after `prefix`; an `error:` line once across processes."""
-    for line in iter(stream.readline, ""):
-        if errors is None or errors.first(line):
-            out.write(f"{prefix}{line}")
-            out.flush()
 
 
 def start(num_processes: int, num_cpu_devices: int, train_args: list[str]) -> list[subprocess.Popen]:

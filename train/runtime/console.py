@@ -130,12 +130,26 @@ def relay(log: str, process: int) -> None:
 
 # ---------------------------------------------------------------- the training process's side
 
+PEER_LOST = re.compile(r"gloo|nccl|collective|coordination|heartbeat|connection (reset|refused|closed)|"
+                       r"UNAVAILABLE|DEADLINE_EXCEEDED", re.I)
+
+
+def peer_failure(error: BaseException) -> str:
+    """The console line for a runtime error of a collective or of the coordination service, which a process of
+    a multi-process run meets when a peer stops, dies or is cut off ("" for any other error)."""
+    if type(error).__name__ != "JaxRuntimeError" or not PEER_LOST.search(str(error)):
+        return ""
+    first = (str(error).strip().splitlines() or [""])[0][:200]
+    return (f"a collective with the run's other processes failed ({first}): most likely another process "
+            "stopped, died or was cut off")
+
+
 def _library_stream() -> io.TextIOBase:
     """A text stream on file descriptor 2 (the relay's pipe once captured) that never raises."""
     return open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
 
 
-def _route_python(stream: io.TextIOBase) -> None:
+def _route_python(stream: io.TextIOBase, log: str) -> None:
     """Python loggers, warnings and exceptions of threads other than the main one -> `stream`."""
     from absl import logging as absl_logging  # late: the relay runs this file with the standard library only
 
@@ -152,10 +166,13 @@ def _route_python(stream: io.TextIOBase) -> None:
         traceback.print_exception(args.exc_type, args.exc_value, args.exc_traceback, file=stream)
 
     def except_hook(kind, value, tb) -> None:  # native callbacks print their errors through sys.excepthook
-        if threading.current_thread() is threading.main_thread():
-            sys.__excepthook__(kind, value, tb)  # a crash of the project: its traceback on the console
-        else:
+        if threading.current_thread() is not threading.main_thread():
             traceback.print_exception(kind, value, tb, file=stream)
+        elif peer_failure(value):  # not the project's crash: the relay or a peer says why, the details go to the log
+            traceback.print_exception(kind, value, tb, file=stream)
+            print(f"error: {peer_failure(value)}; the traceback is in {log}", file=sys.stderr, flush=True)
+        else:
+            sys.__excepthook__(kind, value, tb)  # a crash of the project: its traceback on the console
 
     threading.excepthook = thread_hook
     sys.excepthook = except_hook
@@ -181,7 +198,7 @@ def capture(log: os.PathLike | str, process: int) -> None:
     os.close(write)
     _console_fd = err
     sys.stdout, sys.stderr = _text(out, sys.stdout), _text(os.dup(err), sys.stderr)
-    _route_python(_library_stream())
+    _route_python(_library_stream(), os.fspath(log))
 
 
 if __name__ == "__main__":
