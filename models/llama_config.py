@@ -99,4 +99,15 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-1.7b": dict(_QWEN3, d_model=2048, n_layers=28, n_heads=16, n_kv_heads=8, d_mlp=6144, tie_embeddings=True,
                        remat="save_dots"),
     "qwen3-8b": dict(_QWEN3, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, d_mlp=12288, remat="full"),
+    # Mixtures as Hugging Face has them: an expert layer in every block, dropless, no z-loss, the published
+    # router_aux_loss_coef. Qwen3-30B-A3B: 128 experts of width 768, top-8 renormalized (norm_topk_prob).
+    "qwen3-30b-a3b": dict(_QWEN3, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, d_mlp=768, n_experts=128,
+                          experts_per_token=8, router="topk_softmax", load_balance_weight=1e-3,
+                          router_z_loss_weight=0.0, remat="full"),
+    "qwen3-moe-tiny": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=32,
+                           d_mlp=96, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, n_experts=4, experts_per_token=2,
+                           router="softmax", load_balance_weight=1e-3, router_z_loss_weight=0.0),
+    "mixtral-tiny": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=2, n_heads=8, n_kv_heads=4, d_mlp=96,
+                         rope_theta=1e6, n_experts=4, experts_per_token=2, router="topk_softmax",
+                         load_balance_weight=0.02, router_z_loss_weight=0.0),
 }

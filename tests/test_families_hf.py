@@ -1,6 +1,7 @@
 """Families beyond Llama-3 and GPT-2 to and from Hugging Face, judged by transformers on tiny random models made
-with its own config classes (float32): Qwen3 (the Llama family with qk_norm and its own head_dim) imports on a
-tensor=2 layout with transformers' logits, and our params exported load in transformers with ours."""
+with its own config classes (float32): Qwen3 (the Llama family with qk_norm and its own head_dim), Mixtral and
+Qwen3-MoE (a mixture in every block, their routers' normalizations) import with transformers' logits, on a
+tensor=2 or expert=2 layout, and our params exported load in transformers with our logits."""
 import functools
 
 import jax
@@ -11,6 +12,7 @@ transformers = pytest.importorskip("transformers", reason="the `hf` extra (trans
 torch = pytest.importorskip("torch", reason="the `hf` extra (transformers, torch) is not installed")
 
 import models  # noqa: E402
+from checkpoint import safetensors_io  # noqa: E402
 from tests.helpers import tiny_config  # noqa: E402
 from train import export_hf  # noqa: E402
 from train.generate import decode as generate  # noqa: E402
@@ -86,3 +88,51 @@ def test_qwen3_kv_cache_decoding_gives_transformers_logits(qwen3_exported):
     with torch.no_grad():
         theirs = _hf_model(out)(torch.tensor(full)).logits.numpy()[0, 7:]
     np.testing.assert_allclose(np.asarray(logits)[0], theirs, atol=1e-4, rtol=0)
+
+
+MIXTURES = {  # transformers' config class and ours (the preset and the import's shapes)
+    "mixtral": (lambda: transformers.MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6,
+        max_position_embeddings=64, tie_word_embeddings=False),
+                dict(preset="mixtral-tiny", d_model=64, n_heads=4, n_kv_heads=2)),
+    "qwen3_moe": (lambda: transformers.Qwen3MoeConfig(  # norm_topk_prob false: the chosen experts' probabilities
+        **dict(QWEN3, intermediate_size=128), moe_intermediate_size=96, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=False, tie_word_embeddings=False),
+                  dict(preset="qwen3-moe-tiny", d_model=64, n_heads=4, n_kv_heads=2)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MIXTURES))
+def mixture_dir(request, tmp_path_factory):
+    """A random tiny MixtralForCausalLM or Qwen3MoeForCausalLM (untied), saved by transformers: (kind, path)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(MIXTURES[request.param][0]())
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if name.endswith(("norm.weight", "gate.weight")):  # norms away from ones, routers decisive
+                w.uniform_(0.5, 1.5) if "norm" in name else w.normal_(0.0, 0.5)
+    path = tmp_path_factory.mktemp(request.param) / "hf"
+    model.save_pretrained(path)
+    return request.param, path
+
+
+def test_mixture_imports_with_transformers_logits_and_exports_the_same_tensors(mixture_dir, tmp_path):
+    kind, path = mixture_dir
+    config = tiny_config(expert=2) if kind == "mixtral" else tiny_config(tensor=2)
+    config.model.update(**MIXTURES[kind][1], seq_len=24, tie_embeddings=False)
+    config.checkpoint.restore_from = f"hf:{path}"
+    trainer = Trainer.build(config, num_devices=2)
+    cfg = trainer.plan.model
+    assert (cfg.capacity_factor, cfg.router_z_loss_weight, cfg.load_balance_weight) == (0.0, 0.0, 0.001)
+    assert cfg.router == ("topk_softmax" if kind == "mixtral" else "softmax")
+    params = hf_import.load_params(f"hf:{path}", trainer)
+    ours = jax.jit(lambda p, t: models.forward(p, t, cfg))(params, TOKENS)
+    np.testing.assert_allclose(np.asarray(ours), _hf_logits(path), atol=1e-4, rtol=0)
+    export_hf.write(tmp_path / "out", cfg, jax.tree.map(np.asarray, jax.device_get(params)), "float32", None)
+    theirs = safetensors_io.open_tensors(path / "model.safetensors")
+    back = safetensors_io.open_tensors(tmp_path / "out" / "model.safetensors")
+    assert sorted(back) == sorted(theirs)
+    for name in theirs:
+        np.testing.assert_array_equal(back[name], theirs[name], err_msg=name)
+    np.testing.assert_allclose(_hf_logits(tmp_path / "out"), _hf_logits(path), atol=1e-5, rtol=0)  # config.json
