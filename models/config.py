@@ -39,7 +39,8 @@ def check_common(cfg: SharedFields, positive: tuple[str, ...]) -> None:
             f"model.d_model={cfg.d_model} is not divisible by model.n_heads={cfg.n_heads}; change one of them")
     if cfg.head_dim % 2:
         raise ModelConfigError(
-            f"model.d_model/model.n_heads={cfg.head_dim}: rotary embeddings need an even head dimension")
+            f"the head dimension {cfg.head_dim} (model.head_dim, or model.d_model/model.n_heads): rotary embeddings "
+            f"need an even head dimension")
     for key in ("param_dtype", "compute_dtype"):
         if getattr(cfg, key) not in DTYPES:
             raise ModelConfigError(f"model.{key}={getattr(cfg, key)!r}: use one of {', '.join(DTYPES)}")

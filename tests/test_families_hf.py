@@ -136,3 +136,21 @@ def test_mixture_imports_with_transformers_logits_and_exports_the_same_tensors(m
     for name in theirs:
         np.testing.assert_array_equal(back[name], theirs[name], err_msg=name)
     np.testing.assert_allclose(_hf_logits(tmp_path / "out"), _hf_logits(path), atol=1e-5, rtol=0)  # config.json
+
+
+@pytest.mark.parametrize("fields,fragment", [
+    (dict(preset="qwen3-tiny", head_dim=-4), r"^model.head_dim=-4: each head's width, an integer >= 1"),
+    (dict(preset="qwen3-tiny", head_dim=15), r"^the head dimension 15 \(model.head_dim"),
+    (dict(preset="qwen3-tiny", qk_norm="yes"), r"^model.qk_norm='yes': use True or False$"),
+    (dict(preset="mixtral-tiny", router="top2"), r"^model.router='top2': use one of auto, topk_softmax, softmax$"),
+], ids=["head_dim", "odd_head_dim", "qk_norm", "router"])
+def test_bad_new_settings_are_one_line(fields, fragment):
+    with pytest.raises(models.ModelConfigError, match=fragment):
+        models.from_dict(fields)
+
+
+def test_mixtures_without_a_hugging_face_form_say_why():
+    unsupported = models.FAMILIES["llama"].hf.unsupported
+    assert "model.moe_every=2" in unsupported(models.from_dict(dict(preset="mixtral-tiny", moe_every=2)))
+    assert "model.router=topk_softmax" in unsupported(models.from_dict(dict(preset="mixtral-tiny", router="softmax")))
+    assert unsupported(models.from_dict(dict(preset="qwen3-moe-tiny"))) is None
