@@ -144,8 +144,9 @@ def no_experts(cfg: ModelConfig) -> ExpertBuffers | None:
 
 
 def causal_attention_flops(cfg: ModelConfig) -> float:
-    """Attention scores and values per token, forward and backward: 12 * layers * d_model * seq_len (PaLM, App. B)."""
-    return 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len
+    """Attention scores and values per token, forward and backward: 12 * layers * heads * head_dim * seq_len (PaLM,
+    App. B, where heads * head_dim = d_model)."""
+    return 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * cfg.seq_len
 
 
 @dataclasses.dataclass(frozen=True)
