@@ -3,6 +3,8 @@ decodes over small pages, equal each prompt decoded alone by the model's full fo
 device; a mixture of experts decodes what its forward predicts; prefix-cache hits, a pool too small for the load
 and sampling seeds and stop tokens behave."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -62,4 +64,60 @@ def test_greedy_equals_full_forward(dense):
     placed, engine = dense
     got = _staggered(engine, PROMPTS, NEW)
     assert got == [_reference(placed, p, NEW) for p in PROMPTS]
-    assert engine.stats()["pages_used"] == 0 or engine.settings.prefix_cache
+    stats = engine.stats()
+    assert stats["running"] == stats["waiting"] == 0 and stats["tokens_generated"] == NEW * len(PROMPTS)
+
+
+def test_prefix_hit_skips_prefill_with_the_same_tokens(dense):
+    _, engine = dense
+    shared = list(range(20, 33))  # three full pages of 4, and one token more
+    first = engine.generate([shared], SamplingParams(max_tokens=3))[0].token_ids
+    before = engine.stats()
+    again = engine.generate([shared], SamplingParams(max_tokens=3))[0].token_ids
+    after = engine.stats()
+    assert again == first
+    assert after["prefix_hits"] - before["prefix_hits"] == 3
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(shared) - 12
+
+
+def test_sampling_is_reproducible_and_stop_tokens_stop(dense):
+    _, engine = dense
+    hot = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=7, max_tokens=8, logprobs=2)
+    a, b = engine.generate([PROMPTS[0], PROMPTS[0]], hot)
+    c = engine.generate([PROMPTS[0]], hot)[0]
+    assert a.token_ids == b.token_ids == c.token_ids and a.finish_reason == "length"
+    assert len(a.logprobs) == 8 and all(len(row) >= 2 and t in row for row, t in zip(a.logprobs, a.token_ids))
+    other = engine.generate([PROMPTS[0]], dataclasses.replace(hot, seed=8))[0]
+    assert other.token_ids != a.token_ids
+    greedy = _reference(dense[0], PROMPTS[1], 4)
+    stopped = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=4, stop_token_ids=(greedy[1],)))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == greedy[:greedy.index(greedy[1]) + 1]
+    with pytest.raises(ValueError, match="max_context"):
+        engine.add("long", list(range(30)), SamplingParams(max_tokens=8))
+
+
+def test_a_small_pool_completes_every_request(dense):
+    placed, big = dense
+    small = Engine.build(placed, dataclasses.replace(SMALL, kv_pages=9, prefix_cache=False))
+    assert small.max_context == 32
+    want = big.generate(PROMPTS * 2, SamplingParams(max_tokens=NEW))
+    got = small.generate(PROMPTS * 2, SamplingParams(max_tokens=NEW))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = small.stats()
+    assert stats["preemptions"] > 0 and stats["pages_used"] == 0 and stats["pages_free"] == 8
+    assert stats["running"] == stats["waiting"] == 0
+
+
+def test_tensor_split_equals_one_device(dense):
+    placed = _placed(num_devices=2, tensor=2)
+    engine = Engine.build(placed, SMALL)
+    assert engine.pool["k"].sharding.spec[3] == "tensor"
+    got = [o.token_ids for o in engine.generate(PROMPTS, SamplingParams(max_tokens=NEW))]
+    assert got == [o.token_ids for o in dense[1].generate(PROMPTS, SamplingParams(max_tokens=NEW))]
+
+
+def test_mixture_of_experts_decodes_its_forward():
+    placed = _placed(experts=4)
+    engine = Engine.build(placed, SMALL)
+    got = _staggered(engine, PROMPTS[:2], 4)
+    assert got == [_reference(placed, p, 4) for p in PROMPTS[:2]]

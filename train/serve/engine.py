@@ -167,7 +167,7 @@ class Engine:
         return {"running": len(s.running), "waiting": len(s.waiting), "pages_used": self.pages.used(),
                 "pages_free": self.pages.available(), "prefix_hits": s.prefix_hits,
                 "prefix_queries": s.prefix_queries, "tokens_generated": self.tokens_generated,
-                "prefill_tokens": s.prefill_tokens}
+                "prefill_tokens": s.prefill_tokens, "preemptions": s.preemptions}
 
     # ------------------------------------------------------------------ the step
 

@@ -50,7 +50,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order
         self.free_slots = list(range(max_num_seqs))
-        self.prefix_hits = self.prefix_queries = self.prefill_tokens = 0
+        self.prefix_hits = self.prefix_queries = self.prefill_tokens = self.preemptions = 0
 
     def plan(self) -> list[Chunk]:
         """This step's chunks: the running sequences' (oldest first), then newly admitted ones'."""
@@ -100,6 +100,7 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
+        self.preemptions += 1
         self.retire(seq)
         seq.computed = 0
         later = [s for s in self.waiting if s.arrival > seq.arrival]
