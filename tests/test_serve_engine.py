@@ -11,7 +11,9 @@ import pytest
 
 import models
 from tests.helpers import tiny_config
+from train import config as config_lib
 from train import placed as placed_lib
+from train.config import ConfigError
 from train.serve.engine import Engine, Settings
 from train.serve.sampling import SamplingParams
 
@@ -121,3 +123,14 @@ def test_mixture_of_experts_decodes_its_forward():
     engine = Engine.build(placed, SMALL)
     got = _staggered(engine, PROMPTS[:2], 4)
     assert got == [_reference(placed, p, 4) for p in PROMPTS[:2]]
+
+
+@pytest.mark.parametrize("key,value,message", [("page_size", 0, "serve.page_size=0: use a whole number >= 1"),
+                                               ("kv_memory_fraction", 1.5, "serve.kv_memory_fraction=1.5: use a "
+                                                                           "fraction in (0, 1]")])
+def test_a_bad_serve_setting_is_one_line(key, value, message):
+    config = tiny_config()
+    config.serve[key] = value
+    with pytest.raises(ConfigError) as raised:
+        config_lib.resolve(config, 1)
+    assert str(raised.value) == message

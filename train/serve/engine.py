@@ -17,6 +17,7 @@ import models
 from models import paged
 from sharding import specs as sharding_specs
 from train.placed import Placed
+from train.sections import ServeSection
 from train.serve.pages import Pages
 from train.serve.sampling import SamplingParams, sample
 from train.serve.scheduler import Chunk, Scheduler, Sequence
@@ -25,16 +26,7 @@ MAX_LOGPROBS = 8  # the most top-N log-probabilities a request may ask for (comp
 CPU_SEQS_OF_PAGES = 1  # on CPU (no memory statistics) the pool holds every slot's longest sequence this many times
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    page_size: int = 16
-    kv_pages: int = 0                 # 0: from kv_memory_fraction of the free accelerator memory
-    kv_memory_fraction: float = 0.5
-    max_num_seqs: int = 16
-    max_batch_tokens: int = 256
-    prefill_chunk: int = 64
-    prefix_cache: bool = True
-    max_waiting: int = 256
+Settings = ServeSection  # serve.* (train/sections.py)
 
 
 @dataclasses.dataclass
