@@ -32,10 +32,14 @@ def pool_shape(cfg: ModelConfig, kv_heads: int, pages: int, page_size: int) -> t
     return cfg.n_layers, pages, page_size, kv_heads, cfg.head_dim
 
 
+def position_limit(cfg: ModelConfig) -> int | None:
+    """The most positions the model can encode: its learned position table's rows; None for rotary positions."""
+    return cfg.position_rows if getattr(cfg, "positions", "rotary") == "learned" else None
+
+
 def max_context(cfg: ModelConfig) -> int:
-    """The longest sequence the model takes: its training length, or its learned position table."""
-    learned = getattr(cfg, "positions", "rotary") == "learned"
-    return cfg.position_rows if learned else cfg.seq_len
+    """The longest sequence an engine takes by default: the training length, within the position table."""
+    return min(cfg.seq_len, position_limit(cfg) or cfg.seq_len)
 
 
 POOL_AXES = ("layers", None, None, "heads", "kv")  # logical names: a tensor mesh splits the pool by KV heads

@@ -19,7 +19,7 @@ from sharding import specs as sharding_specs
 from train.placed import Placed
 from train.sections import ServeSection
 from train.serve.pages import Pages
-from train.serve.sampling import SamplingParams, sample
+from train.serve.sampling import SamplingParams, sample  # noqa: F401  (SamplingParams: the engine's API)
 from train.serve.scheduler import Chunk, Scheduler, Sequence
 
 MAX_LOGPROBS = 8  # the most top-N log-probabilities a request may ask for (compiled into the step)
@@ -40,10 +40,11 @@ class Output:
     prompt_tokens: int
 
 
-def buckets(max_batch_tokens: int) -> list[int]:
-    """The token counts the step compiles for: powers of two from 8, and the budget itself."""
-    sizes = [n for n in (2 ** i for i in range(3, 32)) if n < max_batch_tokens]
-    return sizes + [max_batch_tokens]
+def buckets(s: Settings) -> list[int]:
+    """The token counts the step compiles for: powers of two from 8, and the most one step can take (the token
+    budget, or every slot's prompt chunk when that is fewer)."""
+    most = min(s.max_batch_tokens, s.max_num_seqs * s.prefill_chunk)
+    return [n for n in (2 ** i for i in range(3, 32)) if n < most] + [most]
 
 
 def page_bytes(cfg: models.ModelConfig, kv_heads: int, page_size: int) -> int:
@@ -66,16 +67,17 @@ def pool_pages(placed: Placed, s: Settings, kv_heads: int, pages_per_seq: int) -
 
 
 class Engine:
-    def __init__(self, placed: Placed, settings: Settings):
+    def __init__(self, placed: Placed, settings: Settings, max_context: int | None = None):
         cfg, family = placed.model, models.family_of(placed.model)
         if family.decoding is None or family.decoding.paged is None:
             raise models.ModelConfigError(f"model.family={cfg.family!r} has no paged decoding (models/paged.py)")
         self.placed, self.settings, self.cfg = placed, settings, cfg
         kv_heads = family.parallel.kv_heads(cfg)
         ps = settings.page_size
-        self.pages_per_seq = -(-paged.max_context(cfg) // ps)
+        context = max_context or paged.max_context(cfg)
+        self.pages_per_seq = -(-context // ps)
         self.num_pages = pool_pages(placed, settings, kv_heads, self.pages_per_seq)
-        self.max_context = min(paged.max_context(cfg), (self.num_pages - 1) * ps)
+        self.max_context = min(context, (self.num_pages - 1) * ps)
         self.pages = Pages(self.num_pages)
         self.scheduler = Scheduler(self.pages, ps, settings.max_num_seqs, settings.max_batch_tokens,
                                    settings.prefill_chunk, settings.prefix_cache)
@@ -87,11 +89,15 @@ class Engine:
         self.tokens_generated = 0
 
     @classmethod
-    def build(cls, placed: Placed, settings: Settings | None = None) -> "Engine":
-        """An engine over `placed` (params required), its step compiled for every bucket (warmup)."""
+    def build(cls, placed: Placed, settings: Settings | None = None, max_context: int | None = None) -> "Engine":
+        """An engine over `placed` (params required), its step compiled for every bucket (warmup). `max_context`:
+        the longest sequence (prompt and new tokens) it takes; default the model's seq_len (rotary positions go
+        further; a learned position table does not)."""
         settings = settings or Settings()
         assert placed.params is not None, "place the params first (train/placed.py)"
-        engine = cls(placed, settings)
+        limit = paged.position_limit(placed.model)
+        assert not (limit and max_context and max_context > limit), (max_context, limit)
+        engine = cls(placed, settings, max_context)
         engine.warmup()
         return engine
 
@@ -115,7 +121,7 @@ class Engine:
 
     def warmup(self) -> None:
         """Compile (and run once on padding alone) the step of every bucket, so no request ever compiles."""
-        for n in buckets(self.settings.max_batch_tokens):
+        for n in buckets(self.settings):
             self._run(self._inputs([], n))
 
     # ------------------------------------------------------------------ requests
@@ -171,7 +177,7 @@ class Engine:
         if not chunks:
             return outputs
         total = sum(c.count for c in chunks)
-        n = next(b for b in buckets(self.settings.max_batch_tokens) if b >= total)
+        n = next(b for b in buckets(self.settings) if b >= total)
         token, chosen, top_ids, top_lp = (np.asarray(a) for a in self._run(self._inputs(chunks, n)))
         for chunk in chunks:
             self.scheduler.computed(chunk)
