@@ -22,11 +22,15 @@ PROMPTS = [[5, 9, 2, 7, 1, 3, 8, 4, 6, 11, 12], [3, 1, 4], [100, 50, 25, 12, 6, 
 NEW = 6
 
 
-def _placed(num_devices=1, experts=0, **mesh):
+def _placed(num_devices=1, experts=0, gpt2=False, **mesh):
     config = tiny_config(**mesh)
-    config.model.preset = "llama3-tiny"
-    config.model.update(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_mlp=128, seq_len=32,
-                        compute_dtype="float32", param_dtype="float32")
+    config.model.preset = "tiny" if gpt2 else "llama3-tiny"
+    config.model.update(n_layers=2, d_model=64, n_heads=4, seq_len=32, compute_dtype="float32",
+                        param_dtype="float32", vocab_size=256)
+    if gpt2:  # GPT-2's learned positions, biases, LayerNorm and tied head
+        config.model.update(positions="learned", bias=True, norm="layernorm", tie_embeddings=True)
+    else:
+        config.model.update(n_kv_heads=2, d_mlp=128)
     if experts:
         config.model.update(n_experts=experts, experts_per_token=2, moe_every=1, capacity_factor=0.0)
     return placed_lib.initialized(placed_lib.place(config, num_devices))
@@ -116,6 +120,14 @@ def test_tensor_split_equals_one_device(dense):
     assert engine.pool["k"].sharding.spec[3] == "tensor"
     got = [o.token_ids for o in engine.generate(PROMPTS, SamplingParams(max_tokens=NEW))]
     assert got == [o.token_ids for o in dense[1].generate(PROMPTS, SamplingParams(max_tokens=NEW))]
+
+
+def test_gpt2_options_decode_their_forward():
+    placed = _placed(gpt2=True)
+    engine = Engine.build(placed, SMALL)
+    assert engine.max_context == 32
+    got = _staggered(engine, PROMPTS[:2], 4)
+    assert got == [_reference(placed, p, 4) for p in PROMPTS[:2]]
 
 
 def test_mixture_of_experts_decodes_its_forward():
