@@ -146,3 +146,15 @@ def test_a_bad_serve_setting_is_one_line(key, value, message):
     with pytest.raises(ConfigError) as raised:
         config_lib.resolve(config, 1)
     assert str(raised.value) == message
+
+
+def test_abort_returns_the_pages_and_says_so(dense):
+    _, engine = dense
+    engine.add("gone", PROMPTS[2], SamplingParams(max_tokens=10))
+    engine.step()
+    assert engine.stats()["running"] == 1 and engine.stats()["pages_used"] > 0
+    engine.abort("gone")
+    [out] = engine.step()
+    assert (out.request_id, out.finished, out.finish_reason) == ("gone", True, "abort")
+    assert not engine.has_work() and engine.stats()["running"] == 0
+    assert engine.pages.refs.count(0) == engine.num_pages  # cached pages may stay, held by no sequence
