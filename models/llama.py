@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import contract, gpt, llama_hf, lora, moe
+from models import contract, gpt, llama_hf, lora, moe, paged
 from models.attention import attend_cached
 from models.contract import Constrain, Params, no_constraint
 from models.layers import decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, rms_norm, rotary
@@ -148,7 +148,7 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constr
     if cache is None:
         o = constrain.causal_attention(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
     else:
-        o, cache = attend_cached(q, k, v, *cache)
+        o, cache = cache(q, k, v) if callable(cache) else attend_cached(q, k, v, *cache)  # paged.py
     o = constrain(o, names)
     out_BxLxD = lora.add(jnp.einsum("blhk,hkd->bld", o, weight(p, "wo", cfg, constrain)), p, "o", o, cfg)
     return constrain(out_BxLxD, ("batch", "seq", "embed")), cache
@@ -230,6 +230,19 @@ def decode(params: Params, tokens_BxT: jax.Array, cache: dict, length: jax.Array
     return decode_with_cache(params, tokens_BxT, cache, length, cfg, constrain, gpt.embed, cached_block, logits)
 
 
+def decode_paged(params: Params, batch: paged.Batch, pool: dict, cfg: LlamaConfig,
+                 constrain: Constrain = no_constraint):
+    """The contract's paged decoding (models/paged.py) with Llama's own blocks."""
+    pieces = paged.Pieces(
+        embed=lambda top, tokens, positions: gpt.embed(top, tokens, cfg, constrain),
+        block=lambda p, x, positions, attend: block(p, x, cfg, constrain, positions, attend),
+        attention=lambda p, h, positions, attend: attention(p, h, cfg, constrain, positions, attend),
+        expert_fn=lambda w, x: expert_mlp(w, x, cfg),
+        norm=lambda p, x, name: rms_norm(x, p[name], cfg.norm_eps),
+        logits=lambda top, x: logits(top, x, cfg, constrain))
+    return paged.decode(params, batch, pool, cfg, constrain, pieces)
+
+
 # ----------------------------------------------------------------------------- sizes
 
 def matmul_params(cfg: LlamaConfig, active: bool = False) -> int:
@@ -280,4 +293,4 @@ FAMILY = contract.register(contract.Family(
                                expert_buffers=moe.expert_buffers),
     cost=contract.Cost(flops_per_token=flops_per_token, param_count=param_count,
                        layer_bytes_per_token=layer_bytes_per_token),
-    decoding=contract.Decoding(init_cache=init_cache, decode=decode), hf=llama_hf.ADAPTER))
+    decoding=contract.Decoding(init_cache=init_cache, decode=decode, paged=decode_paged), hf=llama_hf.ADAPTER))
