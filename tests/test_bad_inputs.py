@@ -27,11 +27,11 @@ TINY = ["--config=experiments/tiny.py", "--config.mesh.data=8"]
 
 
 def _datadirs(tmp):
-    """A good DATADIR and three damaged copies: a train.bin of an odd size, one shorter than meta.json says, and
-    a tokenizer.json that is not one."""
+    """A good DATADIR and damaged copies: a train.bin of an odd size, one shorter than meta.json says, a
+    tokenizer.json that is not one, another valid tokenizer.json, and a meta.json whose max_id exceeds its vocab."""
     good = tmp / "data"
     prepare.prepare([str(ROOT / "train" / "data")], str(good), "bytes", val_percent=25)
-    bad = {name: tmp / name for name in ("odd", "short", "tokenizer")}
+    bad = {name: tmp / name for name in ("odd", "short", "tokenizer", "replaced", "max_id")}
     for path in bad.values():
         shutil.copytree(good, path)
     with open(bad["odd"] / "train.bin", "ab") as f:
@@ -40,6 +40,10 @@ def _datadirs(tmp):
     with open(bad["short"] / "train.bin", "r+b") as f:
         f.truncate(size - 2)
     (bad["tokenizer"] / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    (bad["replaced"] / "tokenizer.json").write_text((good / "tokenizer.json").read_text() + "\n")
+    meta = json.loads((good / "meta.json").read_text())
+    meta["train"]["max_id"] = meta["vocab_size"] + 100
+    (bad["max_id"] / "meta.json").write_text(json.dumps(meta))
     return bad
 
 
@@ -207,6 +211,14 @@ def _cases(tmp):
         "damaged tokenizer.json": ("train", [*tokens, f"--config.data.path={bad['tokenizer']}"],
                                    r"data.path=.*/tokenizer.json is not a Hugging Face tokenizer.json \(damaged\?\); "
                                    r"run train.prepare again with --overwrite", [W]),
+        "replaced tokenizer.json": ("train", [*tokens, f"--config.data.path={bad['replaced']}"],
+                                    r"data.path=.*/tokenizer.json is not the tokenizer the tokens were made with "
+                                    r"\(its SHA-256 differs from meta.json's\); restore that file, or run "
+                                    r"train.prepare again with --overwrite", [W]),
+        "meta.json max_id over its vocab": ("train", [*tokens, f"--config.data.path={bad['max_id']}"],
+                                            r"data.path=.*/meta.json says train.max_id=\d+, outside its "
+                                            r"vocab_size=\d+; the file is damaged: run train.prepare again with "
+                                            r"--overwrite", [W]),
         "truncated safetensors": ("train", ["--config=experiments/llama3_tiny.py", "--config.mesh.data=-1",
                                             f"--config.checkpoint.restore_from=hf:{hf}", f"--workdir={W}"],
                                   r"checkpoint.restore_from='hf:.*': .*/model.safetensors is truncated \(8,000 bytes, "
@@ -357,6 +369,11 @@ def _cases(tmp):
             f"--workdir={trained}", "--prompt_tokens=" + ",".join(["1"] * 70), "--num_cpu_devices=1",
             "--config.mesh.data=1"], t("--prompt: 70 tokens, longer than the 64 the model was trained on "
                                        "(model.seq_len); shorten it"), []),
+        "sample with a prompt and new tokens over the context": ("train.sample", [
+            f"--workdir={trained}", "--prompt_tokens=1,2,3", "--max_new_tokens=100000", "--num_cpu_devices=1",
+            "--config.mesh.data=1"], t("--max_new_tokens=100000: the prompt and new tokens (100003) exceed the 64 "
+                                       "positions the model takes (model.seq_len, within model.max_positions); "
+                                       "lower it to 61 or less, or shorten the prompt"), []),
         "plan --hosts=0": ("train.plan", ["--config=experiments/tiny.py", "--hosts=0"], t("--hosts=0: must be >= 1"),
                            []),
         "plan unwritable --json": ("train.plan", ["--config=experiments/tiny.py", f"--json={blocked}"],

@@ -1,4 +1,5 @@
 """Batches are pure functions of (seed, step), independent of the layout; splits and caches behave."""
+import hashlib
 import json
 
 import numpy as np
@@ -72,8 +73,12 @@ def _datadir(path, tokens, vocab=320, tokenizer="same"):
     path.mkdir(parents=True)
     np.asarray(tokens, dtype=np.uint16).tofile(path / "train.bin")
     np.asarray(tokens[:200], dtype=np.uint16).tofile(path / "val.bin")
-    tokenizer_lib.bytes_tokenizer().save(str(path / "tokenizer.json"))
-    meta = dict(vocab_size=vocab, dtype="uint16", eos_id=0, tokenizer_sha256=tokenizer)
+    tok = path / "tokenizer.json"
+    tokenizer_lib.bytes_tokenizer().save(str(tok))
+    if tokenizer != "same":  # another tokenizer.json: the same ids in another file
+        tok.write_text(tok.read_text() + "\n")
+    sha = hashlib.sha256(tok.read_bytes()).hexdigest()
+    meta = dict(vocab_size=vocab, dtype="uint16", eos_id=0, tokenizer_sha256=sha)
     (path / "meta.json").write_text(json.dumps(meta))
     return path
 

@@ -4,6 +4,7 @@ dtype and tokenizer. Reads only small JSON files, so config validation can call 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import pathlib
 from typing import Any
@@ -97,6 +98,7 @@ def _source(where: str, weight: float, setting: str, name: str) -> SourceSpec:
             raise DataConfigError(f"{setting}: {p / tokenizer.FILE} is missing; run train.prepare again with "
                                   f"--overwrite")
         _check_tokenizer(p / tokenizer.FILE, setting)
+        _check_meta(p, meta, setting)
         return SourceSpec(name, p / "train.bin", p / "val.bin", weight, meta)
     if p.is_file():
         sibling = p.with_name("val.bin")
@@ -121,6 +123,21 @@ def _check_tokenizer(path: pathlib.Path, setting: str) -> None:
     except tokenizer.TokenizerError:
         raise DataConfigError(f"{setting}: {path} is not a Hugging Face tokenizer.json (damaged?); run "
                               f"train.prepare again with --overwrite") from None
+
+
+def _check_meta(directory: pathlib.Path, meta: dict[str, Any], setting: str) -> None:
+    """What meta.json says agrees with itself and with the tokenizer.json beside it (cheap: no token is read)."""
+    vocab, again = int(meta["vocab_size"]), "run train.prepare again with --overwrite"
+    declared = meta.get("tokenizer_sha256")
+    if declared and hashlib.sha256((directory / tokenizer.FILE).read_bytes()).hexdigest() != declared:
+        raise DataConfigError(f"{setting}: {directory / tokenizer.FILE} is not the tokenizer the tokens were made "
+                              f"with (its SHA-256 differs from meta.json's); restore that file, or {again}")
+    ids = {"eos_id": meta.get("eos_id"), "bos_id": meta.get("bos_id"),
+           **{f"{split}.max_id": meta.get(split, {}).get("max_id") for split in ("train", "val")}}
+    for key, value in ids.items():
+        if value is not None and not (isinstance(value, int) and -1 <= value < vocab):
+            raise DataConfigError(f"{setting}: {directory / 'meta.json'} says {key}={value!r}, outside its "
+                                  f"vocab_size={vocab}; the file is damaged: {again}")
 
 
 def _names(paths: list[str]) -> list[str]:

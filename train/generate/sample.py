@@ -37,7 +37,8 @@ def define_flags() -> None:
     flags.DEFINE_string("prompt", None, "Prompt text, encoded with the run's tokenizer (its DATADIR's "
                         "tokenizer.json, or bytes for a run on raw text).")
     flags.DEFINE_string("prompt_tokens", None, "Prompt as token ids, e.g. 1,2,3.")
-    flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.")
+    flags.DEFINE_integer("max_new_tokens", None, f"Tokens to generate (default: {DEFAULT_NEW}, or as many as the "
+                         f"model's context leaves after the prompt).")
     flags.DEFINE_float("temperature", 0.0, "0 is greedy and deterministic.")
     flags.DEFINE_integer("top_k", 0, "Keep the K most likely tokens (0: all).")
     flags.DEFINE_float("top_p", 1.0, "Keep the smallest set of tokens with this much probability (1: all).")
@@ -47,13 +48,16 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_cpu_devices", 8, "Virtual devices when the platform is CPU.")
 
 
+DEFAULT_NEW = 64  # --max_new_tokens unless given
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """What to do with the run's model: decode `max_new` tokens after the prompt (text or token ids), or, with
     `eval_batches` > 0, score that many held-out batches."""
     prompt: str | None = None
     prompt_tokens: str | None = None
-    max_new: int = 64
+    max_new: int | None = None  # None: DEFAULT_NEW, within the model's context
     sampling: generate.Sampling = generate.Sampling()
     as_json: bool = False
     eval_batches: int = 0
@@ -71,7 +75,7 @@ def check_flags() -> None:
     for name, ok, rule in (("temperature", value("temperature") >= 0, ">= 0 (0 is greedy)"),
                            ("top_k", value("top_k") >= 0, ">= 0 (0 keeps every token)"),
                            ("top_p", 0 < value("top_p") <= 1, "in (0, 1] (1 keeps every token)"),
-                           ("max_new_tokens", value("max_new_tokens") >= 1, ">= 1"),
+                           ("max_new_tokens", (value("max_new_tokens") or 1) >= 1, ">= 1"),
                            ("eval_batches", value("eval_batches") >= 0, ">= 0"),
                            ("num_cpu_devices", value("num_cpu_devices") >= 1, ">= 1")):
         if not ok:
@@ -92,15 +96,16 @@ def sample(workdir: pathlib.Path, step: int | None, request: Request, mesh: dict
     if len(prompt) > plan.model.seq_len:  # before the checkpoint is read
         raise ConfigError(f"--prompt: {len(prompt)} tokens, longer than the {plan.model.seq_len} the model was "
                           f"trained on (model.seq_len); shorten it")
-    needed, limit = len(prompt) + request.max_new, paged.position_limit(plan.model)
-    if limit and needed > limit:
-        raise ConfigError(f"--max_new_tokens={request.max_new}: the prompt and new tokens ({needed}) exceed the "
-                          f"learned position table's {limit} rows (model.max_positions); lower it")
+    limit = paged.max_context(plan.model)
+    max_new = min(DEFAULT_NEW, limit - len(prompt)) if request.max_new is None else request.max_new
+    if max_new < 1 or len(prompt) + max_new > limit:  # the context the model was trained on, as the server's limit
+        raise ConfigError(f"--max_new_tokens={max_new}: the prompt and new tokens ({len(prompt) + max_new}) exceed "
+                          f"the {limit} positions the model takes (model.seq_len, within model.max_positions); "
+                          f"lower it to {max(limit - len(prompt), 0)} or less, or shorten the prompt")
     placed = placed_lib.restore(placed, workdir, step)
-    engine = serve.Engine.build(placed, dataclasses.replace(plan.serve, max_num_seqs=1),
-                                max_context=max(needed, paged.max_context(plan.model)))
+    engine = serve.Engine.build(placed, dataclasses.replace(plan.serve, max_num_seqs=1))
     s = request.sampling
-    [out] = engine.generate([prompt], serve.SamplingParams(s.temperature, s.top_k, s.top_p, s.seed, request.max_new))
+    [out] = engine.generate([prompt], serve.SamplingParams(s.temperature, s.top_k, s.top_p, s.seed, max_new))
     return prompt_lib.render(codec, prompt, out.token_ids, request.as_json)
 
 

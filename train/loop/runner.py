@@ -230,9 +230,14 @@ def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preempti
     summary = _summary(outcome, run.rep, path, services)
     say(f"done: loss {summary['final_loss']:.4f}, eval loss {summary['eval_loss']:.4f}, "
         f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}%; {goodput.line()}; outputs in "
-        f"{path} (metrics.jsonl, goodput.json, checkpoints/, compile_report.json, config.json, tensorboard/, logs/)")
+        f"{path} ({_listing(path)})")
     sys.stdout.flush()
     return {"state": outcome.state, "summary": summary, "compile_report": run.rep}
+
+
+def _listing(path: pathlib.Path) -> str:
+    """What the run holds, as written: the done line names no logger's folder that was not configured."""
+    return ", ".join(p.name + "/" * p.is_dir() for p in sorted(path.iterdir()) if not p.name.startswith("."))
 
 
 def _open_checkpoints(plan: Plan, path: pathlib.Path) -> tuple[checkpoint.Checkpoints,
