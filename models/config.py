@@ -94,15 +94,16 @@ def check_lora(cfg: SharedFields) -> None:
     if not isinstance(cfg.lora_alpha, (int, float)) or not cfg.lora_alpha > 0:
         raise ModelConfigError(f"model.lora_alpha={cfg.lora_alpha!r}: a number > 0 (adapters add "
                                f"alpha/rank x A.B to each weight)")
-    if cfg.n_experts:
-        raise ModelConfigError(f"model.lora_rank={rank} with model.n_experts={cfg.n_experts}: adapters on a mixture "
-                               f"of experts are not built; set model.lora_rank=0 or model.n_experts=0")
+    if cfg.n_experts and "mlp" in lora_targets(cfg):
+        raise ModelConfigError(f"model.lora_targets={cfg.lora_targets!r} with model.n_experts={cfg.n_experts}: a "
+                               f"mixture's adapters are on attention only; drop mlp (q, k, v, o adapt every layer)")
 
 
 @dataclasses.dataclass(frozen=True)
 class LoRAFields:
     """Low-rank adapters (models/lora.py): lora_rank 0 trains the whole model; above 0 the base is frozen and each
-    projection of `lora_targets` (q, k, v, o: attention; mlp: both MLP matrices) gains (alpha/rank)·A·B."""
+    projection of `lora_targets` (q, k, v, o: attention; mlp: both MLP matrices, not on a mixture) gains
+    (alpha/rank)·A·B."""
     lora_rank: int = described(0, "LoRA's rank; 0: no adapters, every weight trains; above 0 the base "
                                   "(checkpoint.restore_from) is frozen")
     lora_alpha: float = described(16.0, "adapters add alpha/rank x A.B to each weight")

@@ -91,6 +91,19 @@ def stack(cfg: GPTConfig, rngs: nnx.Rngs, layers_cls=Layers, experts_cls=Experts
                       lambda G: experts_cls(cfg, rngs, G))
 
 
+def add_adapters(layers: nnx.Module, cfg: GPTConfig, projections: dict[str, lora.Projection],
+                 rngs: nnx.Rngs) -> None:
+    """The LoRA adapters of a stack: beside the blocks' weights, so each block finds its own under `lora`; a
+    mixture's in its `dense` stack and `moe` blocks (the attention projections: config.check_lora refuses `mlp`)."""
+    if not moe.is_moe(cfg):
+        layers.lora = lora.Adapters(cfg, projections, rngs)
+        return
+    G, k = moe.groups(cfg), cfg.moe_every
+    if k > 1:
+        layers.dense.lora = lora.Adapters(cfg, projections, rngs, ((G, k - 1), ("layers", None)))
+    layers.moe.lora = lora.Adapters(cfg, projections, rngs, ((G,), ("layers",)))
+
+
 class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -105,7 +118,7 @@ class GPT(nnx.Module):
         if cfg.positions == "learned":  # drawn after the others, so they are those of the same seed with rotary
             self.positions = param(rngs, (cfg.position_rows, cfg.d_model), (None, "embed"), dt, 0.02)
         if lora.enabled(cfg):  # drawn last, so the base weights are those of the same seed without adapters
-            self.layers.lora = lora.Adapters(cfg, projections(cfg), rngs)
+            add_adapters(self.layers, cfg, projections(cfg), rngs)
 
     def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
         return contract.forward(param_dict(self), tokens_BxL, self.cfg)

@@ -69,7 +69,7 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dt, 0.02)
         if lora.enabled(cfg):  # drawn last, so the base weights are those of the same seed without adapters
-            self.layers.lora = lora.Adapters(cfg, projections(cfg), rngs)
+            gpt.add_adapters(self.layers, cfg, projections(cfg), rngs)
 
 
 def projections(cfg: LlamaConfig) -> dict[str, lora.Projection]:

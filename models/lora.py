@@ -1,6 +1,7 @@
 """Low-rank adapters (Hu et al. 2021, LoRA): a frozen model's projection W becomes W + (alpha/rank)·A·B, B zero at
 first so the adapted model starts as its base; adapters sit in the layer stack's dict under `lora`, stacked on
-`layers`, each dimension named with its base weight's logical axis and the rank dimension with none."""
+`layers`, each dimension named with its base weight's logical axis and the rank dimension with none. A mixture of
+experts holds them in each of its stacks (`moe`, and `dense` when moe_every > 1), beside the attention weights."""
 from __future__ import annotations
 
 import dataclasses
@@ -62,12 +63,15 @@ class Adapter(nnx.Module):
 
 
 class Adapters(nnx.Module):
-    """One Adapter per projection of `cfg.lora_targets` (adapter_names), stacked over the `layers` axis."""
+    """One Adapter per projection of `cfg.lora_targets` (adapter_names), stacked over the `layers` axis, or over
+    the `lead` dimensions (sizes, logical axes) of the stack they sit in."""
 
-    def __init__(self, cfg: ModelConfig, projections: dict[str, Projection], rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, projections: dict[str, Projection], rngs: nnx.Rngs,
+                 lead: tuple | None = None):
+        shape, axes = lead or ((cfg.n_layers,), ("layers",))
         for name in adapter_names(cfg):
-            setattr(self, name, Adapter(projections[name], cfg.lora_rank, (cfg.n_layers,), ("layers",),
-                                        jnp.dtype(cfg.param_dtype), rngs))
+            setattr(self, name, Adapter(projections[name], cfg.lora_rank, shape, axes, jnp.dtype(cfg.param_dtype),
+                                        rngs))
 
 
 def add(y: jax.Array, p: dict, name: str, x: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -102,16 +106,25 @@ def freeze(params: Any, cfg: ModelConfig) -> Any:
 
 def merge(params: dict, cfg: ModelConfig, projections: dict[str, Projection]) -> dict:
     """numpy params (layers stacked, logical order) -> the same without adapters, each adapted weight replaced by
-    W + scale·A·B (computed in float32): what an export writes."""
-    layers = {k: np.array(v, np.float32) if k != KEY else v for k, v in params["layers"].items()}
-    for name, adapter in layers.pop(KEY, {}).items():
+    W + scale·A·B (computed in float32): what an export writes. Every stack holding a `lora` entry (the layers,
+    or a mixture's `moe` and `dense`) is merged with its own adapters."""
+    return {**params, "layers": _merged_stack(params["layers"], cfg, projections)}
+
+
+def _merged_stack(stack: dict, cfg: ModelConfig, projections: dict[str, Projection]) -> dict:
+    out = {k: _merged_stack(v, cfg, projections) if isinstance(v, dict) else v
+           for k, v in stack.items() if k != KEY}
+    for name, adapter in stack.get(KEY, {}).items():
         proj = projections[name]
         a, b = np.asarray(adapter["a"], np.float32), np.asarray(adapter["b"], np.float32)
-        n, rank = a.shape[0], a.shape[-1]
-        delta = np.matmul(a.reshape(n, -1, rank), b.reshape(n, rank, -1)).reshape(n, *proj.in_shape, *proj.out_shape)
-        layers[proj.weight][(slice(None), *proj.index)] += scale(cfg) * delta
-    dtypes = {k: np.asarray(v).dtype for k, v in params["layers"].items() if k != KEY}
-    return {**params, "layers": {k: v.astype(dtypes[k]) for k, v in layers.items()}}
+        lead, rank = a.shape[:a.ndim - len(proj.in_shape) - 1], a.shape[-1]
+        n = math.prod(lead)
+        delta = np.matmul(a.reshape(n, -1, rank), b.reshape(n, rank, -1)).reshape(*lead, *proj.in_shape,
+                                                                                 *proj.out_shape)
+        w = np.array(out[proj.weight], np.float32)
+        w[(*(slice(None),) * len(lead), *proj.index)] += scale(cfg) * delta
+        out[proj.weight] = w.astype(np.asarray(stack[proj.weight]).dtype)
+    return out
 
 
 def adapter_count(cfg: ModelConfig, projections: dict[str, Projection]) -> int:

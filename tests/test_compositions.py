@@ -218,3 +218,44 @@ def test_audit_of_a_mixture_with_context_in_a_pipeline():
         ("embedding/head gradient all-reduce (on every stage)", ("data", "pipeline", "context")),
         ("gradient all-reduce", ("data", "context")), ("mixture rows over context", ("context",)),
         ("stage activations and gradients", ("pipeline",))]
+
+
+# The newer mixtures held to one device as moe-tiny is: Qwen3-MoE (per-head q/k norms, head_dim apart from
+# d_model/n_heads, the chosen probabilities unrenormalized) with its experts over `expert` and its heads and MLPs
+# over `tensor`.
+FAMILY_LAYOUTS = [("qwen3-moe-tiny", {"expert": 2, "tensor": 2})]
+
+
+def family_config(preset: str):
+    """A maker of `preset`'s tiny config at half width, sequences of 32, on test_moe's seed."""
+    def make(**mesh):
+        config = moe_config(**mesh)
+        config.model.update(preset=preset, d_model=64, n_heads=4, n_kv_heads=2, seq_len=32)
+        return config
+    return make
+
+
+_FAMILY_MAKERS = {preset: family_config(preset) for preset, _ in FAMILY_LAYOUTS}  # one _trainer cache key each
+
+
+@functools.lru_cache(maxsize=None)
+def family_reference(preset: str, accum: int) -> dict:
+    """`preset` on one device over `accum` slices: its initial state, first-step gradients and 3 losses."""
+    config = _FAMILY_MAKERS[preset]()
+    config.train.grad_accum_steps = accum
+    trainer = Trainer.build(config, num_devices=1)
+    state = jax.device_get(trainer.init_state())
+    grads, losses, _ = grads_and_run(trainer, 3, state)
+    return {"state": state, "grads": grads, "losses": losses}
+
+
+@pytest.mark.parametrize("preset,mesh", FAMILY_LAYOUTS, ids=lambda v: _id(v) if isinstance(v, dict) else v)
+def test_newer_mixture_layout_matches_single_device(preset, mesh):
+    trainer = _trainer(_FAMILY_MAKERS[preset], tuple(mesh.items()), False)
+    ref = family_reference(preset, trainer.plan.pipeline.microbatches if trainer.plan.pipeline else 1)
+    state = trainer.from_logical(jax.device_put(ref["state"], trainer.layout.state))
+    grads, losses, _ = grads_and_run(trainer, 3, state)
+    if trainer.layer_order is not None:
+        grads = pipeline_lib.to_logical(grads, trainer.layer_order)
+    np.testing.assert_allclose(losses, ref["losses"], rtol=1e-4)
+    assert rel_norm(grads, ref["grads"]) < 1e-5

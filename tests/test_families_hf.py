@@ -36,18 +36,21 @@ def _hf_logits(path) -> np.ndarray:
         return _hf_model(path)(torch.tensor(TOKENS)).logits.numpy()
 
 
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    """A random tiny Qwen3ForCausalLM (untied head), its q/k norm scales drawn away from ones."""
+def save_qwen3(path):
+    """A random tiny Qwen3ForCausalLM (untied head), its q/k norm scales drawn away from ones, saved at `path`."""
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3, tie_word_embeddings=False))
     with torch.no_grad():
         for name, w in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 w.uniform_(0.5, 1.5)
-    path = tmp_path_factory.mktemp("qwen3") / "hf"
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return save_qwen3(tmp_path_factory.mktemp("qwen3") / "hf")
 
 
 def test_qwen3_imports_on_tensor2_with_transformers_logits(qwen3_dir):
@@ -103,18 +106,22 @@ MIXTURES = {  # transformers' config class and ours (the preset and the import's
 }
 
 
-@pytest.fixture(scope="module", params=sorted(MIXTURES))
-def mixture_dir(request, tmp_path_factory):
-    """A random tiny MixtralForCausalLM or Qwen3MoeForCausalLM (untied), saved by transformers: (kind, path)."""
+def save_mixture(kind: str, path):
+    """A random tiny MixtralForCausalLM or Qwen3MoeForCausalLM (untied), saved by transformers at `path`."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(MIXTURES[request.param][0]())
+    model = transformers.AutoModelForCausalLM.from_config(MIXTURES[kind][0]())
     with torch.no_grad():
         for name, w in model.named_parameters():
             if name.endswith(("norm.weight", "gate.weight")):  # norms away from ones, routers decisive
                 w.uniform_(0.5, 1.5) if "norm" in name else w.normal_(0.0, 0.5)
-    path = tmp_path_factory.mktemp(request.param) / "hf"
     model.save_pretrained(path)
-    return request.param, path
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(MIXTURES))
+def mixture_dir(request, tmp_path_factory):
+    """(kind, the path of save_mixture's model)."""
+    return request.param, save_mixture(request.param, tmp_path_factory.mktemp(request.param) / "hf")
 
 
 def test_mixture_imports_with_transformers_logits_and_exports_the_same_tensors(mixture_dir, tmp_path):
@@ -143,7 +150,9 @@ def test_mixture_imports_with_transformers_logits_and_exports_the_same_tensors(m
     (dict(preset="qwen3-tiny", head_dim=15), r"^the head dimension 15 \(model.head_dim"),
     (dict(preset="qwen3-tiny", qk_norm="yes"), r"^model.qk_norm='yes': use True or False$"),
     (dict(preset="mixtral-tiny", router="top2"), r"^model.router='top2': use one of auto, topk_softmax, softmax$"),
-], ids=["head_dim", "odd_head_dim", "qk_norm", "router"])
+    (dict(preset="qwen3-moe-tiny", lora_rank=4, lora_targets="q,mlp"),
+     r"^model.lora_targets='q,mlp' with model.n_experts=4: a mixture's adapters are on attention only; drop mlp"),
+], ids=["head_dim", "odd_head_dim", "qk_norm", "router", "lora_mlp_on_experts"])
 def test_bad_new_settings_are_one_line(fields, fragment):
     with pytest.raises(models.ModelConfigError, match=fragment):
         models.from_dict(fields)

@@ -96,6 +96,44 @@ def test_default_template_and_too_many_bad_records(tmp_path):
     assert not (tmp_path / "bad-out").exists()
 
 
+# Qwen3's layout, written here: ChatML turns with <|im_start|> and <|im_end|> as special tokens; the assistant turn
+# after the last user message opens with an empty think block, earlier assistant turns are rendered bare.
+QWEN3_STYLE = ("{%- set ns = namespace(last=-1) -%}{%- for m in messages -%}{%- if m['role'] == 'user' -%}"
+               "{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+               "{%- for m in messages -%}{%- if m['role'] == 'assistant' and loop.index0 > ns.last -%}"
+               "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' -}}"
+               "{%- else -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endif -%}"
+               "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+def test_a_template_that_renders_the_last_assistant_turn_apart(tmp_path):
+    """With a Qwen3-style template an earlier assistant turn renders otherwise in the conversation than as its
+    last turn: every conversation is kept, the tokens are transformers' apply_chat_template, and the mask holds
+    each assistant turn as the conversation renders it (the last one with its empty think block)."""
+    transformers = pytest.importorskip("transformers")
+    hf = tmp_path / "tok"
+    hf.mkdir()
+    tok = tok_lib.train_bpe([m["content"] for conv in GOOD for m in conv] * 20, 300)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<think>", "</think>"])
+    tok.save(str(hf / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN3_STYLE, "eos_token": "<|im_end|>",
+                                                          "tokenizer_class": "PreTrainedTokenizerFast"}))
+    data = _jsonl(tmp_path / "chats.jsonl", GOOD)
+    meta = prepare.prepare([str(data)], str(tmp_path / "out"), f"hf:{hf}", val_percent=0, data_format="chat")
+    assert meta["records"]["kept"] == 2, meta["records"]
+    oracle = transformers.PreTrainedTokenizerFast.from_pretrained(str(hf))
+    eos = oracle.convert_tokens_to_ids(tok_lib.EOS_TEXT)
+    want = [t for conv in GOOD for t in (*oracle.apply_chat_template(conv, tokenize=True, return_dict=True)[
+        "input_ids"], eos)]
+    tokens, mask = _tokens_and_mask(tmp_path / "out")
+    np.testing.assert_array_equal(tokens, want)
+    runs = np.split(tokens, np.flatnonzero(np.diff(mask.astype(int)) != 0) + 1)
+    kept = [oracle.decode(r) for r, on in zip(runs, np.split(mask, np.flatnonzero(np.diff(mask.astype(int))) + 1))
+            if on[0]]
+    think = "<think>\n\n</think>\n\n"
+    assert kept == [think + "Four.<|im_end|>", "hello there<|im_end|>", think + "bonjour, ça va<|im_end|>"], kept
+
+
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory):
     """(DATADIR of conversations of random words prepared with the bytes tokenizer and the default template, the

@@ -129,16 +129,19 @@ class Renderer:
     def _turns(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """An assistant turn is what rendering through it adds to rendering the turns before it with the
         generation prompt, up to its last non-blank character: its content and end-of-turn marker, not the line
-        break after. A template that does not render the conversation turn by turn this way cannot be used."""
+        break after. A template that renders the last assistant turn otherwise than an earlier one (Qwen3's empty
+        think block after the last user message) is read in the whole conversation (_history_turn). A template
+        that does not render the conversation turn by turn either way cannot be used."""
         text, spans = self.render(messages, False), []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             prompt, through = self.render(messages[:i], True), self.render(messages[:i + 1], False)
             end = len(through.rstrip())
-            if not (len(prompt) < end and through.startswith(prompt) and text.startswith(through[:end])):
+            if not (len(prompt) < end and through.startswith(prompt)):
                 raise Skip("unrenderable")
-            spans.append((len(prompt), end))
+            spans.append((len(prompt), end) if text.startswith(through[:end])
+                         else _history_turn(text, prompt, through[len(prompt):end], message["content"]))
         return text, spans
 
     def documents(self, item: sources.Input) -> Iterator[tuple[str, list[tuple[int, int]]]]:
@@ -152,6 +155,20 @@ class Renderer:
                 continue
             self.counts["kept"] += 1
             yield doc
+
+
+def _history_turn(text: str, prompt: str, alone: str, content: str) -> tuple[int, int]:
+    """The [start, end) characters in `text` of an assistant turn that the whole conversation renders otherwise
+    than the turn rendered last (`alone`, after `prompt`): from the generation prompt's end through the turn's
+    content and what `alone` ends it with (its end-of-turn marker); raises Skip when `text` does not hold them."""
+    cut = alone.rfind(content)
+    if not content or cut < 0 or not text.startswith(prompt):
+        raise Skip("unrenderable")
+    closing = alone[cut + len(content):]
+    at = text.find(content + closing, len(prompt))
+    if at < 0:
+        raise Skip("unrenderable")
+    return len(prompt), at + len(content) + len(closing)
 
 
 def records(item: sources.Input) -> Iterator[Any]:
