@@ -1,0 +1,251 @@
+"""Load generator for any OpenAI-compatible server: streamed `/v1/completions` requests at fixed concurrencies
+or Poisson arrival rates; per level the request and output-token throughput, TTFT and inter-token latency (the
+gaps between successive streamed chunks, as `vllm bench serve` counts them) percentiles and end-to-end latency.
+
+    python -m experiments.bench_serve --url=http://127.0.0.1:8000 --concurrency=1,4,16,64
+    python -m experiments.bench_serve --url=... --request_rate=2,8 --num_prompts=200 --tokenizer=HF_DIR
+    python -m experiments.bench_serve --url=... --peer=transformers --peer_model=HF_DIR --tokenizer=HF_DIR
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+from absl import app, flags
+
+_URL = flags.DEFINE_string("url", "http://127.0.0.1:8000", "The server's base URL (without /v1).")
+_MODEL = flags.DEFINE_string("model", "", "The `model` field of each request (default: the server's first).")
+_API_KEY = flags.DEFINE_string("api_key", "", "Sent as `Authorization: Bearer KEY` when set.")
+_CONCURRENCY = flags.DEFINE_list("concurrency", ["1", "4", "16", "64"], "Requests in flight, one level each.")
+_RATE = flags.DEFINE_list("request_rate", [], "Poisson arrival rates (requests/s), one level each; replaces "
+                          "--concurrency when set.")
+_NUM = flags.DEFINE_integer("num_prompts", 64, "Requests per level.")
+_INPUT_LEN = flags.DEFINE_integer("input_len", 32, "Prompt tokens per request (random token ids).")
+_OUTPUT_LEN = flags.DEFINE_integer("output_len", 32, "Tokens each request generates (end of text ignored).")
+_VOCAB = flags.DEFINE_integer("vocab", 256, "Random prompt ids are drawn below this (without --tokenizer).")
+_TOKENIZER = flags.DEFINE_string("tokenizer", "", "A Hugging Face model directory: random ids are decoded to "
+                                 "text with its tokenizer (servers that take text prompts only).")
+_PROMPTS = flags.DEFINE_string("prompts", "", "A text file of prompts, one a line, used in turn instead of "
+                               "random ones.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the prompts and the arrival times.")
+_JSON = flags.DEFINE_string("json", "", "Also write the rows to this JSON file.")
+_PEER = flags.DEFINE_enum("peer", "", ["", "transformers"], "Also start this server on --peer_model and measure "
+                          "it with the same requests, side by side.")
+_PEER_MODEL = flags.DEFINE_string("peer_model", "", "The peer's model: a `train.export_hf` output directory.")
+_PEER_PORT = flags.DEFINE_integer("peer_port", 8031, "The peer server's port on 127.0.0.1.")
+_TIMEOUT = flags.DEFINE_float("timeout", 600.0, "Seconds one request may take.")
+
+
+@dataclasses.dataclass
+class Result:
+    """One request as the client saw it: when each streamed chunk with text arrived, relative to the send."""
+    ok: bool
+    chunk_times: list[float]
+    latency: float
+    output_tokens: int
+    error: str = ""
+
+
+def percentile(values, q: float) -> float:
+    """The q-th percentile (linear interpolation, numpy's default), in the values' units; nan when empty."""
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def summarize(results: list[Result], duration: float) -> dict:
+    """A level's figures (milliseconds for latencies) from its requests and its wall-clock duration."""
+    done = [r for r in results if r.ok]
+    ttft = [r.chunk_times[0] for r in done if r.chunk_times]
+    itl = [b - a for r in done for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    tokens = sum(r.output_tokens for r in done)
+    ms = 1e3
+    return {"completed": len(done), "failed": len(results) - len(done), "duration_s": round(duration, 3),
+            "request_throughput": round(len(done) / duration, 3), "output_tokens_per_s": round(tokens / duration, 1),
+            "ttft_p50_ms": round(ms * percentile(ttft, 50), 2), "ttft_p99_ms": round(ms * percentile(ttft, 99), 2),
+            "itl_p50_ms": round(ms * percentile(itl, 50), 2), "itl_p99_ms": round(ms * percentile(itl, 99), 2),
+            "e2e_p50_ms": round(ms * percentile([r.latency for r in done], 50), 2)}
+
+
+def sse_events(lines):
+    """The JSON payloads of an SSE stream's `data:` lines, up to `data: [DONE]` (an async generator)."""
+    async def events():
+        async for line in lines:
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                return
+            yield json.loads(data)
+    return events()
+
+
+def request_body(model: str, prompt, output_len: int, peer: str) -> dict:
+    """A streamed completion of exactly `output_len` tokens: `ignore_eos` (vLLM's extension) for servers that
+    take it; transformers' server rejects unknown fields and takes a generation config instead."""
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True}
+    if peer == "transformers":
+        body["generation_config"] = json.dumps({"max_new_tokens": output_len, "min_new_tokens": output_len,
+                                                "do_sample": False})
+    else:
+        body.update(ignore_eos=True, stream_options={"include_usage": True})
+    return body
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result:
+    """Send one streamed completion; a chunk counts as a token arrival when it carries text."""
+    times, usage, start = [], None, time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                return Result(False, [], 0.0, 0, f"HTTP {response.status_code}: {text[:200]}")
+            async for event in sse_events(response.aiter_lines()):
+                if "error" in event:
+                    return Result(False, times, 0.0, 0, str(event["error"])[:200])
+                if event.get("usage"):
+                    usage = event["usage"]
+                if any(c.get("text") for c in event.get("choices") or ()):
+                    times.append(time.perf_counter() - start)
+    except httpx.HTTPError as e:
+        return Result(False, times, 0.0, 0, f"{type(e).__name__}: {e}")
+    tokens = usage["completion_tokens"] if usage and usage.get("completion_tokens") else len(times)
+    return Result(True, times, time.perf_counter() - start, tokens)
+
+
+async def run_level(url: str, bodies: list[dict], concurrency: int = 0, rate: float = 0.0,
+                    seed: int = 0, headers: dict | None = None, timeout: float = 600.0) -> tuple[list[Result], float]:
+    """All `bodies` at `concurrency` in flight, or arriving as a Poisson process of `rate` per second."""
+    limits = httpx.Limits(max_connections=max(concurrency, 1) if concurrency else None, max_keepalive_connections=None)
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(bodies)) if rate else np.zeros(len(bodies))
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+        gate = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
+
+        async def gated(body):
+            async with gate:
+                return await one_request(client, url, body)
+
+        start, tasks = time.perf_counter(), []
+        for body, gap in zip(bodies, gaps):
+            if rate:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(gated(body)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+def make_prompts(n: int, input_len: int, seed: int):
+    """`n` prompts: lines of --prompts in turn, else random token ids (decoded with --tokenizer when set)."""
+    if _PROMPTS.value:
+        lines = [line for line in open(_PROMPTS.value, encoding="utf-8").read().splitlines() if line.strip()]
+        return [lines[i % len(lines)] for i in range(n)]
+    ids = np.random.default_rng(seed).integers(0, _VOCAB.value, (n, input_len))
+    if not _TOKENIZER.value:
+        return [row.tolist() for row in ids]
+    from transformers import AutoTokenizer  # the hf extra, only for text prompts
+    tok = AutoTokenizer.from_pretrained(_TOKENIZER.value)
+    ids = np.random.default_rng(seed).integers(0, tok.vocab_size, (n, input_len))
+    return [tok.decode(row.tolist()) for row in ids]
+
+
+def served_model(url: str, headers: dict) -> str:
+    response = httpx.get(url + "/v1/models", headers=headers, timeout=30)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def measure(server: str, url: str, model: str, prompts: list, peer: str = "") -> list[dict]:
+    """Every level against one server: one row each."""
+    headers = {"Authorization": f"Bearer {_API_KEY.value}"} if _API_KEY.value else {}
+    model = model or served_model(url, headers)
+    bodies = [request_body(model, p, _OUTPUT_LEN.value, peer) for p in prompts]
+    levels = [("rate", float(r)) for r in _RATE.value] or [("concurrency", int(c)) for c in _CONCURRENCY.value]
+    asyncio.run(run_level(url, bodies[:1], concurrency=1, headers=headers, timeout=_TIMEOUT.value))  # warm-up
+    rows = []
+    for kind, value in levels:
+        kw = {"rate": value} if kind == "rate" else {"concurrency": value}
+        results, duration = asyncio.run(run_level(url, bodies, seed=_SEED.value, headers=headers,
+                                                  timeout=_TIMEOUT.value, **kw))
+        errors = sorted({r.error for r in results if not r.ok})
+        rows.append({"server": server, kind: value, "input_len": _INPUT_LEN.value,
+                     "output_len": _OUTPUT_LEN.value, **summarize(results, duration),
+                     **({"errors": errors[:3]} if errors else {})})
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    kind = "rate" if "rate" in rows[0] else "concurrency"
+    cols = [("server", 14), (kind, 12), ("completed", 10), ("request_throughput", 9), ("output_tokens_per_s", 10),
+            ("ttft_p50_ms", 10), ("ttft_p99_ms", 10), ("itl_p50_ms", 10), ("itl_p99_ms", 10), ("e2e_p50_ms", 10)]
+    names = {"request_throughput": "req/s", "output_tokens_per_s": "tok/s", "ttft_p50_ms": "TTFT p50",
+             "ttft_p99_ms": "TTFT p99", "itl_p50_ms": "ITL p50", "itl_p99_ms": "ITL p99",
+             "e2e_p50_ms": "E2E p50", "completed": "done"}
+    print("".join(f"{names.get(c, c):>{w}}" for c, w in cols) + "   (latencies in ms)")
+    for r in rows:
+        print("".join(f"{r[c]:>{w}}" for c, w in cols))
+        for e in r.get("errors", ()):
+            print(f"  error: {e}")
+
+
+@contextlib.contextmanager
+def transformers_server(model_dir: str, port: int):
+    """`transformers serve --continuous-batching` on 127.0.0.1:port with `model_dir` preloaded, until exit."""
+    exe = os.path.join(os.path.dirname(sys.executable), "transformers")
+    proc = subprocess.Popen([exe, "serve", "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
+                             "--device", "cpu" if not _has_cuda() else "auto", model_dir],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"error: --peer=transformers: the server exited: {proc.stderr.read()[-500:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise SystemExit("error: --peer=transformers: the server did not answer /health within 300 s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _has_cuda() -> bool:
+    with contextlib.suppress(ImportError):
+        import torch
+        return torch.cuda.is_available()
+    return False
+
+
+def main(argv):
+    del argv
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the table
+    if _PEER.value and not (_PEER_MODEL.value and os.path.isdir(_PEER_MODEL.value)):
+        raise app.UsageError("--peer_model: give the train.export_hf output directory the peer serves")
+    if _PEER.value and not (_TOKENIZER.value or _PROMPTS.value):
+        raise app.UsageError("--tokenizer: the peer takes text prompts; give the exported model directory")
+    prompts = make_prompts(_NUM.value, _INPUT_LEN.value, _SEED.value)
+    rows = measure("ours", _URL.value.rstrip("/"), _MODEL.value, prompts) if _URL.value else []
+    if _PEER.value:
+        with transformers_server(_PEER_MODEL.value, _PEER_PORT.value) as url:
+            rows += measure(_PEER.value, url, "", prompts, peer=_PEER.value)
+    print_table(rows)
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main)
