@@ -21,7 +21,7 @@ from train.trainer import Trainer
 
 _MODELS = flags.DEFINE_list("models", ["384x6", "640x10"], "d_model x n_layers of each state measured "
                             "(params + two Adam moments: about 36 x n_layers x d_model^2 bytes).")
-_DEVICES = flags.DEFINE_integer("num_cpu_devices", 8, "Virtual CPU devices.")
+_DEVICES = flags.DEFINE_integer("num_cpu_devices", 8, "Virtual CPU devices.", lower_bound=1)
 flags.register_validator("models", lambda specs: all(len(s.split("x")) == 2 and all(x.isdigit() and int(x) > 0
                                                                                       for x in s.split("x"))
                                                      for s in specs),

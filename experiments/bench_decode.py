@@ -12,9 +12,10 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import models
+from train import cli
 from train.generate import decode as generate
 
 _PRESET = flags.DEFINE_string("preset", "llama3-tiny", "Model preset (a family with KV-cache decoding).")
@@ -56,4 +57,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)  # a bad flag or setting: one line, exit 2

@@ -12,10 +12,11 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from mesh import use_cpu_devices
 from mesh.errors import UserError
+from train import cli
 from train.planner import compile_report as report
 from train.trainer import Trainer
 
@@ -108,4 +109,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)  # a bad flag or setting: one line, exit 2

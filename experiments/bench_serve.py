@@ -5,6 +5,13 @@ gaps between successive streamed chunks, as `vllm bench serve` counts them) perc
     python -m experiments.bench_serve --url=http://127.0.0.1:8000 --concurrency=1,4,16,64
     python -m experiments.bench_serve --url=... --request_rate=2,8 --num_prompts=200 --tokenizer=HF_DIR
     python -m experiments.bench_serve --url=... --peer=transformers --peer_model=HF_DIR --tokenizer=HF_DIR
+
+`--engine_only` measures the serving engine (train/serve/) in process, no HTTP: the step time at a full batch of
+--engine_seqs decoding sequences beside a bare jitted decode step of the same model, batch and cache length over a
+contiguous KV cache (the model contract's Decoding.decode), and the engine's throughput by serve.max_num_seqs
+(--seqs). Weights are random: speed does not depend on their values.
+
+    python -m experiments.bench_serve --engine_only --preset=llama3-tiny --engine_seqs=16 --seqs=1,8,16
 """
 from __future__ import annotations
 
@@ -43,6 +50,14 @@ _PEER = flags.DEFINE_enum("peer", "", ["", "transformers"], "Also start this ser
 _PEER_MODEL = flags.DEFINE_string("peer_model", "", "The peer's model: a `train.export_hf` output directory.")
 _PEER_PORT = flags.DEFINE_integer("peer_port", 8031, "The peer server's port on 127.0.0.1.")
 _TIMEOUT = flags.DEFINE_float("timeout", 600.0, "Seconds one request may take.")
+_ENGINE_ONLY = flags.DEFINE_boolean("engine_only", False, "Measure the engine in process instead of a server: "
+                                    "its step time beside a bare decode step, and its throughput by --seqs.")
+_PRESET = flags.DEFINE_string("preset", "llama3-tiny", "--engine_only: the model preset (a family with paged "
+                              "decoding).")
+_ENGINE_SEQS = flags.DEFINE_integer("engine_seqs", 16, "--engine_only: the full batch the step times compare.")
+_SEQS = flags.DEFINE_list("seqs", ["1", "8", "16"], "--engine_only: serve.max_num_seqs values of the throughput "
+                          "table (empty: no table).")
+_STEPS = flags.DEFINE_integer("steps", 20, "--engine_only: decode steps timed (the median is reported).")
 
 
 @dataclasses.dataclass
@@ -236,15 +251,120 @@ def main(argv):
         raise app.UsageError("--peer_model: give the train.export_hf output directory the peer serves")
     if _PEER.value and not (_TOKENIZER.value or _PROMPTS.value):
         raise app.UsageError("--tokenizer: the peer takes text prompts; give the exported model directory")
+    if _ENGINE_ONLY.value:
+        rows = engine_rows(_PRESET.value, _ENGINE_SEQS.value, [int(s) for s in _SEQS.value], _NUM.value,
+                                _INPUT_LEN.value, _OUTPUT_LEN.value, _STEPS.value)
+    else:
+        rows = serve_rows()
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+def serve_rows() -> list[dict]:
     prompts = make_prompts(_NUM.value, _INPUT_LEN.value, _SEED.value)
     rows = measure("ours", _URL.value.rstrip("/"), _MODEL.value, prompts) if _URL.value else []
     if _PEER.value:
         with transformers_server(_PEER_MODEL.value, _PEER_PORT.value) as url:
             rows += measure(_PEER.value, url, "", prompts, peer=_PEER.value)
     print_table(rows)
-    if _JSON.value:
-        with open(_JSON.value, "w") as f:
-            json.dump(rows, f, indent=2)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- --engine_only
+
+def _median_seconds(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def engine_step_seconds(placed, seqs: int, input_len: int, steps: int) -> float:
+    """The median engine.step() with `seqs` sequences all decoding (every prompt prefilled, none finishing)."""
+    from train.serve.engine import Engine, Settings
+    from train.serve.sampling import SamplingParams
+    context = input_len + steps + 2
+    settings = Settings(max_num_seqs=seqs, prefix_cache=False, max_batch_tokens=max(256, seqs))
+    engine = Engine.build(placed, settings, max_context=context)
+    rng = np.random.default_rng(0)
+    for i in range(seqs):
+        engine.add(f"b{i}", rng.integers(0, placed.model.vocab_size, input_len).tolist(),
+                   SamplingParams(max_tokens=steps + 2))
+    started: set[str] = set()
+    while len(started) < seqs:  # prefill: each sequence's first token
+        started |= {o.request_id for o in engine.step()}
+    assert engine.stats()["running"] == seqs, engine.stats()
+    return _median_seconds(engine.step, steps)
+
+
+def bare_step_seconds(placed, seqs: int, input_len: int, steps: int) -> float:
+    """The median jitted decode step (greedy) of `seqs` rows over a contiguous cache of the engine's length."""
+    import jax
+    import jax.numpy as jnp
+
+    import models
+    cfg, decoding = placed.model, models.family_of(placed.model).decoding
+    constrain = placed.layout.constrain()
+
+    def run(params, tokens, cache, length):
+        logits, cache = decoding.decode(params, tokens, cache, length, cfg, constrain)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], cache
+    step = jax.jit(run, donate_argnums=(2,))
+    state = {"cache": decoding.init_cache(cfg, seqs, input_len + steps + 2),
+             "tokens": jnp.ones((seqs, 1), jnp.int32), "length": input_len}
+
+    def one():
+        state["tokens"], state["cache"] = step(placed.params, state["tokens"], state["cache"],
+                                               jnp.asarray(state["length"], jnp.int32))
+        state["tokens"].block_until_ready()
+        state["length"] += 1
+    one()  # compile
+    state["length"] = input_len
+    return _median_seconds(one, steps)
+
+
+def engine_throughput(placed, seqs: int, requests: int, input_len: int, output_len: int) -> dict:
+    """All `requests` added at once, run to completion with serve.max_num_seqs=`seqs`: new tokens per second."""
+    from train.serve.engine import Engine, Settings
+    from train.serve.sampling import SamplingParams
+    engine = Engine.build(placed, Settings(max_num_seqs=seqs, prefix_cache=False))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, placed.model.vocab_size, input_len).tolist() for _ in range(requests)]
+    t = time.perf_counter()
+    outs = engine.generate(prompts, SamplingParams(max_tokens=output_len))
+    seconds = time.perf_counter() - t
+    new = sum(len(o.token_ids) for o in outs)
+    return {"max_num_seqs": seqs, "requests": requests, "new_tokens": new, "seconds": round(seconds, 3),
+            "tokens_per_s": round(new / seconds, 1)}
+
+
+def engine_rows(preset: str, seqs: int, table_seqs: list[int], requests: int, input_len: int, output_len: int,
+                steps: int) -> list[dict]:
+    """The step-time comparison (printed) and the throughput table (printed), as rows."""
+    import models
+    from train import placed as placed_lib
+    placed = placed_lib.initialized(placed_lib.on_one_device(models.from_dict({"preset": preset})))
+    device = str(placed.mesh.devices.flat[0].platform)
+    engine_s = engine_step_seconds(placed, seqs, input_len, steps)
+    bare_s = bare_step_seconds(placed, seqs, input_len, steps)
+    step = {"kind": "step", "preset": preset, "batch": seqs, "cache_len": input_len + steps + 2,
+            "engine_step_ms": round(1e3 * engine_s, 3), "bare_step_ms": round(1e3 * bare_s, 3),
+            "ratio": round(engine_s / bare_s, 3), "device": device}
+    print(f"{'preset':<14}{'batch':>6}{'cache':>7}{'engine ms':>11}{'bare ms':>10}{'ratio':>8}")
+    print(f"{preset:<14}{seqs:>6}{step['cache_len']:>7}{step['engine_step_ms']:>11.3f}{step['bare_step_ms']:>10.3f}"
+          f"{step['ratio']:>8.2f}")
+    rows = [step]
+    if table_seqs:
+        print(f"\n{'preset':<14}{'seqs':>6}{'requests':>10}{'seconds':>10}{'tok/s':>10}")
+    for s in table_seqs:
+        r = {"kind": "throughput", "preset": preset, **engine_throughput(placed, s, requests, input_len, output_len),
+             "device": device}
+        print(f"{preset:<14}{s:>6}{requests:>10}{r['seconds']:>10.2f}{r['tokens_per_s']:>10.1f}")
+        rows.append(r)
+    return rows
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 import checkpoint
 from checkpoint import format as ckpt_format
 from experiments import default, tiny
 from experiments.bench_checkpoint import random_state, timed_saves  # and its --repeats, --num_cpu_devices
+from train import cli
 from train.trainer import Trainer
 
 _LOCAL = flags.DEFINE_string("local_dir", "/dev/shm", "Node-local storage for the local tier (the persistent tier "
@@ -109,4 +110,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)  # a bad flag or setting: one line, exit 2

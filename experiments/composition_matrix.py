@@ -16,10 +16,11 @@ import sys
 import tempfile
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from mesh import use_cpu_devices
 from mesh.errors import UserError
+from train import cli
 
 # `sp`: tensor=2 with sequence parallelism; `moe`: the moe-tiny mixture of experts with no `expert` axis.
 AXES = ("data", "fsdp", "tensor", "sp", "pipeline", "context", "expert", "moe")
@@ -152,4 +153,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)  # a bad flag or setting: one line, exit 2

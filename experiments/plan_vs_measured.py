@@ -29,12 +29,12 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import models
 from experiments import kernel_profile
 from mesh import use_cpu_devices
-from train import exit_codes
+from train import cli, exit_codes
 from train.planner import auto, calibrate, compile_report, search
 from train.planner.candidate import Candidate, mesh_of
 from train.trainer import Trainer
@@ -217,4 +217,4 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    cli.run(main)  # a bad flag or setting: one line, exit 2

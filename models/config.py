@@ -12,6 +12,10 @@ from models.lora import TARGETS as LORA_TARGETS
 from models.lora import targets as lora_targets
 
 REMAT_POLICIES = ("none", "full", "save_dots")
+# How the router weighs a token's top-k experts (models/moe.route): auto renormalizes their probabilities when k > 1
+# (Switch keeps the top-1 probability); topk_softmax always (Mixtral: a softmax over the chosen logits); softmax
+# never (Qwen3-MoE with norm_topk_prob false).
+ROUTERS = ("auto", "topk_softmax", "softmax")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -35,7 +39,8 @@ def check_common(cfg: SharedFields, positive: tuple[str, ...]) -> None:
             f"model.d_model={cfg.d_model} is not divisible by model.n_heads={cfg.n_heads}; change one of them")
     if cfg.head_dim % 2:
         raise ModelConfigError(
-            f"model.d_model/model.n_heads={cfg.head_dim}: rotary embeddings need an even head dimension")
+            f"the head dimension {cfg.head_dim} (model.head_dim, or model.d_model/model.n_heads): rotary embeddings "
+            f"need an even head dimension")
     for key in ("param_dtype", "compute_dtype"):
         if getattr(cfg, key) not in DTYPES:
             raise ModelConfigError(f"model.{key}={getattr(cfg, key)!r}: use one of {', '.join(DTYPES)}")
@@ -66,6 +71,8 @@ def check_moe(cfg: SharedFields) -> None:
                                f"an integer from 1 to model.n_experts={cfg.n_experts}")
     if not isinstance(cfg.capacity_factor, (int, float)) or cfg.capacity_factor < 0:
         raise ModelConfigError(f"model.capacity_factor={cfg.capacity_factor!r}: a number >= 0 (0: dropless)")
+    if cfg.router not in ROUTERS:
+        raise ModelConfigError(f"model.router={cfg.router!r}: use one of {', '.join(ROUTERS)}")
     if not isinstance(cfg.moe_every, int) or cfg.moe_every < 1 or cfg.n_layers % cfg.moe_every:
         raise ModelConfigError(f"model.moe_every={cfg.moe_every!r}: every k-th block is a mixture of experts, and k "
                                f"must divide model.n_layers={cfg.n_layers}; change one of them")
@@ -114,6 +121,8 @@ class MoEFields(LoRAFields):
     capacity_factor: float = described(0.0, "tokens an expert takes, as a multiple of its even share of a row; 0: "
                                             "dropless")
     moe_every: int = described(1, "every k-th block is a mixture of experts (k divides n_layers)")
+    router: str = described("auto", "the top-k experts' weights: auto (renormalized when k > 1), topk_softmax "
+                                    "(always renormalized: Mixtral), softmax (never: Qwen3-MoE without norm_topk_prob)")
     router_z_loss_weight: float = described(1e-3, "the weight of the router's z-loss in the objective (ST-MoE)")
     load_balance_weight: float = described(1e-2, "the weight of the load-balancing loss in the objective (Switch)")
 

@@ -130,6 +130,13 @@ class Decode(Protocol):
                  cfg: ModelConfig, constrain: Hooks) -> tuple[jax.Array, dict[str, jax.Array]]: ...
 
 
+class PagedDecode(Protocol):
+    """(params, models.paged.Batch, pool {"k", "v"} [layers, pages, page_size, kv_heads, head_dim], cfg, hooks)
+    -> (float32 logits [R, V] of the batch's selected tokens, the new pool)."""
+    def __call__(self, params: Params, batch: Any, pool: dict[str, jax.Array], cfg: ModelConfig,
+                 constrain: Hooks) -> tuple[jax.Array, dict[str, jax.Array]]: ...
+
+
 class LayerBytes(Protocol):
     def __call__(self, cfg: ModelConfig, remat: str, tensor: int) -> float: ...
 
@@ -144,8 +151,9 @@ def no_experts(cfg: ModelConfig) -> ExpertBuffers | None:
 
 
 def causal_attention_flops(cfg: ModelConfig) -> float:
-    """Attention scores and values per token, forward and backward: 12 * layers * d_model * seq_len (PaLM, App. B)."""
-    return 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len
+    """Attention scores and values per token, forward and backward: 12 * layers * heads * head_dim * seq_len (PaLM,
+    App. B, where heads * head_dim = d_model)."""
+    return 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * cfg.seq_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,9 +178,11 @@ class Forward:
 @dataclasses.dataclass(frozen=True)
 class Decoding:
     """Incremental decoding with a KV cache: decode takes the T new tokens at positions length..length+T-1 and
-    returns the float32 logits of the last one [B, V] and the cache."""
+    returns the float32 logits of the last one [B, V] and the cache. `paged`: a flat batch of tokens of many
+    sequences over a pool of KV pages (models/paged.py), which the serving engine runs; None: not offered."""
     init_cache: InitCache
     decode: Decode
+    paged: PagedDecode | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import contract, gpt_hf, lm_loss, lora, moe
+from models import contract, gpt_hf, lm_loss, lora, moe, paged
 from models.attention import attend_cached
 from models.config import ModelConfigError, SharedFields
 from models.contract import Constrain, Params, no_constraint
@@ -172,7 +172,7 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrai
     if cache is None:
         o_BxLxHxK = constrain.causal_attention(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
     else:
-        o_BxLxHxK, cache = attend_cached(q, k, v, *cache)
+        o_BxLxHxK, cache = cache(q, k, v) if callable(cache) else attend_cached(q, k, v, *cache)  # paged.py
     o_BxLxHxK = constrain(o_BxLxHxK, ("batch", "seq", "heads", "kv"))
     projected = jnp.einsum("blhk,hkd->bld", o_BxLxHxK, weight(p, "wo", cfg, constrain))
     out_BxLxD = lora.add(biased(projected, p, "wo_bias", cfg), p, "o", o_BxLxHxK, cfg)
@@ -278,6 +278,18 @@ def init_cache(cfg: GPTConfig, batch: int, max_len: int) -> dict[str, jax.Array]
     return empty_kv_cache(cfg, cfg.n_heads, batch, max_len)
 
 
+def decode_paged(params: Params, batch: Any, pool: dict, cfg: GPTConfig, constrain: Constrain = no_constraint):
+    """The contract's paged decoding (models/paged.py) with GPT's own blocks; learned positions read each
+    token's own position."""
+    pieces = paged.Pieces(
+        embed=lambda top, tokens, positions: embed(top, tokens, cfg, constrain, positions),
+        block=lambda p, x, positions, attend: block(p, x, cfg, constrain, None, positions, attend),
+        attention=lambda p, h, positions, attend: attention(p, h, cfg, constrain, None, positions, attend),
+        expert_fn=lambda w, x: expert_mlp(w, x, cfg), norm=lambda p, x, name: norm(x, p, name, cfg),
+        logits=lambda top, x: logits(top, x, cfg, constrain))
+    return paged.decode(params, batch, pool, cfg, constrain, pieces)
+
+
 def decode(params: Params, tokens_BxT: jax.Array, cache: dict, length: jax.Array, cfg: GPTConfig,
            constrain: Constrain = no_constraint):
     """Prefill or one step over the KV cache (models/layers.decode_with_cache); learned positions count from each
@@ -360,4 +372,4 @@ FAMILY = contract.register(contract.Family(
     parallel=contract.Parallel(lookup_keys=lookup_keys, divisibility=divisibility, expert_buffers=moe.expert_buffers),
     cost=contract.Cost(flops_per_token=flops_per_token, param_count=param_count,
                        layer_bytes_per_token=layer_bytes_per_token),
-    decoding=contract.Decoding(init_cache=init_cache, decode=decode), hf=gpt_hf.ADAPTER))
+    decoding=contract.Decoding(init_cache=init_cache, decode=decode, paged=decode_paged), hf=gpt_hf.ADAPTER))

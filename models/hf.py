@@ -43,7 +43,8 @@ class ToHF(Protocol):
 
 class LayerFromHF(Protocol):
     def __call__(self, read: Read, key: str, i: int, cfg: ModelConfig, index: Index = None) -> np.ndarray:
-        """Our per-layer leaf `key` of layer i (or its block `index`), reading only the rows that block needs."""
+        """Our per-layer leaf `key` of layer i (or its block `index`), reading only the rows that block needs;
+        a leaf nested in the stack (a mixture's `experts/w_in`) is named by its path joined with '/'."""
 
 
 class TopFromHF(Protocol):

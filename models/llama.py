@@ -7,6 +7,7 @@ gradient per group rather than one per matrix (3 more all-reduces per layer when
 audit): wqkv [D, G, R+2, K] holds, for each of the G kv heads, its R = H/G query heads, then its key and its
 value (query head g*R + r uses kv head g, as in transformers' repeat_kv); splitting G over `tensor` keeps whole
 groups on a device. w_in [D, 2, F] holds the SwiGLU gate and up projections; wo [H, K, D], w_down [F, D].
+With `qk_norm` (Qwen3) each block also holds q_norm and k_norm [K], RMSNorm scales shared by every head.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import contract, gpt, llama_hf, lora, moe
+from models import contract, gpt, llama_hf, lora, moe, paged
 from models.attention import attend_cached
 from models.contract import Constrain, Params, no_constraint
 from models.layers import decode_with_cache, empty_kv_cache, logical_axes, param, param_dict, rms_norm, rotary
@@ -40,6 +41,9 @@ class Layers(nnx.Module):
         self.attn_norm = param(rngs, (*S, D), (*A, "embed"), dt, None)
         self.wqkv = param(rngs, (*S, D, G, H // G + 2, K), (*A, *AXES["wqkv"]), dt, 0.02)
         self.wo = param(rngs, (*S, H, K, D), (*A, *AXES["wo"]), dt, out_std)
+        if cfg.qk_norm:  # ones, drawing nothing: the other weights stay those of the same seed without them
+            self.q_norm = param(rngs, (*S, K), (*A, "kv"), dt, None)
+            self.k_norm = param(rngs, (*S, K), (*A, "kv"), dt, None)
         self.mlp_norm = param(rngs, (*S, D), (*A, "embed"), dt, None)
         if with_mlp:
             self.w_in = param(rngs, (*S, D, 2, F), (*A, *AXES["w_in"]), dt, 0.02)
@@ -115,12 +119,10 @@ def weight(p: Params, name: str, cfg: LlamaConfig, constrain: Constrain) -> jax.
     return gpt.weight(p, name, cfg, constrain, AXES)
 
 
-def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain,
-              positions_L: jax.Array | None = None, cache: Any = None, segment_ids_BxL: jax.Array | None = None):
-    """Grouped-query causal attention, within packed documents when `segment_ids_BxL` is given. With `cache` =
-    (k, v, length) of [B, S, G, K] buffers, the new keys and values are written at `length` and attention runs
-    over the cache (decoding); returns (out, new cache)."""
-    freqs = rope_frequencies(cfg)
+def project_qkv(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain,
+                positions_L: jax.Array | None = None):
+    """q [B, L, H, K] and k, v [B, L, G, K] of the normed input: the fused projection, LoRA, Qwen3's per-head
+    q/k norms when `qk_norm`, then the rotary embedding on q and k."""
     names = ("batch", "seq", "heads", "kv")
     # Pinned with its heads split, so sequence parallelism gathers the normed input rather than the weight.
     qkv_BxLxGxRxK = constrain(jnp.einsum("bld,dgrk->blgrk", h_BxLxD, weight(p, "wqkv", cfg, constrain)),
@@ -130,11 +132,23 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constr
     q = constrain(q_BxLxGxRxK.reshape(B, L, G * (R2 - 2), K), names)
     k, v = (constrain(lora.add(qkv_BxLxGxRxK[:, :, :, i], p, t, h_BxLxD, cfg), names)
             for i, t in ((-2, "k"), (-1, "v")))
-    q, k = rotary(q, freqs, positions_L), rotary(k, freqs, positions_L)
+    if cfg.qk_norm:  # over each head's K, before the rotation (transformers' Qwen3Attention)
+        q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
+    freqs = rope_frequencies(cfg)
+    return rotary(q, freqs, positions_L), rotary(k, freqs, positions_L), v
+
+
+def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain,
+              positions_L: jax.Array | None = None, cache: Any = None, segment_ids_BxL: jax.Array | None = None):
+    """Grouped-query causal attention, within packed documents when `segment_ids_BxL` is given. With `cache` =
+    (k, v, length) of [B, S, G, K] buffers, the new keys and values are written at `length` and attention runs
+    over the cache (decoding); returns (out, new cache)."""
+    names = ("batch", "seq", "heads", "kv")
+    q, k, v = project_qkv(p, h_BxLxD, cfg, constrain, positions_L)
     if cache is None:
         o = constrain.causal_attention(q, k, v, getattr(cfg, "attention", "xla"), segment_ids_BxL)
     else:
-        o, cache = attend_cached(q, k, v, *cache)
+        o, cache = cache(q, k, v) if callable(cache) else attend_cached(q, k, v, *cache)  # paged.py
     o = constrain(o, names)
     out_BxLxD = lora.add(jnp.einsum("blhk,hkd->bld", o, weight(p, "wo", cfg, constrain)), p, "o", o, cfg)
     return constrain(out_BxLxD, ("batch", "seq", "embed")), cache
@@ -216,6 +230,19 @@ def decode(params: Params, tokens_BxT: jax.Array, cache: dict, length: jax.Array
     return decode_with_cache(params, tokens_BxT, cache, length, cfg, constrain, gpt.embed, cached_block, logits)
 
 
+def decode_paged(params: Params, batch: paged.Batch, pool: dict, cfg: LlamaConfig,
+                 constrain: Constrain = no_constraint):
+    """The contract's paged decoding (models/paged.py) with Llama's own blocks."""
+    pieces = paged.Pieces(
+        embed=lambda top, tokens, positions: gpt.embed(top, tokens, cfg, constrain),
+        block=lambda p, x, positions, attend: block(p, x, cfg, constrain, positions, attend),
+        attention=lambda p, h, positions, attend: attention(p, h, cfg, constrain, positions, attend),
+        expert_fn=lambda w, x: expert_mlp(w, x, cfg),
+        norm=lambda p, x, name: rms_norm(x, p[name], cfg.norm_eps),
+        logits=lambda top, x: logits(top, x, cfg, constrain))
+    return paged.decode(params, batch, pool, cfg, constrain, pieces)
+
+
 # ----------------------------------------------------------------------------- sizes
 
 def matmul_params(cfg: LlamaConfig, active: bool = False) -> int:
@@ -226,7 +253,7 @@ def matmul_params(cfg: LlamaConfig, active: bool = False) -> int:
 
 
 def param_count(cfg: LlamaConfig) -> int:
-    norms = (2 * cfg.n_layers + 1) * cfg.d_model
+    norms = (2 * cfg.n_layers + 1) * cfg.d_model + (2 * cfg.n_layers * cfg.head_dim if cfg.qk_norm else 0)
     table = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model  # a tied head is the table itself
     return matmul_params(cfg) + table + norms
 
@@ -239,8 +266,8 @@ def flops_per_token(cfg: LlamaConfig) -> float:
 
 
 def layer_bytes_per_token(cfg: LlamaConfig, remat: str, tensor: int) -> float:
-    """As gpt.layer_bytes_per_token for grouped-query attention (q, k, v: (H + 2G) K wide) and SwiGLU (gate, up and
-    their product, F wide each)."""
+    """As gpt.layer_bytes_per_token for grouped-query attention (q, k, v: (H + 2G) K wide, its output H K) and
+    SwiGLU (gate, up and their product, F wide each)."""
     d, f, t, a, s = cfg.d_model, cfg.d_mlp, tensor, cfg.n_heads, cfg.seq_len
     qkv, rotated = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim
     b = jnp.dtype(cfg.compute_dtype).itemsize
@@ -248,7 +275,7 @@ def layer_bytes_per_token(cfg: LlamaConfig, remat: str, tensor: int) -> float:
         return b * d
     if remat == "save_dots":  # the projections' outputs (qkv, attention out, gate and up) and the layer input
         return b * (3 * d + (qkv + 2 * f) / t)
-    return b * (4 * d + (qkv + rotated + d + 3 * f) / t + 2 * a * s / t)
+    return b * (4 * d + (qkv + rotated + a * cfg.head_dim + 3 * f) / t + 2 * a * s / t)
 
 
 def divisibility(cfg: LlamaConfig) -> dict:
@@ -266,4 +293,4 @@ FAMILY = contract.register(contract.Family(
                                expert_buffers=moe.expert_buffers),
     cost=contract.Cost(flops_per_token=flops_per_token, param_count=param_count,
                        layer_bytes_per_token=layer_bytes_per_token),
-    decoding=contract.Decoding(init_cache=init_cache, decode=decode), hf=llama_hf.ADAPTER))
+    decoding=contract.Decoding(init_cache=init_cache, decode=decode, paged=decode_paged), hf=llama_hf.ADAPTER))

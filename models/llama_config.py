@@ -1,5 +1,9 @@
 """The Llama-3 family's config and presets with the published shapes (Llama 3.1 / 3.2 model cards and
-their Hugging Face config.json files), plus a test-sized `llama3-tiny` on the byte vocabulary."""
+their Hugging Face config.json files), plus a test-sized `llama3-tiny` on the byte vocabulary.
+
+Qwen3 (dense) is this family with two options rather than a family of its own: its block is Llama's (RMSNorm,
+GQA with rotary positions, SwiGLU) except for a per-head RMSNorm on queries and keys before the rotation
+(`qk_norm`) and a head dimension set apart from d_model/n_heads (`head_dim`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -40,11 +44,19 @@ class LlamaConfig(SharedFields):
     rope_scaling: Any = described(None, "Llama 3.1's rotary scaling FACTOR,LOW_FREQ_FACTOR,HIGH_FREQ_FACTOR,"
                                         "ORIGINAL_CONTEXT (e.g. 8,1,4,8192), or none")
     tie_embeddings: bool = described(False, "the output head reuses the embedding matrix")
+    qk_norm: bool = described(False, "a per-head RMSNorm on queries and keys before the rotary embedding (Qwen3)")
+    head_dim: int = described(0, "each attention head's width; 0: d_model/n_heads")
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", parse_rope_scaling(self.rope_scaling))
+        # Stored resolved, so every reader of cfg.head_dim (the shared property elsewhere) sees the width itself.
+        if self.head_dim == 0 and isinstance(self.n_heads, int) and self.n_heads > 0:
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
 
     def validate(self) -> "LlamaConfig":
+        if not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool) or self.head_dim < 1:
+            raise ModelConfigError(f"model.head_dim={self.head_dim!r}: each head's width, an integer >= 1 "
+                                   f"(0: d_model/n_heads)")
         check_common(self, ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_mlp"))
         if self.n_heads % self.n_kv_heads:
             raise ModelConfigError(f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads="
@@ -53,11 +65,15 @@ class LlamaConfig(SharedFields):
             raise ModelConfigError(f"model.rope_theta={self.rope_theta}: must be a positive number")
         if not isinstance(self.tie_embeddings, bool):
             raise ModelConfigError(f"model.tie_embeddings={self.tie_embeddings!r}: use True or False")
+        if not isinstance(self.qk_norm, bool):
+            raise ModelConfigError(f"model.qk_norm={self.qk_norm!r}: use True or False")
         return self
 
 
 _LLAMA3 = dict(vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0, compute_dtype="bfloat16",
                loss_chunk_size=LOSS_CHUNK)
+_QWEN3 = dict(vocab_size=151936, seq_len=2048, head_dim=128, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+              compute_dtype="bfloat16", loss_chunk_size=LOSS_CHUNK)
 LLAMA_PRESETS: dict[str, dict[str, Any]] = {
     # Tests: bytes, every width divisible by 4 so tensor=2 and tensor=4 layouts apply (n_kv_heads=4).
     "llama3-tiny": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=8, n_heads=8, n_kv_heads=4, d_mlp=384,
@@ -75,4 +91,23 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": dict(vocab_size=32000, seq_len=2048, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                          d_mlp=14336, norm_eps=1e-5, rope_theta=1e6, compute_dtype="bfloat16", remat="full",
                          loss_chunk_size=LOSS_CHUNK, n_experts=8, experts_per_token=2),
+    # Qwen3 (Qwen/Qwen3-*/config.json): q/k norms, head_dim 128 apart from d_model/n_heads for the two smaller.
+    "qwen3-tiny": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32,
+                       d_mlp=384, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, tie_embeddings=True),
+    "qwen3-0.6b": dict(_QWEN3, d_model=1024, n_layers=28, n_heads=16, n_kv_heads=8, d_mlp=3072, tie_embeddings=True,
+                       remat="save_dots"),
+    "qwen3-1.7b": dict(_QWEN3, d_model=2048, n_layers=28, n_heads=16, n_kv_heads=8, d_mlp=6144, tie_embeddings=True,
+                       remat="save_dots"),
+    "qwen3-8b": dict(_QWEN3, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, d_mlp=12288, remat="full"),
+    # Mixtures as Hugging Face has them: an expert layer in every block, dropless, no z-loss, the published
+    # router_aux_loss_coef. Qwen3-30B-A3B: 128 experts of width 768, top-8 renormalized (norm_topk_prob).
+    "qwen3-30b-a3b": dict(_QWEN3, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, d_mlp=768, n_experts=128,
+                          experts_per_token=8, router="topk_softmax", load_balance_weight=1e-3,
+                          router_z_loss_weight=0.0, remat="full"),
+    "qwen3-moe-tiny": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=32,
+                           d_mlp=96, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, n_experts=4, experts_per_token=2,
+                           router="softmax", load_balance_weight=1e-3, router_z_loss_weight=0.0),
+    "mixtral-tiny": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=2, n_heads=8, n_kv_heads=4, d_mlp=96,
+                         rope_theta=1e6, n_experts=4, experts_per_token=2, router="topk_softmax",
+                         load_balance_weight=0.02, router_z_loss_weight=0.0),
 }

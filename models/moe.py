@@ -65,15 +65,22 @@ class Groups(nnx.Module):
 
 def route(router_DxE: jax.Array, h_BxLxD: jax.Array, cfg: ModelConfig):
     """float32 router: (logits [B,L,E], probabilities [B,L,E], top-k experts [B,k,L] and their combine weights
-    [B,k,L]: the top-k probabilities renormalized to sum to 1 (Mixtral), or the top-1 probability when k=1)."""
+    [B,k,L]: the top-k probabilities, renormalized to sum to 1 as `cfg.router` says (renormalizing equals
+    Mixtral's softmax over the chosen logits))."""
     logits = jnp.einsum("bld,de->ble", h_BxLxD.astype(jnp.float32), router_DxE.astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)
     k = cfg.experts_per_token
     top_e = top_k_indices(logits, k)  # ranked by logits: two probabilities can round to one float32 value
     top_p = jnp.take_along_axis(probs, top_e, axis=-1)
-    if k > 1:
+    if renormalizes(cfg):
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
     return logits, probs, jnp.moveaxis(top_e, -1, 1), jnp.moveaxis(top_p, -1, 1)
+
+
+def renormalizes(cfg: ModelConfig) -> bool:
+    """Whether a token's top-k weights are scaled to sum to 1 (`model.router`)."""
+    router = getattr(cfg, "router", "auto")
+    return router == "topk_softmax" or (router == "auto" and cfg.experts_per_token > 1)
 
 
 def top_k_indices(x_BxLxE: jax.Array, k: int) -> jax.Array:

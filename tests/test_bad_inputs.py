@@ -129,6 +129,7 @@ DECLARED = {"optimizer.b1=1.5": "use a decay in [0, 1)", "optimizer.b2=-0.1": "u
             "optimizer.min_lr_ratio=2": "use a fraction in [0, 1] of optimizer.lr",
             "optimizer.lr=nan": "must be a finite number", "optimizer.lr=inf": "must be a finite number",
             "train.seed=-1": "use a whole number >= 0",
+            "serve.max_batch_tokens=0": "use a whole number >= 1",
             "data.eval_percent=100": "use a percentage in [0, 100) of the data held out for evaluation",
             "data.eval_percent=150": "use a percentage in [0, 100) of the data held out for evaluation"}
 

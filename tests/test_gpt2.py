@@ -138,7 +138,9 @@ def test_bad_directories_and_overrides_are_one_line(gpt2_dir, tmp_path):
     safetensors_io.write(tmp_path / "model.safetensors", {"w": np.zeros(4, np.float32)})
     with pytest.raises(RestoreFromError, match=r"^checkpoint.restore_from='hf:.*': config.json has architectures "
                                                r"\['BertForMaskedLM'\], which no model family reads; supported: "
-                                               r"GPT2LMHeadModel \(gpt\), LlamaForCausalLM \(llama\)$"):
+                                               r"GPT2LMHeadModel \(gpt\), LlamaForCausalLM \(llama\), "
+                                               r"Qwen3ForCausalLM \(llama\), MixtralForCausalLM \(llama\), "
+                                               r"Qwen3MoeForCausalLM \(llama\)$"):
         hf_import.check_model(f"hf:{tmp_path}", config_lib.resolve(_import_config(tmp_path), 1).model)
     rotary = tiny_config()
     rotary.model.n_layers = 2

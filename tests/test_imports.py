@@ -118,6 +118,7 @@ TRAIN_ORDER = (
     "loop",        # the training loop: scheduler, actions, saver, resume
     "planner",     # layout search, memory and time models
     "generate",    # sampling with the KV cache
+    "serve",       # the serving engine: paged KV cache, continuous batching
     "trainer",     # a placed model + optimizer, data and jitted steps
     "step",
     "placed",      # a model on a mesh with its params, no training

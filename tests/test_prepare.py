@@ -80,7 +80,8 @@ def test_bytes_split_by_document_hash_and_workers_agree(tmp_path, corpus):
     assert codec.decode(val[:len(held[0].encode())]) == held[0] and codec.encode(held[0]) == list(held[0].encode())
 
 
-@pytest.mark.parametrize("case", ["missing", "not_utf8", "bad_json", "no_field", "empty", "small_vocab", "no_eos"])
+@pytest.mark.parametrize("case", ["missing", "not_utf8", "bad_json", "no_field", "empty", "small_vocab", "huge_vocab",
+                                  "no_eos"])
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, case):
     src = tmp_path / "in"
     src.mkdir()
@@ -102,6 +103,8 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, case):
         inputs = [str(src)]
         if case == "small_vocab":
             spec, error, where = "train-bpe:100", TokenizerError, "train-bpe:100"
+        elif case == "huge_vocab":  # the library's trainer would abort the process
+            spec, error, where = "train-bpe:100000000000", TokenizerError, "at most 1,048,576"
         else:  # a tokenizer.json that declares no end-of-document token
             tok = tok_lib.bytes_tokenizer()
             tok.save(str(tmp_path / "plain.json"))

@@ -66,6 +66,7 @@ class Plan:
     faults: sections.FaultSection | None = None
     optimizer: sections.OptimizerSection | None = None
     data: sections.DataSection | None = None  # the data.* settings and their token files (`data.files`)
+    serve: sections.ServeSection | None = None
     shard_opt_state: bool = False  # sharding.shard_opt_state: optimizer moments also split over data
 
 
@@ -262,6 +263,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str |
                 faults=sections.FaultSection.from_config(config.fault_injection),
                 optimizer=sections.OptimizerSection.from_config(config.optimizer),
                 data=sections.DataSection.from_config(config.data, files=data),
+                serve=sections.ServeSection.from_config(config.serve),
                 shard_opt_state=bool(config.sharding.shard_opt_state))
 
 

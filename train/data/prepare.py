@@ -82,7 +82,7 @@ def build_tokenizer(spec: str, files: list[sources.Input], docs_of: Callable[[so
             vocab = int(spec.split(":", 1)[1])
         except ValueError:
             raise PrepareError(f"--tokenizer={spec}: VOCAB must be an integer, e.g. train-bpe:8192") from None
-        if vocab <= 256:  # checked before reading the sample
+        if not 256 < vocab <= tok_lib.MAX_TRAINED_VOCAB:  # checked before reading the sample
             tok_lib.train_bpe([], vocab)
         tok = tok_lib.train_bpe(_sample(files, docs_of, sample_mb * 1e6), vocab)
         return tok, tok_lib.EOS_TEXT

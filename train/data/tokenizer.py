@@ -36,12 +36,18 @@ def bytes_tokenizer() -> Tokenizer:
     return tok
 
 
+MAX_TRAINED_VOCAB = 1 << 20  # far past any published vocabulary; a huge one aborts the tokenizers library
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE of `vocab_size` ids (EOS_TEXT included) trained on `texts`."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
         raise TokenizerError(f"--tokenizer=train-bpe:{vocab_size}: a byte-level BPE needs a vocabulary of at "
                              f"least {len(alphabet) + 1} (256 bytes and the end-of-document token); raise it")
+    if vocab_size > MAX_TRAINED_VOCAB:
+        raise TokenizerError(f"--tokenizer=train-bpe:{vocab_size}: a trained BPE is at most {MAX_TRAINED_VOCAB:,} "
+                             f"ids (the largest published vocabularies are about 256k); lower it")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -7,6 +7,7 @@ import pathlib
 from typing import Any
 
 from train import placed as placed_lib
+from train import sections
 from train.data import tokenizer as tok_lib
 from train.eval.scorer import Scorer
 
@@ -25,5 +26,6 @@ def load_run(workdir: pathlib.Path, step: int | None, batch_size: int, mesh: dic
     train.placed.from_run, which builds nothing of training."""
     placed = placed_lib.from_run(workdir, step, mesh, num_devices=num_devices)
     # Padding is id 0, inside every vocabulary (a byte-level run's EOS, 256, may not be); nothing real attends to it.
-    scorer = Scorer(placed.model, placed.params, placed.layout.constrain(), placed.mesh, batch_size, pad_id=0)
-    return LoadedRun(scorer, placed.codec, placed.step, placed_lib.decoding_config(workdir, mesh))
+    config = placed_lib.decoding_config(workdir, mesh)
+    scorer = Scorer(placed, batch_size, pad_id=0, settings=sections.ServeSection.from_config(config.serve))
+    return LoadedRun(scorer, placed.codec, placed.step, config)

@@ -1,7 +1,8 @@
 """The run's model scoring and extending token rows on its mesh: log-likelihoods of continuations (one jitted
-forward pass per padded batch) and generation through train/generate's KV cache, prompts left-padded."""
+forward pass per padded batch) and generation through the serving engine (train/serve/)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -12,8 +13,8 @@ import numpy as np
 import models
 from train.eval import batching
 from train.generate import decode
-
-CHECK_EVERY = 8  # generated tokens between looks at whether every row has stopped (each look waits for the device)
+from train.placed import Placed
+from train.serve import engine as serve
 
 
 def token_scores(params, tokens_BxL1: jax.Array, cfg: models.ModelConfig,
@@ -29,12 +30,11 @@ def token_scores(params, tokens_BxL1: jax.Array, cfg: models.ModelConfig,
 class Scorer:
     """Compiled once per padded shape and reused for every request of every task."""
 
-    def __init__(self, cfg: models.ModelConfig, params: models.contract.Params, constrain: models.contract.Hooks,
-                 mesh: jax.sharding.Mesh | None, batch_size: int, pad_id: int):
-        self.cfg, self.params, self.constrain, self.mesh = cfg, params, constrain, mesh
+    def __init__(self, placed: Placed, batch_size: int, pad_id: int, settings: serve.Settings | None = None):
+        self.placed, self.cfg, self.params = placed, placed.model, placed.params
         self.batch_size, self.pad_id = batch_size, pad_id
-        self._scores = jax.jit(functools.partial(token_scores, cfg=cfg, constrain=constrain))
-        self._generators: dict[decode.Sampling, decode.Generator] = {}
+        self.settings = dataclasses.replace(settings or serve.Settings(), max_num_seqs=batch_size)
+        self._scores = jax.jit(functools.partial(token_scores, cfg=self.cfg, constrain=placed.layout.constrain()))
 
     def loglikelihood(self, rows: list[list[int]], continuation: list[int]) -> list[tuple[float, bool]]:
         """For each row of at most seq_len + 1 tokens, (the summed log-probability of its last `continuation[i]`
@@ -50,30 +50,29 @@ class Scorer:
                 out[i] = (float(np.sum(logp_BxL[b, span], dtype=np.float64)), bool(np.all(greedy_BxL[b, span])))
         return out
 
-    def generator(self, sampling: decode.Sampling) -> decode.Generator:
-        if sampling not in self._generators:
-            self._generators[sampling] = decode.Generator(self.cfg, sampling, self.constrain, self.mesh)
-        return self._generators[sampling]
+    @functools.cached_property
+    def engine(self) -> serve.Engine:
+        """Built at the first generation: a run scored by log-likelihoods alone compiles no decoding."""
+        return serve.Engine.build(self.placed, self.settings)
 
     def generate(self, prompts: list[list[int]], max_new: int, sampling: decode.Sampling,
                  stopped: Callable[[int, list[int]], bool]) -> list[list[int]]:
-        """Up to `max_new` new tokens after each prompt; a batch ends early once `stopped(i, new tokens of
-        prompt i)` holds for all its rows."""
+        """Up to `max_new` new tokens after each prompt; a prompt's request ends once `stopped(i, its new
+        tokens)` holds."""
         out: list[list[int]] = [[] for _ in prompts]
         if max_new < 1:
             return out
-        gen = self.generator(sampling)
-        for batch in batching.longest_first(prompts, self.batch_size):
-            length = batching.bucket(max(len(prompts[i]) for i in batch))
-            tokens_BxT, start_B = batching.left_padded([prompts[i] for i in batch], length, self.batch_size,
-                                                       self.pad_id)
-            chosen = []
-            for n, (next_B, _) in enumerate(gen.stream(self.params, tokens_BxT, batching.bucket(max_new), start_B)):
-                chosen.append(next_B)
-                if n + 1 == max_new or (n + 1) % CHECK_EVERY == 0:
-                    new_BxN = np.asarray(jax.device_get(jnp.stack(chosen, 1)))
-                    if n + 1 == max_new or all(stopped(i, new_BxN[b].tolist()) for b, i in enumerate(batch)):
-                        break
-            for b, i in enumerate(batch):
-                out[i] = new_BxN[b].tolist()
+        engine, s = self.engine, sampling
+        params = serve.SamplingParams(s.temperature, s.top_k, s.top_p, s.seed, max_new)
+        ids = {f"eval-{id(out)}-{i}": i for i in range(len(prompts))}
+        pending = list(ids)
+        while pending or engine.has_work():
+            while pending and len(engine.scheduler.waiting) < self.settings.max_waiting:
+                rid = pending.pop(0)
+                engine.add(rid, prompts[ids[rid]], params)
+            for o in engine.step():
+                i = ids[o.request_id]
+                out[i] = o.token_ids
+                if not o.finished and stopped(i, o.token_ids):
+                    engine.abort(o.request_id)
         return out

@@ -11,11 +11,11 @@ import pathlib
 import sys
 
 import jax
-import numpy as np
 from absl import app, flags, logging
 
 from mesh import use_cpu_devices
 from mesh.layout import AXES
+from models import paged
 from train import cli, exit_codes
 from train import placed as placed_lib
 from train import step as step_lib
@@ -24,6 +24,7 @@ from train.data import loader as data_lib
 from train.data import tokenizer as tok_lib
 from train.generate import decode as generate
 from train.generate import prompt as prompt_lib
+from train.serve import engine as serve
 
 FLAGS = flags.FLAGS
 
@@ -91,10 +92,16 @@ def sample(workdir: pathlib.Path, step: int | None, request: Request, mesh: dict
     if len(prompt) > plan.model.seq_len:  # before the checkpoint is read
         raise ConfigError(f"--prompt: {len(prompt)} tokens, longer than the {plan.model.seq_len} the model was "
                           f"trained on (model.seq_len); shorten it")
+    needed, limit = len(prompt) + request.max_new, paged.position_limit(plan.model)
+    if limit and needed > limit:
+        raise ConfigError(f"--max_new_tokens={request.max_new}: the prompt and new tokens ({needed}) exceed the "
+                          f"learned position table's {limit} rows (model.max_positions); lower it")
     placed = placed_lib.restore(placed, workdir, step)
-    gen = generate.Generator(placed.model, request.sampling, placed.layout.constrain(), placed.mesh)
-    new, _ = gen(placed.params, np.asarray([prompt]), request.max_new)
-    return prompt_lib.render(codec, prompt, [int(t) for t in new[0]], request.as_json)
+    engine = serve.Engine.build(placed, dataclasses.replace(plan.serve, max_num_seqs=1),
+                                max_context=max(needed, paged.max_context(plan.model)))
+    s = request.sampling
+    [out] = engine.generate([prompt], serve.SamplingParams(s.temperature, s.top_k, s.top_p, s.seed, request.max_new))
+    return prompt_lib.render(codec, prompt, out.token_ids, request.as_json)
 
 
 def held_out(plan: Plan, placed: placed_lib.Placed, source: data_lib.TokenSource, batches: int) -> str:

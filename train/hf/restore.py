@@ -120,7 +120,7 @@ def read_params(spec: str, cfg: models.ModelConfig, target: Any, order: np.ndarr
         def piece(index):
             if keys[0] == models.LAYERS:
                 rows = [int(order[j]) for j in range(cfg.n_layers)[index[0]]]
-                arr = np.stack([adapter.layer_from_hf(read, keys[1], i, cfg, index[1:]) for i in rows])
+                arr = np.stack([adapter.layer_from_hf(read, "/".join(keys[1:]), i, cfg, index[1:]) for i in rows])
             else:
                 arr = adapter.top_from_hf(read, keys[0], cfg, index)
             return np.asarray(arr, dtype=sds.dtype)

@@ -1,0 +1,54 @@
+"""Per-request sampling inside the jitted step: temperature, top-k and top-p per row as arrays, a PRNG key per
+request folded with the token's index (so a seed reproduces a request whatever else runs beside it), greedy
+rows at temperature 0, and the top-N log-probabilities of every row."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0   # 0: greedy
+    top_k: int = 0             # 0: off
+    top_p: float = 1.0         # 1: off
+    seed: int = 0
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # strings that end the text (needs a tokenizer)
+    logprobs: int = 0           # top-N log-probabilities per new token (0: none)
+
+    def check(self, max_logprobs: int) -> None:
+        """ValueError (one line naming the field) for a value the engine cannot honour."""
+        for name, ok, rule in (("temperature", self.temperature >= 0, ">= 0"),
+                               ("top_k", self.top_k >= 0, ">= 0"), ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+                               ("max_tokens", self.max_tokens >= 1, ">= 1"),
+                               ("logprobs", 0 <= self.logprobs <= max_logprobs, f"in [0, {max_logprobs}]")):
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be {rule}")
+
+
+def sample(logits_RxV: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array, top_p_R: jax.Array,
+           seeds_R: jax.Array, counters_R: jax.Array, n_logprobs: int):
+    """(token [R], its log-probability [R], top ids [R, n], top log-probabilities [R, n]); log-probabilities are
+    the model's own (before temperature and filters)."""
+    logprobs = jax.nn.log_softmax(logits_RxV, axis=-1)
+    greedy = jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
+    scaled = logits_RxV / jnp.where(temperature_R > 0, temperature_R, 1.0)[:, None]
+    V = scaled.shape[-1]
+    ranked = jnp.sort(scaled, axis=-1)[:, ::-1]
+    kth = jnp.take_along_axis(ranked, jnp.clip(top_k_R - 1, 0, V - 1)[:, None], axis=-1)
+    kth = jnp.where(top_k_R[:, None] > 0, kth, -jnp.inf)
+    ranked = jnp.where(ranked < kth, -jnp.inf, ranked)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above each one
+    cutoff = jnp.min(jnp.where(before < top_p_R[:, None], ranked, jnp.inf), axis=-1, keepdims=True)
+    scaled = jnp.where((scaled < kth) | (scaled < cutoff), -jnp.inf, scaled)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds_R, counters_R)
+    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled).astype(jnp.int32)
+    token = jnp.where(temperature_R > 0, drawn, greedy)
+    chosen = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logprobs, n_logprobs)
+    return token, chosen, top_ids.astype(jnp.int32), top_lp
