@@ -29,35 +29,40 @@ import httpx
 import numpy as np
 from absl import app, flags
 
-_URL = flags.DEFINE_string("url", "http://127.0.0.1:8000", "The server's base URL (without /v1).")
-_MODEL = flags.DEFINE_string("model", "", "The `model` field of each request (default: the server's first).")
-_API_KEY = flags.DEFINE_string("api_key", "", "Sent as `Authorization: Bearer KEY` when set.")
-_CONCURRENCY = flags.DEFINE_list("concurrency", ["1", "4", "16", "64"], "Requests in flight, one level each.")
-_RATE = flags.DEFINE_list("request_rate", [], "Poisson arrival rates (requests/s), one level each; replaces "
-                          "--concurrency when set.")
-_NUM = flags.DEFINE_integer("num_prompts", 64, "Requests per level.")
-_INPUT_LEN = flags.DEFINE_integer("input_len", 32, "Prompt tokens per request (random token ids).")
-_OUTPUT_LEN = flags.DEFINE_integer("output_len", 32, "Tokens each request generates (end of text ignored).")
-_VOCAB = flags.DEFINE_integer("vocab", 256, "Random prompt ids are drawn below this (without --tokenizer).")
-_TOKENIZER = flags.DEFINE_string("tokenizer", "", "A Hugging Face model directory: random ids are decoded to "
-                                 "text with its tokenizer (servers that take text prompts only).")
-_PROMPTS = flags.DEFINE_string("prompts", "", "A text file of prompts, one a line, used in turn instead of "
-                               "random ones.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the prompts and the arrival times.")
-_JSON = flags.DEFINE_string("json", "", "Also write the rows to this JSON file.")
-_PEER = flags.DEFINE_enum("peer", "", ["", "transformers"], "Also start this server on --peer_model and measure "
-                          "it with the same requests, side by side.")
-_PEER_MODEL = flags.DEFINE_string("peer_model", "", "The peer's model: a `train.export_hf` output directory.")
-_PEER_PORT = flags.DEFINE_integer("peer_port", 8031, "The peer server's port on 127.0.0.1.")
-_TIMEOUT = flags.DEFINE_float("timeout", 600.0, "Seconds one request may take.")
-_ENGINE_ONLY = flags.DEFINE_boolean("engine_only", False, "Measure the engine in process instead of a server: "
-                                    "its step time beside a bare decode step, and its throughput by --seqs.")
-_PRESET = flags.DEFINE_string("preset", "llama3-tiny", "--engine_only: the model preset (a family with paged "
-                              "decoding).")
-_ENGINE_SEQS = flags.DEFINE_integer("engine_seqs", 16, "--engine_only: the full batch the step times compare.")
-_SEQS = flags.DEFINE_list("seqs", ["1", "8", "16"], "--engine_only: serve.max_num_seqs values of the throughput "
-                          "table (empty: no table).")
-_STEPS = flags.DEFINE_integer("steps", 20, "--engine_only: decode steps timed (the median is reported).")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """Defined only when run as a script, so tests can import this module beside other tools' flags."""
+    flags.DEFINE_string("url", "http://127.0.0.1:8000", "The server's base URL (without /v1).")
+    flags.DEFINE_string("model", "", "The `model` field of each request (default: the server's first).")
+    flags.DEFINE_string("api_key", "", "Sent as `Authorization: Bearer KEY` when set.")
+    flags.DEFINE_list("concurrency", ["1", "4", "16", "64"], "Requests in flight, one level each.")
+    flags.DEFINE_list("request_rate", [], "Poisson arrival rates (requests/s), one level each; replaces "
+             "--concurrency when set.")
+    flags.DEFINE_integer("num_prompts", 64, "Requests per level.")
+    flags.DEFINE_integer("input_len", 32, "Prompt tokens per request (random token ids).")
+    flags.DEFINE_integer("output_len", 32, "Tokens each request generates (end of text ignored).")
+    flags.DEFINE_integer("vocab", 256, "Random prompt ids are drawn below this (without --tokenizer).")
+    flags.DEFINE_string("tokenizer", "", "A Hugging Face model directory: random ids are decoded to "
+             "text with its tokenizer (servers that take text prompts only).")
+    flags.DEFINE_string("prompts", "", "A text file of prompts, one a line, used in turn instead of "
+             "random ones.")
+    flags.DEFINE_integer("seed", 0, "Seed of the prompts and the arrival times.")
+    flags.DEFINE_string("json", "", "Also write the rows to this JSON file.")
+    flags.DEFINE_enum("peer", "", ["", "transformers"], "Also start this server on --peer_model and measure "
+             "it with the same requests, side by side.")
+    flags.DEFINE_string("peer_model", "", "The peer's model: a `train.export_hf` output directory.")
+    flags.DEFINE_integer("peer_port", 8031, "The peer server's port on 127.0.0.1.")
+    flags.DEFINE_float("timeout", 600.0, "Seconds one request may take.")
+    flags.DEFINE_boolean("engine_only", False, "Measure the engine in process instead of a server: "
+             "its step time beside a bare decode step, and its throughput by --seqs.")
+    flags.DEFINE_string("preset", "llama3-tiny", "--engine_only: the model preset (a family with paged "
+             "decoding).")
+    flags.DEFINE_integer("engine_seqs", 16, "--engine_only: the full batch the step times compare.")
+    flags.DEFINE_list("seqs", ["1", "8", "16"], "--engine_only: serve.max_num_seqs values of the throughput "
+             "table (empty: no table).")
+    flags.DEFINE_integer("steps", 20, "--engine_only: decode steps timed (the median is reported).")
 
 
 @dataclasses.dataclass
@@ -158,14 +163,14 @@ async def run_level(url: str, bodies: list[dict], concurrency: int = 0, rate: fl
 
 def make_prompts(n: int, input_len: int, seed: int):
     """`n` prompts: lines of --prompts in turn, else random token ids (decoded with --tokenizer when set)."""
-    if _PROMPTS.value:
-        lines = [line for line in open(_PROMPTS.value, encoding="utf-8").read().splitlines() if line.strip()]
+    if FLAGS.prompts:
+        lines = [line for line in open(FLAGS.prompts, encoding="utf-8").read().splitlines() if line.strip()]
         return [lines[i % len(lines)] for i in range(n)]
-    ids = np.random.default_rng(seed).integers(0, _VOCAB.value, (n, input_len))
-    if not _TOKENIZER.value:
+    ids = np.random.default_rng(seed).integers(0, FLAGS.vocab, (n, input_len))
+    if not FLAGS.tokenizer:
         return [row.tolist() for row in ids]
     from transformers import AutoTokenizer  # the hf extra, only for text prompts
-    tok = AutoTokenizer.from_pretrained(_TOKENIZER.value)
+    tok = AutoTokenizer.from_pretrained(FLAGS.tokenizer)
     ids = np.random.default_rng(seed).integers(0, tok.vocab_size, (n, input_len))
     return [tok.decode(row.tolist()) for row in ids]
 
@@ -178,19 +183,19 @@ def served_model(url: str, headers: dict) -> str:
 
 def measure(server: str, url: str, model: str, prompts: list, peer: str = "") -> list[dict]:
     """Every level against one server: one row each."""
-    headers = {"Authorization": f"Bearer {_API_KEY.value}"} if _API_KEY.value else {}
+    headers = {"Authorization": f"Bearer {FLAGS.api_key}"} if FLAGS.api_key else {}
     model = model or served_model(url, headers)
-    bodies = [request_body(model, p, _OUTPUT_LEN.value, peer) for p in prompts]
-    levels = [("rate", float(r)) for r in _RATE.value] or [("concurrency", int(c)) for c in _CONCURRENCY.value]
-    asyncio.run(run_level(url, bodies[:1], concurrency=1, headers=headers, timeout=_TIMEOUT.value))  # warm-up
+    bodies = [request_body(model, p, FLAGS.output_len, peer) for p in prompts]
+    levels = [("rate", float(r)) for r in FLAGS.request_rate] or [("concurrency", int(c)) for c in FLAGS.concurrency]
+    asyncio.run(run_level(url, bodies[:1], concurrency=1, headers=headers, timeout=FLAGS.timeout))  # warm-up
     rows = []
     for kind, value in levels:
         kw = {"rate": value} if kind == "rate" else {"concurrency": value}
-        results, duration = asyncio.run(run_level(url, bodies, seed=_SEED.value, headers=headers,
-                                                  timeout=_TIMEOUT.value, **kw))
+        results, duration = asyncio.run(run_level(url, bodies, seed=FLAGS.seed, headers=headers,
+                                                  timeout=FLAGS.timeout, **kw))
         errors = sorted({r.error for r in results if not r.ok})
-        rows.append({"server": server, kind: value, "input_len": _INPUT_LEN.value,
-                     "output_len": _OUTPUT_LEN.value, **summarize(results, duration),
+        rows.append({"server": server, kind: value, "input_len": FLAGS.input_len,
+                     "output_len": FLAGS.output_len, **summarize(results, duration),
                      **({"errors": errors[:3]} if errors else {})})
     return rows
 
@@ -247,26 +252,26 @@ def _has_cuda() -> bool:
 def main(argv):
     del argv
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the table
-    if _PEER.value and not (_PEER_MODEL.value and os.path.isdir(_PEER_MODEL.value)):
+    if FLAGS.peer and not (FLAGS.peer_model and os.path.isdir(FLAGS.peer_model)):
         raise app.UsageError("--peer_model: give the train.export_hf output directory the peer serves")
-    if _PEER.value and not (_TOKENIZER.value or _PROMPTS.value):
+    if FLAGS.peer and not (FLAGS.tokenizer or FLAGS.prompts):
         raise app.UsageError("--tokenizer: the peer takes text prompts; give the exported model directory")
-    if _ENGINE_ONLY.value:
-        rows = engine_rows(_PRESET.value, _ENGINE_SEQS.value, [int(s) for s in _SEQS.value], _NUM.value,
-                                _INPUT_LEN.value, _OUTPUT_LEN.value, _STEPS.value)
+    if FLAGS.engine_only:
+        rows = engine_rows(FLAGS.preset, FLAGS.engine_seqs, [int(s) for s in FLAGS.seqs], FLAGS.num_prompts,
+                                FLAGS.input_len, FLAGS.output_len, FLAGS.steps)
     else:
         rows = serve_rows()
-    if _JSON.value:
-        with open(_JSON.value, "w") as f:
+    if FLAGS.json:
+        with open(FLAGS.json, "w") as f:
             json.dump(rows, f, indent=2)
 
 
 def serve_rows() -> list[dict]:
-    prompts = make_prompts(_NUM.value, _INPUT_LEN.value, _SEED.value)
-    rows = measure("ours", _URL.value.rstrip("/"), _MODEL.value, prompts) if _URL.value else []
-    if _PEER.value:
-        with transformers_server(_PEER_MODEL.value, _PEER_PORT.value) as url:
-            rows += measure(_PEER.value, url, "", prompts, peer=_PEER.value)
+    prompts = make_prompts(FLAGS.num_prompts, FLAGS.input_len, FLAGS.seed)
+    rows = measure("ours", FLAGS.url.rstrip("/"), FLAGS.model, prompts) if FLAGS.url else []
+    if FLAGS.peer:
+        with transformers_server(FLAGS.peer_model, FLAGS.peer_port) as url:
+            rows += measure(FLAGS.peer, url, "", prompts, peer=FLAGS.peer)
     print_table(rows)
     return rows
 
@@ -368,4 +373,5 @@ def engine_rows(preset: str, seqs: int, table_seqs: list[int], requests: int, in
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
