@@ -15,6 +15,7 @@ from absl import app, flags, logging
 from mesh.layout import AXES
 from train import cli, exit_codes
 from train.config import ConfigError, base_config
+from train.runtime import extras
 
 FLAGS = flags.FLAGS
 
@@ -49,6 +50,8 @@ def check_flags() -> pathlib.Path:
         raise ConfigError(f"--port={FLAGS.port}: use a port in [0, 65535]")
     if FLAGS.drain_seconds < 0:
         raise ConfigError(f"--drain_seconds={FLAGS.drain_seconds}: use seconds >= 0")
+    for package in ("fastapi", "uvicorn", "prometheus_client", "jinja2"):
+        extras.check(package, "python -m train.serve")
     name = "workdir" if FLAGS.workdir is not None else "hf"
     path = pathlib.Path(FLAGS[name].value).expanduser()
     if not path.is_dir() or not any(path.iterdir()):
