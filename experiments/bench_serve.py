@@ -59,6 +59,8 @@ def define_flags() -> None:
              "its step time beside a bare decode step, and its throughput by --seqs.")
     flags.DEFINE_string("preset", "llama3-tiny", "--engine_only: the model preset (a family with paged "
              "decoding).")
+    flags.DEFINE_integer("vocab_size", 0, "--engine_only: the model's vocabulary (0: the preset's); e.g. 1024 for "
+                         "the README's train-bpe:1024 stand-in.")
     flags.DEFINE_integer("engine_seqs", 16, "--engine_only: the full batch the step times compare.")
     flags.DEFINE_list("seqs", ["1", "8", "16"], "--engine_only: serve.max_num_seqs values of the throughput "
              "table (empty: no table).")
@@ -257,8 +259,8 @@ def main(argv):
     if FLAGS.peer and not (FLAGS.tokenizer or FLAGS.prompts):
         raise app.UsageError("--tokenizer: the peer takes text prompts; give the exported model directory")
     if FLAGS.engine_only:
-        rows = engine_rows(FLAGS.preset, FLAGS.engine_seqs, [int(s) for s in FLAGS.seqs], FLAGS.num_prompts,
-                                FLAGS.input_len, FLAGS.output_len, FLAGS.steps)
+        rows = engine_rows(FLAGS.preset, FLAGS.vocab_size, FLAGS.engine_seqs, [int(s) for s in FLAGS.seqs],
+                           FLAGS.num_prompts, FLAGS.input_len, FLAGS.output_len, FLAGS.steps)
     else:
         rows = serve_rows()
     if FLAGS.json:
@@ -346,16 +348,18 @@ def engine_throughput(placed, seqs: int, requests: int, input_len: int, output_l
             "tokens_per_s": round(new / seconds, 1)}
 
 
-def engine_rows(preset: str, seqs: int, table_seqs: list[int], requests: int, input_len: int, output_len: int,
-                steps: int) -> list[dict]:
+def engine_rows(preset: str, vocab_size: int, seqs: int, table_seqs: list[int], requests: int, input_len: int,
+                output_len: int, steps: int) -> list[dict]:
     """The step-time comparison (printed) and the throughput table (printed), as rows."""
     import models
     from train import placed as placed_lib
-    placed = placed_lib.initialized(placed_lib.on_one_device(models.from_dict({"preset": preset})))
+    cfg = models.from_dict({"preset": preset, **({"vocab_size": vocab_size} if vocab_size else {})})
+    placed = placed_lib.initialized(placed_lib.on_one_device(cfg))
     device = str(placed.mesh.devices.flat[0].platform)
     engine_s = engine_step_seconds(placed, seqs, input_len, steps)
     bare_s = bare_step_seconds(placed, seqs, input_len, steps)
-    step = {"kind": "step", "preset": preset, "batch": seqs, "cache_len": input_len + steps + 2,
+    step = {"kind": "step", "preset": preset, "vocab_size": cfg.vocab_size, "batch": seqs,
+            "cache_len": input_len + steps + 2,
             "engine_step_ms": round(1e3 * engine_s, 3), "bare_step_ms": round(1e3 * bare_s, 3),
             "ratio": round(engine_s / bare_s, 3), "device": device}
     print(f"{'preset':<14}{'batch':>6}{'cache':>7}{'engine ms':>11}{'bare ms':>10}{'ratio':>8}")

@@ -104,13 +104,40 @@ def create_app(served: Served, api_key: str = "") -> FastAPI:
     api = Api(service)
     app = FastAPI(title="train.serve", docs_url=None, redoc_url=None)
     app.state.service = service
-    app.middleware("http")(api.gate)
+    app.add_middleware(Gate, service=service)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics)
     app.get("/v1/models")(api.models)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
     return app
+
+
+class Gate:
+    """ASGI middleware: the API key on /v1/*, and 503 for new generations while draining (plain ASGI, so streamed
+    responses pass through untouched)."""
+
+    def __init__(self, app, service: Service):
+        self.app, self.service = app, service
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope):
+        key = self.service.api_key
+        sent = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        if key and sent != f"Bearer {key}":
+            return _json_error(401, "invalid or missing API key: send `Authorization: Bearer KEY`",
+                               code="invalid_api_key")
+        if self.service.draining and scope["method"] == "POST":
+            return _json_error(503, "the server is shutting down; retry on another replica",
+                               kind="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return None
 
 
 class Api:
@@ -120,18 +147,6 @@ class Api:
         self.service, self.served = service, service.served
         self.engine, self.codec, self.cfg = self.served.engine, self.served.placed.codec, self.served.placed.model
         self.eos = self.codec.eos_id if self.codec is not None else None
-
-    async def gate(self, request: Request, call_next):
-        """The API key on /v1/*, and 503 for new generations while draining."""
-        if request.url.path.startswith("/v1/"):
-            key = self.service.api_key
-            if key and request.headers.get("authorization", "") != f"Bearer {key}":
-                return _json_error(401, "invalid or missing API key: send `Authorization: Bearer KEY`",
-                                   code="invalid_api_key")
-            if self.service.draining and request.method == "POST":
-                return _json_error(503, "the server is shutting down; retry on another replica",
-                                   kind="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
-        return await call_next(request)
 
     async def health(self):
         draining = self.service.draining
