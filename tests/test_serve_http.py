@@ -198,6 +198,23 @@ def test_drain_refuses_new_requests_and_finishes_running_ones(server):
     assert drained == [True] and got[-1] == "data: [DONE]" and len(got) == 41
 
 
+def test_a_drain_out_of_time_aborts_what_runs(server):
+    service, http, served = server["service"], server["http"], server["served"]
+    body = {"prompt": PROMPT, "max_tokens": CONTEXT - len(PROMPT), "temperature": 0, "stream": True}
+    events = []
+    try:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line[len("data: "):])
+                    if len(events) == 1:
+                        assert service.drain(0) is False
+    finally:
+        service.draining = False
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+    assert len(events) < CONTEXT - len(PROMPT) and _all_free(served)
+
+
 def test_the_command_fails_in_one_line_before_loading():
     r = subprocess.run([sys.executable, "-m", "train.serve", "--workdir=/nonexistent/run"], capture_output=True,
                        text=True, timeout=120)

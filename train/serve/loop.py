@@ -50,10 +50,12 @@ class EngineLoop:
     def full(self) -> bool:
         return len(self.engine.scheduler.waiting) >= self.engine.settings.max_waiting
 
-    def abort(self, request_id: str) -> None:
-        """Drop a request (a client gone, a drain out of time); its pages go back to the pool now."""
+    def abort(self, request_id: str, notify: bool = False) -> None:
+        """Drop a request (a client gone, a drain out of time); its pages go back to the pool now. `notify`: its
+        handler still gets the last Output (finish_reason "abort")."""
         with self.lock:
-            self._subs.pop(request_id, None)
+            if not notify:
+                self._subs.pop(request_id, None)
             self.engine.abort(request_id)
         self._wake.set()
 

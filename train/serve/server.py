@@ -86,7 +86,9 @@ class Service:
             time.sleep(0.05)
         left = self.loop.request_ids()
         for request_id in left:
-            self.loop.abort(request_id)
+            self.loop.abort(request_id, notify=True)  # their clients get finish_reason "abort"
+        while self.loop.busy() and time.monotonic() < deadline + 5:
+            time.sleep(0.05)
         return not left
 
     def close(self) -> None:
