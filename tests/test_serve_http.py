@@ -88,6 +88,20 @@ def test_completions_greedy_equal_the_forward_pass_streamed_or_not(server):
     assert text.choices[0].text == codec.decode(_greedy(served.placed, codec.encode("def f"), 4))
 
 
+def test_stop_strings_and_seeds(server):
+    client = server["client"]
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    stop = whole[4:6]
+    cut = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == whole[:whole.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+    drawn = [client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7,
+                                       logprobs=1).choices[0].logprobs.tokens for _ in range(2)]
+    assert drawn[0] == drawn[1]
+
+
 def test_chat_renders_with_prepares_template_streamed_or_not(server):
     client, served = server["client"], server["served"]
     prompt = served.placed.codec.encode(chat_lib.Renderer("bytes").render(MESSAGES, add_generation_prompt=True))
