@@ -124,6 +124,10 @@ def test_models_health_and_metrics(server):
                  "serve_prefix_cache_hit_rate", "serve_time_to_first_token_seconds_bucket",
                  "serve_inter_token_latency_seconds_bucket", "serve_generation_tokens_total"):
         assert f"\n{name}" in text, name
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    generated = server["served"].engine.stats()["tokens_generated"]
+    assert generated > 0 and float(values["serve_generation_tokens_total"]) == generated
+    assert float(values["serve_kv_pages_used"]) == 0 and float(values["serve_running_requests"]) == 0
 
 
 @pytest.mark.parametrize("body, param", [

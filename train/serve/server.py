@@ -46,15 +46,17 @@ class Metrics:
         self.pages_used = gauge("serve_kv_pages_used", "KV-cache pages held by sequences.")
         self.pages_free = gauge("serve_kv_pages_free", "KV-cache pages free or holding an idle cached prefix.")
         self.hit_rate = gauge("serve_prefix_cache_hit_rate", "Prefix-cache hits per full prompt page looked up.")
-        self.tokens = gauge("serve_generation_tokens_total", "Tokens generated since the server started.")
-        self.prompt_tokens = gauge("serve_prompt_tokens_total", "Prompt tokens prefilled since the server started.")
+        counter = functools.partial(prom.Counter, registry=self.registry)
+        self.tokens = counter("serve_generation_tokens", "Tokens generated.")  # exposed as ..._total
+        self.prompt_tokens = counter("serve_prompt_tokens", "Prompt tokens prefilled.")
+        self._counted = {"tokens_generated": 0, "prefill_tokens": 0}
         buckets = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
         self.ttft = prom.Histogram("serve_time_to_first_token_seconds", "From a request's arrival to its first "
                                    "token.", buckets=buckets, registry=self.registry)
         self.itl = prom.Histogram("serve_inter_token_latency_seconds", "Between a request's successive tokens.",
                                   buckets=buckets, registry=self.registry)
-        self.requests = prom.Counter("serve_requests", "Requests answered, by endpoint and status.",
-                                     ("endpoint", "status"), registry=self.registry)
+        self.requests = counter("serve_requests", "Requests answered, by endpoint and status.",
+                                ("endpoint", "status"))
 
     def render(self) -> bytes:
         s = self.served.engine.stats()
@@ -63,8 +65,9 @@ class Metrics:
         self.pages_used.set(s["pages_used"])
         self.pages_free.set(s["pages_free"])
         self.hit_rate.set(s["prefix_hits"] / s["prefix_queries"] if s["prefix_queries"] else 0.0)
-        self.tokens.set(s["tokens_generated"])
-        self.prompt_tokens.set(s["prefill_tokens"])
+        for key, counter in (("tokens_generated", self.tokens), ("prefill_tokens", self.prompt_tokens)):
+            counter.inc(max(0, s[key] - self._counted[key]))  # the engine counts; the counter follows it
+            self._counted[key] = s[key]
         return self.prom.generate_latest(self.registry)
 
 
