@@ -79,8 +79,7 @@ class Engine:
         self.num_pages = pool_pages(placed, settings, kv_heads, self.pages_per_seq)
         self.max_context = min(context, (self.num_pages - 1) * ps)
         self.pages = Pages(self.num_pages)
-        self.scheduler = Scheduler(self.pages, ps, settings.max_num_seqs, settings.max_batch_tokens,
-                                   settings.prefill_chunk, settings.prefix_cache)
+        self.scheduler = Scheduler(self.pages, settings)
         self.pool = self._empty_pool(kv_heads)
         self._step = self._compile(family.decoding.paged, placed.layout.constrain())
         self._arrivals = itertools.count()

@@ -7,6 +7,7 @@ import collections
 import dataclasses
 from typing import Hashable
 
+from train.sections import ServeSection
 from train.serve.pages import Pages
 from train.serve.sampling import SamplingParams
 
@@ -42,14 +43,13 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, pages: Pages, page_size: int, max_num_seqs: int, max_batch_tokens: int, prefill_chunk: int,
-                 prefix_cache: bool):
-        self.pages, self.page_size = pages, page_size
-        self.max_num_seqs, self.max_batch_tokens, self.prefill_chunk = max_num_seqs, max_batch_tokens, prefill_chunk
-        self.prefix_cache = prefix_cache
+    def __init__(self, pages: Pages, settings: ServeSection):
+        self.pages, self.page_size = pages, settings.page_size
+        self.max_num_seqs, self.max_batch_tokens = settings.max_num_seqs, settings.max_batch_tokens
+        self.prefill_chunk, self.prefix_cache = settings.prefill_chunk, settings.prefix_cache
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order
-        self.free_slots = list(range(max_num_seqs))
+        self.free_slots = list(range(self.max_num_seqs))
         self.prefix_hits = self.prefix_queries = self.prefill_tokens = self.preemptions = 0
 
     def plan(self) -> list[Chunk]:
