@@ -25,7 +25,7 @@ train: $(STAMP)
 
 # The tests compare against transformers and run lm-evaluation-harness: `make test` adds the hf and eval extras.
 $(HF_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e '.[test,parquet,plots,wandb,data,chat,hf,eval]'
+	$(PY) -m pip install --quiet -e '.[test,parquet,plots,wandb,data,chat,hf,eval,serve]'
 	touch $(HF_STAMP)
 
 test: $(HF_STAMP)

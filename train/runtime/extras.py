@@ -9,7 +9,8 @@ from types import ModuleType
 from mesh.errors import UserError
 
 EXTRAS = {"pyarrow": "parquet", "matplotlib": "plots", "wandb": "wandb", "datasets": "data", "fsspec": "data",
-          "zstandard": "data", "lm_eval": "eval", "jinja2": "chat"}
+          "zstandard": "data", "lm_eval": "eval", "jinja2": "chat", "fastapi": "serve", "uvicorn": "serve",
+          "prometheus_client": "serve"}
 
 
 class MissingExtra(UserError):

@@ -30,12 +30,8 @@ class SamplingParams:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be {rule}")
 
 
-def sample(logits_RxV: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array, top_p_R: jax.Array,
-           seeds_R: jax.Array, counters_R: jax.Array, n_logprobs: int):
-    """(token [R], its log-probability [R], top ids [R, n], top log-probabilities [R, n]); log-probabilities are
-    the model's own (before temperature and filters)."""
-    logprobs = jax.nn.log_softmax(logits_RxV, axis=-1)
-    greedy = jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
+def _drawn(logits_RxV, temperature_R, top_k_R, top_p_R, seeds_R, counters_R):
+    """A token drawn for every row after temperature, top-k and top-p (rows at temperature 0 unscaled)."""
     scaled = logits_RxV / jnp.where(temperature_R > 0, temperature_R, 1.0)[:, None]
     V = scaled.shape[-1]
     ranked = jnp.sort(scaled, axis=-1)[:, ::-1]
@@ -47,7 +43,18 @@ def sample(logits_RxV: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array, 
     cutoff = jnp.min(jnp.where(before < top_p_R[:, None], ranked, jnp.inf), axis=-1, keepdims=True)
     scaled = jnp.where((scaled < kth) | (scaled < cutoff), -jnp.inf, scaled)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds_R, counters_R)
-    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled).astype(jnp.int32)
+    return jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled).astype(jnp.int32)
+
+
+def sample(logits_RxV: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array, top_p_R: jax.Array,
+           seeds_R: jax.Array, counters_R: jax.Array, n_logprobs: int):
+    """(token [R], its log-probability [R], top ids [R, n], top log-probabilities [R, n]); log-probabilities are
+    the model's own (before temperature and filters)."""
+    logprobs = jax.nn.log_softmax(logits_RxV, axis=-1)
+    greedy = jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
+    # The filters sort every row: skipped (one branch runs) when every row of the step is greedy.
+    drawn = jax.lax.cond(jnp.any(temperature_R > 0), _drawn, lambda *_: greedy,
+                         logits_RxV, temperature_R, top_k_R, top_p_R, seeds_R, counters_R)
     token = jnp.where(temperature_R > 0, drawn, greedy)
     chosen = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logprobs, n_logprobs)

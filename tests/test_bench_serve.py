@@ -1,0 +1,31 @@
+"""experiments/bench_serve.py's figures from streamed chunk times, held to numpy, and its SSE reader."""
+import asyncio
+
+import numpy as np
+
+from experiments import bench_serve as bench
+
+
+def test_summarize_matches_numpy():
+    a = bench.Result(True, [0.1, 0.3, 0.35], 0.4, 3)
+    b = bench.Result(True, [0.2, 0.5], 0.6, 2)
+    failed = bench.Result(False, [], 0.0, 0, "HTTP 500")
+    row = bench.summarize([a, b, failed], duration=2.0)
+    assert (row["completed"], row["failed"]) == (2, 1)
+    assert row["request_throughput"] == 1.0 and row["output_tokens_per_s"] == 2.5
+    itl = [0.2, 0.05, 0.3]  # gaps between successive chunks, over every request
+    assert row["itl_p50_ms"] == round(1e3 * np.percentile(itl, 50), 2)
+    assert row["itl_p99_ms"] == round(1e3 * np.percentile(itl, 99), 2)
+    assert row["ttft_p50_ms"] == round(1e3 * np.percentile([0.1, 0.2], 50), 2)
+    assert row["e2e_p50_ms"] == 500.0
+
+
+def test_sse_events_stop_at_done():
+    async def lines():
+        for line in ['data: {"choices": [{"text": "a"}]}', "", ": keep-alive", 'data: {"usage": {"x": 1}}',
+                     "data: [DONE]", 'data: {"late": 1}']:
+            yield line
+
+    async def collect():
+        return [e async for e in bench.sse_events(lines())]
+    assert asyncio.run(collect()) == [{"choices": [{"text": "a"}]}, {"usage": {"x": 1}}]

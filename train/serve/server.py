@@ -1,0 +1,345 @@
+"""An OpenAI-compatible HTTP server over the serving engine (FastAPI): /v1/completions and /v1/chat/completions,
+streamed as server-sent events or not, /v1/models, /health and Prometheus /metrics. One background thread runs
+the engine (train/serve/loop.py); handlers await their tokens on asyncio queues."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import threading
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from train.data import chat as chat_lib
+from train.placed import Placed
+from train.serve import protocol as proto
+from train.serve.engine import Engine, Output
+from train.serve.loop import EngineLoop, QueueFull
+from train.serve.protocol import BadRequest
+
+RETRY_AFTER_S = 1
+DEFAULT_STOP = "<|im_end|>"  # the end of a turn of train/data/chat.py's DEFAULT_TEMPLATE, plain text
+
+
+@dataclasses.dataclass
+class Served:
+    """What one server serves: the placed model (with its tokenizer), its engine, the name clients ask for and
+    the chat renderer `train.prepare --format=chat` uses for the model's tokenizer."""
+    placed: Placed
+    engine: Engine
+    name: str
+    renderer: chat_lib.Renderer | None = None
+
+
+class Metrics:
+    """The server's Prometheus metrics in a registry of its own (several apps can live in one process)."""
+
+    def __init__(self, served: Served):
+        import prometheus_client as prom
+        self.prom, self.registry, self.served = prom, prom.CollectorRegistry(), served
+        gauge = functools.partial(prom.Gauge, registry=self.registry)
+        self.running = gauge("serve_running_requests", "Requests being decoded.")
+        self.waiting = gauge("serve_waiting_requests", "Requests queued for a slot.")
+        self.pages_used = gauge("serve_kv_pages_used", "KV-cache pages held by sequences.")
+        self.pages_free = gauge("serve_kv_pages_free", "KV-cache pages free or holding an idle cached prefix.")
+        self.hit_rate = gauge("serve_prefix_cache_hit_rate", "Prefix-cache hits per full prompt page looked up.")
+        counter = functools.partial(prom.Counter, registry=self.registry)
+        self.tokens = counter("serve_generation_tokens", "Tokens generated.")  # exposed as ..._total
+        self.prompt_tokens = counter("serve_prompt_tokens", "Prompt tokens prefilled.")
+        self._counted = {"tokens_generated": 0, "prefill_tokens": 0}
+        buckets = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.ttft = prom.Histogram("serve_time_to_first_token_seconds", "From a request's arrival to its first "
+                                   "token.", buckets=buckets, registry=self.registry)
+        self.itl = prom.Histogram("serve_inter_token_latency_seconds", "Between a request's successive tokens.",
+                                  buckets=buckets, registry=self.registry)
+        self.requests = counter("serve_requests", "Requests answered, by endpoint and status.",
+                                ("endpoint", "status"))
+
+    def render(self) -> bytes:
+        s = self.served.engine.stats()
+        self.running.set(s["running"])
+        self.waiting.set(s["waiting"])
+        self.pages_used.set(s["pages_used"])
+        self.pages_free.set(s["pages_free"])
+        self.hit_rate.set(s["prefix_hits"] / s["prefix_queries"] if s["prefix_queries"] else 0.0)
+        for key, counter in (("tokens_generated", self.tokens), ("prefill_tokens", self.prompt_tokens)):
+            counter.inc(max(0, s[key] - self._counted[key]))  # the engine counts; the counter follows it
+            self._counted[key] = s[key]
+        return self.prom.generate_latest(self.registry)
+
+
+class Service:
+    """The app's state: the engine's thread, the metrics, and draining (new requests refused with 503)."""
+
+    def __init__(self, served: Served, api_key: str = ""):
+        self.served, self.api_key = served, api_key
+        self.metrics = Metrics(served)
+        self.loop = EngineLoop(served.engine, self.metrics.ttft.observe, self.metrics.itl.observe)
+        self.draining = False
+
+    def drain(self, seconds: float) -> bool:
+        """Refuse new requests, let the running ones finish for at most `seconds`, then abort what is left;
+        True when everything finished in time."""
+        self.draining = True
+        deadline = time.monotonic() + seconds
+        while self.loop.busy() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = self.loop.request_ids()
+        for request_id in left:
+            self.loop.abort(request_id, notify=True)  # their clients get finish_reason "abort"
+        while self.loop.busy() and time.monotonic() < deadline + 5:
+            time.sleep(0.05)
+        return not left
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+def _json_error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                code: str | None = None, headers: dict | None = None):
+    return JSONResponse(proto.error_body(message, param, kind, code), status_code=status, headers=headers)
+
+
+def create_app(served: Served, api_key: str = "") -> FastAPI:
+    """The FastAPI app over `served`; `app.state.service` is its Service (close it when done)."""
+    service = Service(served, api_key)
+    api = Api(service)
+    app = FastAPI(title="train.serve", docs_url=None, redoc_url=None)
+    app.state.service = service
+    app.add_middleware(Gate, service=service)
+    app.get("/health")(api.health)
+    app.get("/metrics")(api.metrics)
+    app.get("/v1/models")(api.models)
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat_completions)
+    return app
+
+
+class Gate:
+    """ASGI middleware: the API key on /v1/*, and 503 for new generations while draining (plain ASGI, so streamed
+    responses pass through untouched)."""
+
+    def __init__(self, app, service: Service):
+        self.app, self.service = app, service
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope):
+        key = self.service.api_key
+        sent = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        if key and sent != f"Bearer {key}":
+            return _json_error(401, "invalid or missing API key: send `Authorization: Bearer KEY`",
+                               code="invalid_api_key")
+        if self.service.draining and scope["method"] == "POST":
+            return _json_error(503, "the server is shutting down; retry on another replica",
+                               kind="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return None
+
+
+class Api:
+    """The routes' handlers over one Service."""
+
+    def __init__(self, service: Service):
+        self.service, self.served = service, service.served
+        self.engine, self.codec, self.cfg = self.served.engine, self.served.placed.codec, self.served.placed.model
+        self.eos = self.codec.eos_id if self.codec is not None else None
+
+    async def health(self):
+        draining = self.service.draining
+        return JSONResponse({"status": "draining" if draining else "ok"}, status_code=503 if draining else 200)
+
+    async def metrics(self):
+        m = self.service.metrics
+        return Response(m.render(), media_type=m.prom.CONTENT_TYPE_LATEST)
+
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.served.name, "object": "model", "created": 0,
+                                            "owned_by": "train", "max_model_len": self.engine.max_context}]}
+
+    async def completions(self, request: Request):
+        return await self.generate("completions", request, self.completion_request)
+
+    async def chat_completions(self, request: Request):
+        return await self.generate("chat", request, self.chat_request)
+
+    def completion_request(self, body: dict):
+        prompt = proto.completion_prompt(body, self.codec, self.cfg.vocab_size)
+        max_tokens = proto.max_tokens_of(body, ("max_tokens",), 16)
+        proto.check_length(prompt, max_tokens, self.engine.max_context)
+        top = proto.completion_logprobs(body)
+        params = proto.sampling(body, self.cfg.vocab_size, max_tokens, self.eos, top)
+        return prompt, params, Completion(self.served, params, top)
+
+    def chat_request(self, body: dict):
+        renderer, context = self.served.renderer, self.engine.max_context
+        if renderer is None or self.codec is None:
+            raise BadRequest("this model has no tokenizer to render a chat with", "messages")
+        messages = proto.chat_messages(body)
+        try:
+            text = renderer.render(messages, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001  (a template may raise anything)
+            raise BadRequest(f"messages: the chat template cannot render them ({e})", "messages") from None
+        prompt = self.codec.encode(text)
+        proto.check_length(prompt, 1, context)
+        max_tokens = proto.max_tokens_of(body, ("max_completion_tokens", "max_tokens"), context - len(prompt))
+        proto.check_length(prompt, max_tokens, context)
+        wanted, top = proto.chat_logprobs(body)
+        extra = (DEFAULT_STOP,) if renderer.default else ()
+        params = proto.sampling(body, self.cfg.vocab_size, max_tokens, self.eos, max(top, 1) if wanted else 0, extra)
+        return prompt, params, Chat(self.served, params, top if wanted else -1)
+
+    async def body_of(self, request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise BadRequest("the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        proto.check_model(body, self.served.name)
+        return body
+
+    async def generate(self, endpoint: str, request: Request, build):
+        """Parse with `build(body) -> (prompt, params, shape)`, queue, then answer (streamed or not)."""
+        count = lambda status: self.service.metrics.requests.labels(endpoint, status).inc()  # noqa: E731
+        try:
+            body = await self.body_of(request)
+            prompt, params, shape = build(body)
+            stream, include_usage = proto.get(body, "stream", "bool", False), proto.stream_usage(body)
+        except BadRequest as e:
+            count("400")
+            return _json_error(400, e.message, e.param)
+        rid, queue, loop = proto.new_id(shape.prefix), asyncio.Queue(), asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, self.service.loop.submit, rid, prompt, params, queue, loop)
+        except QueueFull:
+            count("429")
+            return _json_error(429, f"the queue is full (serve.max_waiting={self.engine.settings.max_waiting}); "
+                               f"retry later", kind="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+        except ValueError as e:  # what the engine refuses that the checks above let through
+            count("400")
+            return _json_error(400, str(e), _param_of(str(e)))
+        count("200")
+        if stream:
+            return StreamingResponse(self.events(rid, queue, shape, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            out = await _last_output(queue)
+        except BaseException:
+            self.service.loop.abort(rid)  # the handler was cancelled: the client is gone
+            raise
+        if isinstance(out, Exception):
+            return _json_error(500, f"the engine failed: {out}", kind="server_error")
+        return shape.whole(rid, out)
+
+    async def events(self, rid: str, queue: asyncio.Queue, shape, include_usage: bool):
+        """The SSE stream: one chunk per token (text held back while it may be a stop string's start)."""
+        sent, done, out = 0, False, None
+        try:
+            for chunk in shape.opening(rid):
+                yield _sse(chunk)
+            while not done:
+                out = await queue.get()
+                if isinstance(out, Exception):
+                    yield _sse(proto.error_body(f"the engine failed: {out}", kind="server_error"))
+                    break
+                done, text = out.finished, out.text or ""
+                upto = max(sent, len(text) if done else len(text) - proto.held_back(text, shape.params.stop))
+                delta, sent = text[sent:upto], upto
+                yield _sse(shape.chunk(rid, delta, out))
+            if done and include_usage:
+                yield _sse(proto.envelope(shape.chunk_kind, rid, self.served.name, [], {"usage": proto.usage(out)}))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:
+                self.service.loop.abort(rid)  # the client went away mid-stream: its pages go back now
+
+
+async def _last_output(queue: asyncio.Queue) -> Output | Exception:
+    while True:
+        out = await queue.get()
+        if isinstance(out, Exception) or out.finished:
+            return out
+
+
+def _param_of(message: str) -> str:
+    """The request field an engine.add message starts with ('prompt_token_ids: ...', 'top_p=2: ...')."""
+    head = message.replace("=", " ").replace(":", " ").split(" ")[0]
+    return "prompt" if head.startswith("prompt") else head
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Completion:
+    """The /v1/completions response shapes of one request."""
+    prefix, kind, chunk_kind = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, served: Served, params, top: int):
+        self.served, self.params, self.top, self.codec = served, params, top, served.placed.codec
+        self._logged = 0  # tokens whose log-probabilities a chunk carried
+
+    def _logprobs(self, out: Output, start: int):
+        if not self.params.logprobs or out.logprobs is None:
+            return None
+        return proto.completion_logprobs_body(self.codec, out.token_ids[start:], out.logprobs[start:], self.top)
+
+    def whole(self, rid: str, out: Output) -> dict:
+        choice = {"index": 0, "text": out.text or "", "logprobs": self._logprobs(out, 0),
+                  "finish_reason": proto.finish(out)}
+        return proto.envelope(self.kind, rid, self.served.name, [choice], {"usage": proto.usage(out)})
+
+    def opening(self, rid: str) -> list[dict]:
+        return []
+
+    def chunk(self, rid: str, delta: str, out: Output) -> dict:
+        logprobs, self._logged = self._logprobs(out, self._logged), len(out.token_ids)
+        choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": proto.finish(out)}
+        return proto.envelope(self.chunk_kind, rid, self.served.name, [choice])
+
+
+class Chat(Completion):
+    """The /v1/chat/completions response shapes; `top` -1: no log-probabilities asked for."""
+    prefix, kind, chunk_kind = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def _logprobs(self, out: Output, start: int):
+        if self.top < 0 or out.logprobs is None:
+            return None
+        return proto.chat_logprobs_body(self.codec, out.token_ids[start:], out.logprobs[start:], self.top)
+
+    def whole(self, rid: str, out: Output) -> dict:
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text or ""},
+                  "logprobs": self._logprobs(out, 0), "finish_reason": proto.finish(out)}
+        return proto.envelope(self.kind, rid, self.served.name, [choice], {"usage": proto.usage(out)})
+
+    def opening(self, rid: str) -> list[dict]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return [proto.envelope(self.chunk_kind, rid, self.served.name, [choice])]
+
+    def chunk(self, rid: str, delta: str, out: Output) -> dict:
+        logprobs, self._logged = self._logprobs(out, self._logged), len(out.token_ids)
+        choice = {"index": 0, "delta": {"content": delta}, "logprobs": logprobs, "finish_reason": proto.finish(out)}
+        return proto.envelope(self.chunk_kind, rid, self.served.name, [choice])
+
+
+def run_in_thread(app, host: str = "127.0.0.1", port: int = 0):
+    """Start uvicorn on `app` in a daemon thread; (the uvicorn.Server, its port) once it listens."""
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    return server, server.servers[0].sockets[0].getsockname()[1]
