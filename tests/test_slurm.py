@@ -76,6 +76,8 @@ def wait(condition, slurm, job: str, what: str, timeout: float = 120) -> float:
     start = time.monotonic()
     while not condition():
         state = slurm.job(job).get("JobState", "gone")
+        if condition():  # it came true while the state was read: a job that just ended is not a failure
+            break
         assert state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"), (what, state)
         assert time.monotonic() - start < timeout, f"timed out waiting for {what}"
         time.sleep(0.1)
