@@ -127,9 +127,12 @@ def _moe_stack(layers: Params, x, pool, batch: Batch, cfg: ModelConfig, constrai
         a, (km, vm) = pieces.attention(p, pieces.norm(p, x, "attn_norm"), batch.positions_N,
                                        PagedAttend(batch, k[-1], v[-1]))
         x = x + a
-        y, _ = moe.moe_mlp(g["router"], g["experts"], pieces.norm(p, x, "mlp_norm"), whole, constrain,
+        # One row per token: dropless routing is per token, and rows (unlike the one row of the flat batch) split
+        # over the batch axes as a mesh splitting the experts needs (sharding/experts.py).
+        h = pieces.norm(p, x, "mlp_norm")
+        y, _ = moe.moe_mlp(g["router"], g["experts"], h.reshape(-1, 1, h.shape[-1]), whole, constrain,
                            pieces.expert_fn)
-        return x + y, (jnp.concatenate(ks + [km[None]]), jnp.concatenate(vs + [vm[None]]))
+        return x + y.reshape(x.shape), (jnp.concatenate(ks + [km[None]]), jnp.concatenate(vs + [vm[None]]))
 
     x, (k, v) = jax.lax.scan(group, x, (layers, grouped["k"], grouped["v"]))
     return x, (k.reshape(pool["k"].shape), v.reshape(pool["v"].shape))

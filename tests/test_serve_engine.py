@@ -1,7 +1,8 @@
 """The serving engine (train/serve/): greedy outputs of prompts arriving at different steps, in chunks mixed with
 decodes over small pages, equal each prompt decoded alone by the model's full forward pass; tensor=2 equals one
-device; a mixture of experts decodes what its forward predicts; prefix-cache hits, a pool too small for the load
-and sampling seeds and stop tokens behave."""
+device, and data=2 serves as two replicas; a mixture of experts decodes what its forward predicts (its experts
+split over `expert` too); prefix-cache hits, a pool too small for the load and sampling seeds and stop tokens
+behave."""
 
 import dataclasses
 
@@ -14,6 +15,7 @@ from tests.helpers import tiny_config
 from train import config as config_lib
 from train import placed as placed_lib
 from train.config import ConfigError
+from train.serve import replicas
 from train.serve.engine import Engine, Settings
 from train.serve.sampling import SamplingParams
 
@@ -122,6 +124,20 @@ def test_tensor_split_equals_one_device(dense):
     assert got == [o.token_ids for o in dense[1].generate(PROMPTS, SamplingParams(max_tokens=NEW))]
 
 
+def test_data_replicas_share_the_load_and_equal_one_device(dense):
+    """data=2 serves as two engines on one device each (tensor=2 inside each: four devices), each with its own
+    pages; requests go to the less loaded, and every output is the one-device engine's."""
+    placed = _placed(num_devices=4, data=2, tensor=2)
+    served = replicas.build(placed, SMALL)
+    assert served.replicas == 2 and [len(e.placed.mesh.devices.flat) for e in served.engines] == [2, 2]
+    assert not set(served.engines[0].placed.mesh.devices.flat) & set(served.engines[1].placed.mesh.devices.flat)
+    want = [o.token_ids for o in dense[1].generate(PROMPTS * 2, SamplingParams(max_tokens=NEW))]
+    assert _staggered(served, PROMPTS * 2, NEW) == want
+    each = [e.stats() for e in served.engines]
+    assert [s["tokens_generated"] for s in each] == [NEW * len(PROMPTS)] * 2
+    assert served.stats()["pages_used"] == 0 and not served.has_work()
+
+
 def test_gpt2_options_decode_their_forward():
     placed = _placed(gpt2=True)
     engine = Engine.build(placed, SMALL)
@@ -131,10 +147,14 @@ def test_gpt2_options_decode_their_forward():
 
 
 def test_mixture_of_experts_decodes_its_forward():
+    """On one device, and with its experts split over expert=2 in each of two data replicas."""
     placed = _placed(experts=4)
-    engine = Engine.build(placed, SMALL)
-    got = _staggered(engine, PROMPTS[:2], 4)
-    assert got == [_reference(placed, p, 4) for p in PROMPTS[:2]]
+    want = [_reference(placed, p, 4) for p in PROMPTS[:2]]
+    assert _staggered(Engine.build(placed, SMALL), PROMPTS[:2], 4) == want
+    one_bucket = dataclasses.replace(SMALL, max_num_seqs=2, max_batch_tokens=8)  # one step compiled per replica
+    split = replicas.build(_placed(num_devices=4, experts=4, data=2, expert=2), one_bucket)
+    assert split.engines[0].buckets == [8] and split.engines[0].placed.mesh.shape["expert"] == 2
+    assert _staggered(split, PROMPTS[:2], 4) == want
 
 
 @pytest.mark.parametrize("key,value,message", [("page_size", 0, "serve.page_size=0: use a whole number >= 1"),

@@ -78,7 +78,7 @@ def load(path: pathlib.Path):
     from train.config import resolve
     from train.data import chat
     from train.data import tokenizer as tok_lib
-    from train.serve.engine import Engine
+    from train.serve import replicas
     from train.serve.server import Served
 
     mesh = overrides("mesh") or ({a: 1 for a in AXES} if jax.default_backend() == "cpu" else None)
@@ -102,7 +102,7 @@ def load(path: pathlib.Path):
         placed = dataclasses.replace(placed_lib.restore(placed, path, FLAGS.step), codec=tok_lib.load_run_codec(path))
     else:
         placed = dataclasses.replace(placed_lib.from_hf(placed, config.checkpoint.restore_from), codec=hf_codec(path))
-    engine = Engine.build(placed, plan.serve)
+    engine = replicas.build(placed, plan.serve)
     name = FLAGS.served_model_name or path.resolve().name
     return Served(placed, engine, name, chat.Renderer(renderer_spec))
 
@@ -152,7 +152,8 @@ def serve(served, host: str, port: int, api_key: str, drain_seconds: float) -> i
             self.force_exit = self.force_exit or sig == signal.SIGINT and service.draining
 
     print(f"serving {served.name} on http://{host}:{port}/v1 (max context {served.engine.max_context}, "
-          f"{served.engine.num_pages} KV pages of {served.engine.settings.page_size})", flush=True)
+          f"{served.engine.num_pages} KV pages of {served.engine.settings.page_size} tokens, "
+          f"{served.engine.replicas} replica(s))", flush=True)
     Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
                           timeout_graceful_shutdown=max(1, int(drain_seconds)))).run()
     service.close()

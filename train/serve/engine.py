@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Literal
 
 import jax
@@ -15,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import models
 from models import paged
+from sharding import experts as experts_lib
 from sharding import specs as sharding_specs
 from train.placed import Placed
 from train.sections import ServeSection
@@ -40,11 +42,21 @@ class Output:
     prompt_tokens: int
 
 
-def buckets(s: Settings) -> list[int]:
+@dataclasses.dataclass
+class Launched:
+    """A step dispatched but not yet waited for (Engine.launch)."""
+    outputs: list[Output]
+    chunks: list[Chunk]
+    result: tuple | None  # the step's device arrays; None when nothing ran
+
+
+def buckets(s: Settings, ways: int = 1) -> list[int]:
     """The token counts the step compiles for: powers of two from 8, and the most one step can take (the token
-    budget, or every slot's prompt chunk when that is fewer)."""
+    budget, or every slot's prompt chunk when that is fewer), each rounded up to a multiple of `ways` (the
+    mesh's split of a mixture's rows: models/paged.py)."""
     most = min(s.max_batch_tokens, s.max_num_seqs * s.prefill_chunk)
-    return [n for n in (2 ** i for i in range(3, 32)) if n < most] + [most]
+    counts = [n for n in (2 ** i for i in range(3, 32)) if n < most] + [most]
+    return sorted({-(-n // ways) * ways for n in counts})
 
 
 def page_bytes(cfg: models.ModelConfig, kv_heads: int, page_size: int) -> int:
@@ -67,6 +79,8 @@ def pool_pages(placed: Placed, s: Settings, kv_heads: int, pages_per_seq: int) -
 
 
 class Engine:
+    replicas = 1  # one batch and pool (train/serve/replicas.py serves several)
+
     def __init__(self, placed: Placed, settings: Settings, max_context: int | None = None):
         cfg, family = placed.model, models.family_of(placed.model)
         if family.decoding is None or family.decoding.paged is None:
@@ -78,6 +92,9 @@ class Engine:
         self.pages_per_seq = -(-context // ps)
         self.num_pages = pool_pages(placed, settings, kv_heads, self.pages_per_seq)
         self.max_context = min(context, (self.num_pages - 1) * ps)
+        sizes = dict(zip(placed.mesh.axis_names, placed.mesh.devices.shape))
+        self.buckets = buckets(settings, math.prod(sizes[a] for a in experts_lib.batch_axes(placed.layout.rules,
+                                                                                           sizes)))
         self.pages = Pages(self.num_pages)
         self.scheduler = Scheduler(self.pages, settings)
         self.pool = self._empty_pool(kv_heads)
@@ -120,7 +137,7 @@ class Engine:
 
     def warmup(self) -> None:
         """Compile (and run once on padding alone) the step of every bucket, so no request ever compiles."""
-        for n in buckets(self.settings):
+        for n in self.buckets:
             self._run(self._inputs([], n))
 
     # ------------------------------------------------------------------ requests
@@ -139,7 +156,7 @@ class Engine:
             raise ValueError(f"prompt_token_ids: ids must be in [0, {self.cfg.vocab_size})")
         if request_id in self._by_id:
             raise ValueError(f"request_id {request_id!r}: already in the engine")
-        if len(self.scheduler.waiting) >= self.settings.max_waiting:
+        if self.full():
             raise ValueError(f"the queue is full (serve.max_waiting={self.settings.max_waiting}); retry later")
         seq = Sequence(request_id, prompt, params, next(self._arrivals))
         self._by_id[request_id] = seq
@@ -156,6 +173,14 @@ class Engine:
             self.scheduler.waiting.remove(seq)
         self._aborted.append(self._output(seq, "abort"))
 
+    def full(self) -> bool:
+        """serve.max_waiting requests wait: add would refuse another."""
+        return len(self.scheduler.waiting) >= self.settings.max_waiting
+
+    def load(self) -> int:
+        """Requests running or waiting (where replicas send the next: the least loaded)."""
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting or self._aborted)
 
@@ -171,13 +196,25 @@ class Engine:
     def step(self) -> list[Output]:
         """One step: every running sequence gets one token (or a prompt chunk); returns the Output of each
         sequence that got a token, finished or aborted."""
+        return self.collect(self.launch())
+
+    def launch(self) -> "Launched":
+        """The first half of a step: plan it and dispatch the model (asynchronously, so replicas on other
+        devices launch theirs meanwhile: train/serve/replicas.py)."""
         outputs, self._aborted = self._aborted, []
         chunks = self.scheduler.plan()
         if not chunks:
-            return outputs
+            return Launched(outputs, [], None)
         total = sum(c.count for c in chunks)
-        n = next(b for b in buckets(self.settings) if b >= total)
-        token, chosen, top_ids, top_lp = (np.asarray(a) for a in self._run(self._inputs(chunks, n)))
+        n = next(b for b in self.buckets if b >= total)
+        return Launched(outputs, chunks, self._run(self._inputs(chunks, n)))
+
+    def collect(self, launched: "Launched") -> list[Output]:
+        """The second half: wait for the step's tokens and hand them to their sequences."""
+        outputs, chunks = launched.outputs, launched.chunks
+        if launched.result is None:
+            return outputs
+        token, chosen, top_ids, top_lp = (np.asarray(a) for a in launched.result)
         for chunk in chunks:
             self.scheduler.computed(chunk)
             if chunk.samples:

@@ -48,7 +48,7 @@ class EngineLoop:
         self._wake.set()
 
     def full(self) -> bool:
-        return len(self.engine.scheduler.waiting) >= self.engine.settings.max_waiting
+        return self.engine.full()
 
     def abort(self, request_id: str, notify: bool = False) -> None:
         """Drop a request (a client gone, a drain out of time); its pages go back to the pool now. `notify`: its

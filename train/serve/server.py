@@ -19,6 +19,7 @@ from train.serve import protocol as proto
 from train.serve.engine import Engine, Output
 from train.serve.loop import EngineLoop, QueueFull
 from train.serve.protocol import BadRequest
+from train.serve.replicas import Replicas
 
 RETRY_AFTER_S = 1
 DEFAULT_STOP = "<|im_end|>"  # the end of a turn of train/data/chat.py's DEFAULT_TEMPLATE, plain text
@@ -29,7 +30,7 @@ class Served:
     """What one server serves: the placed model (with its tokenizer), its engine, the name clients ask for and
     the chat renderer `train.prepare --format=chat` uses for the model's tokenizer."""
     placed: Placed
-    engine: Engine
+    engine: Engine | Replicas
     name: str
     renderer: chat_lib.Renderer | None = None
 
