@@ -1,12 +1,13 @@
-"""Decoding speed with the KV cache (train/generate/decode.py) on one device: tokens/s per sequence (batch 1) and
-batched, after a warm-up call that compiles the prefill and the step. Weights are random: speed does not
-depend on their values.
+"""Decoding speed of the serving engine (train/serve/, the project's one decoding path) on one device: tokens/s
+per sequence (batch 1) and batched, `batch` prompts decoded together to the end, after a warm-up run (the engine
+compiles every step shape when it is built). Weights are random: speed does not depend on their values.
 
     python -m experiments.bench_decode --preset=llama3-tiny --batches=1,8,32 --new_tokens=128
     python -m experiments.bench_decode --preset=llama3.2-1b --batches=1,16 (on a GPU)
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -16,7 +17,8 @@ from absl import flags
 
 import models
 from train import cli
-from train.generate import decode as generate
+from train import placed as placed_lib
+from train.serve.engine import Engine, SamplingParams, Settings
 
 _PRESET = flags.DEFINE_string("preset", "llama3-tiny", "Model preset (a family with KV-cache decoding).")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Sequences decoded together.")
@@ -27,13 +29,18 @@ _JSON = flags.DEFINE_string("json", "", "Also write the rows to this JSON file."
 
 
 def measure(cfg, params, batch: int) -> dict:
-    gen = generate.Generator(cfg, generate.Sampling(temperature=0))
-    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, _PROMPT_LEN.value))
-    gen(params, prompt, _NEW.value)  # compile the prefill and the step
+    placed = placed_lib.on_one_device(cfg)
+    placed = dataclasses.replace(placed, params=jax.device_put(params, placed.layout.params))
+    settings = Settings(max_num_seqs=batch, prefill_chunk=_PROMPT_LEN.value,
+                        max_batch_tokens=max(batch, _PROMPT_LEN.value) * batch, prefix_cache=False)
+    engine = Engine.build(placed, settings, max_context=_PROMPT_LEN.value + _NEW.value)
+    prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, _PROMPT_LEN.value)).tolist()
+    request = SamplingParams(max_tokens=_NEW.value)
+    engine.generate(prompts, request)  # warm: every shape already compiled; this runs them once
     times = []
     for _ in range(_REPEATS.value):
         t = time.perf_counter()
-        jax.block_until_ready(gen(params, prompt, _NEW.value))
+        engine.generate(prompts, request)
         times.append(time.perf_counter() - t)
     seconds = sorted(times)[len(times) // 2]
     return {"preset": _PRESET.value, "batch": batch, "prompt_len": _PROMPT_LEN.value, "new_tokens": _NEW.value,

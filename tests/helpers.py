@@ -1,6 +1,7 @@
 """Shared test helpers: tiny configs and short runs, compiled once per layout."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -15,7 +16,9 @@ import jax
 import numpy as np
 
 from experiments.tiny import get_config
+from train import placed as placed_lib
 from train import step as step_lib
+from train.serve.engine import Engine, SamplingParams, Settings
 from train.trainer import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -105,6 +108,27 @@ def single_device_run(steps: int = 5) -> dict:
 def single_device_reference(steps: int = 5):
     ref = single_device_run(steps)
     return ref["losses"], ref["grads"]
+
+
+def engine_greedy(cfg, params, prompt: list[int], new: int) -> tuple[list[int], list[dict[int, float]]]:
+    """`new` greedy tokens of the serving engine on one device after `prompt`, and each one's top-8
+    log-probabilities {id: log p} (one step shape compiled: chunks of 8)."""
+    placed = placed_lib.on_one_device(cfg)
+    placed = dataclasses.replace(placed, params=jax.device_put(params, placed.layout.params))
+    settings = Settings(page_size=8, max_num_seqs=1, max_batch_tokens=8, prefill_chunk=8)
+    engine = Engine.build(placed, settings, max_context=len(prompt) + new)
+    [out] = engine.generate([list(map(int, prompt))], SamplingParams(max_tokens=new, logprobs=8))
+    return out.token_ids, out.logprobs
+
+
+def clear_lead(logprobs: list[dict[int, float]], margin: float = 1e-3) -> int:
+    """How many leading tokens were chosen by more than `margin` over the runner-up: past a near-tie two
+    implementations may pick differently, then diverge."""
+    for i, row in enumerate(logprobs):
+        top = sorted(row.values())[-2:]
+        if top[1] - top[0] <= margin:
+            return i
+    return len(logprobs)
 
 
 def run_python(*args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -13,9 +13,9 @@ torch = pytest.importorskip("torch", reason="the `hf` extra (transformers, torch
 
 import models  # noqa: E402
 from checkpoint import safetensors_io  # noqa: E402
+from tests import helpers  # noqa: E402
 from tests.helpers import tiny_config  # noqa: E402
 from train import export_hf  # noqa: E402
-from train.generate import decode as generate  # noqa: E402
 from train.hf import restore as hf_import  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
@@ -82,15 +82,19 @@ def test_qwen3_export_loads_in_transformers_with_our_logits(qwen3_exported):
 
 
 def test_qwen3_kv_cache_decoding_gives_transformers_logits(qwen3_exported):
-    """train.sample's path (prefill, then one token at a time over the cache) applies the q/k norms too: each
-    step's logits are transformers' at that position of the prompt and the tokens drawn."""
+    """The serving engine's path (a prompt chunk, then one token at a time over the paged cache) applies the q/k
+    norms too: each step's top log-probabilities are transformers' at that position of the prompt and the tokens
+    drawn."""
     cfg, params, out = qwen3_exported
     prompt = TOKENS[:1, :8]
-    new, logits = generate.Generator(cfg, generate.Sampling(temperature=0))(params, prompt, 12)
-    full = np.concatenate([prompt, np.asarray(new)[:, :11]], axis=1)
+    new, logprobs = helpers.engine_greedy(cfg, params, prompt[0], 12)
+    full = np.concatenate([prompt, np.asarray([new[:11]])], axis=1)
     with torch.no_grad():
-        theirs = _hf_model(out)(torch.tensor(full)).logits.numpy()[0, 7:]
-    np.testing.assert_allclose(np.asarray(logits)[0], theirs, atol=1e-4, rtol=0)
+        theirs = torch.log_softmax(_hf_model(out)(torch.tensor(full)).logits, -1).numpy()[0, 7:]
+    for row, step in zip(logprobs, theirs):
+        ids = sorted(row)
+        np.testing.assert_allclose([row[i] for i in ids], step[ids], atol=1e-4, rtol=0)
+    assert new == [int(np.argmax(step)) for step in theirs]
 
 
 MIXTURES = {  # transformers' config class and ours (the preset and the import's shapes)

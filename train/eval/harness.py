@@ -15,7 +15,7 @@ from lm_eval.tasks import TaskManager
 from mesh.layout import AXES
 from train.eval import load
 from train.eval.options import EvalError
-from train.generate import decode
+from train.serve.sampling import SamplingParams
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm_eval's own default
 LM_EVAL_ARGS = {"device", "max_batch_size"}  # what lm_eval adds to every model's model_args; the mesh places us
@@ -99,9 +99,9 @@ class SpmdLM(TemplateLM):
                             f"seq_len={self.max_length}; lower the task's max_gen_toks (generation_kwargs)")
         prompts = [self.tok_encode(c)[-keep:] or [self.prefix_token_id] for c in contexts]
         greedy = not kwargs.get("do_sample", False) or float(kwargs.get("temperature", 0.0)) == 0.0
-        sampling = decode.Sampling() if greedy else decode.Sampling(temperature=float(kwargs["temperature"]),
-                                                                    top_k=int(kwargs.get("top_k") or 0),
-                                                                    top_p=float(kwargs.get("top_p") or 1.0))
+        sampling = SamplingParams() if greedy else SamplingParams(temperature=float(kwargs["temperature"]),
+                                                                  top_k=int(kwargs.get("top_k") or 0),
+                                                                  top_p=float(kwargs.get("top_p") or 1.0))
 
         def stopped(_, new: list[int]) -> bool:
             return self.eot_token_id in new or any(s in self.codec.decode(new) for s in until)

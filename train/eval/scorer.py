@@ -12,9 +12,9 @@ import numpy as np
 
 import models
 from train.eval import batching
-from train.generate import decode
 from train.placed import Placed
 from train.serve import engine as serve
+from train.serve import replicas
 
 
 def token_scores(params, tokens_BxL1: jax.Array, cfg: models.ModelConfig,
@@ -51,23 +51,22 @@ class Scorer:
         return out
 
     @functools.cached_property
-    def engine(self) -> serve.Engine:
+    def engine(self) -> serve.Engine | replicas.Replicas:
         """Built at the first generation: a run scored by log-likelihoods alone compiles no decoding."""
-        return serve.Engine.build(self.placed, self.settings)
+        return replicas.build(self.placed, self.settings)
 
-    def generate(self, prompts: list[list[int]], max_new: int, sampling: decode.Sampling,
+    def generate(self, prompts: list[list[int]], max_new: int, sampling: serve.SamplingParams,
                  stopped: Callable[[int, list[int]], bool]) -> list[list[int]]:
         """Up to `max_new` new tokens after each prompt; a prompt's request ends once `stopped(i, its new
         tokens)` holds."""
         out: list[list[int]] = [[] for _ in prompts]
         if max_new < 1:
             return out
-        engine, s = self.engine, sampling
-        params = serve.SamplingParams(s.temperature, s.top_k, s.top_p, s.seed, max_new)
+        engine, params = self.engine, dataclasses.replace(sampling, max_tokens=max_new)
         ids = {f"eval-{id(out)}-{i}": i for i in range(len(prompts))}
         pending = list(ids)
         while pending or engine.has_work():
-            while pending and len(engine.scheduler.waiting) < self.settings.max_waiting:
+            while pending and not engine.full():
                 rid = pending.pop(0)
                 engine.add(rid, prompts[ids[rid]], params)
             for o in engine.step():

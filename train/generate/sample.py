@@ -22,7 +22,6 @@ from train import step as step_lib
 from train.config import ConfigError, Plan, base_config, resolve
 from train.data import loader as data_lib
 from train.data import tokenizer as tok_lib
-from train.generate import decode as generate
 from train.generate import prompt as prompt_lib
 from train.serve import engine as serve
 
@@ -58,7 +57,7 @@ class Request:
     prompt: str | None = None
     prompt_tokens: str | None = None
     max_new: int | None = None  # None: DEFAULT_NEW, within the model's context
-    sampling: generate.Sampling = generate.Sampling()
+    sampling: serve.SamplingParams = serve.SamplingParams()  # its max_tokens is max_new's
     as_json: bool = False
     eval_batches: int = 0
 
@@ -104,8 +103,7 @@ def sample(workdir: pathlib.Path, step: int | None, request: Request, mesh: dict
                           f"lower it to {max(limit - len(prompt), 0)} or less, or shorten the prompt")
     placed = placed_lib.restore(placed, workdir, step)
     engine = serve.Engine.build(placed, dataclasses.replace(plan.serve, max_num_seqs=1))
-    s = request.sampling
-    [out] = engine.generate([prompt], serve.SamplingParams(s.temperature, s.top_k, s.top_p, s.seed, max_new))
+    [out] = engine.generate([prompt], dataclasses.replace(request.sampling, max_tokens=max_new))
     return prompt_lib.render(codec, prompt, out.token_ids, request.as_json)
 
 
@@ -122,7 +120,7 @@ def held_out(plan: Plan, placed: placed_lib.Placed, source: data_lib.TokenSource
 
 
 def request_from_flags() -> Request:
-    sampling = generate.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed)
+    sampling = serve.SamplingParams(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed)
     return Request(FLAGS.prompt, FLAGS.prompt_tokens, FLAGS.max_new_tokens, sampling, FLAGS.json, FLAGS.eval_batches)
 
 
