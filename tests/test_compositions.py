@@ -222,8 +222,10 @@ def test_audit_of_a_mixture_with_context_in_a_pipeline():
 
 # The newer mixtures held to one device as moe-tiny is: Qwen3-MoE (per-head q/k norms, head_dim apart from
 # d_model/n_heads, the chosen probabilities unrenormalized) with its experts over `expert` and its heads and MLPs
-# over `tensor`.
-FAMILY_LAYOUTS = [("qwen3-moe-tiny", {"expert": 2, "tensor": 2})]
+# over `tensor`; Mixtral (a mixture in every layer) in a 2-stage pipeline with `tensor` inside each stage. (Mixtral
+# on pipeline x data or pipeline x expert trains here too, but its step loaded from XLA's persistent cache on CPU
+# deadlocks in its collectives: docs/testing.md.)
+FAMILY_LAYOUTS = [("qwen3-moe-tiny", {"expert": 2, "tensor": 2}), ("mixtral-tiny", {"pipeline": 2, "tensor": 2})]
 
 
 def family_config(preset: str):
