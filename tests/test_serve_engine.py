@@ -20,6 +20,7 @@ from train.serve.engine import Engine, Settings
 from train.serve.sampling import SamplingParams
 
 SMALL = Settings(page_size=4, max_num_seqs=4, max_batch_tokens=32, prefill_chunk=8)
+ONE_STEP = dataclasses.replace(SMALL, max_num_seqs=2, max_batch_tokens=8)  # one step shape compiled
 PROMPTS = [[5, 9, 2, 7, 1, 3, 8, 4, 6, 11, 12], [3, 1, 4], [100, 50, 25, 12, 6, 3, 1, 99, 98, 97, 96, 95, 94, 93]]
 NEW = 6
 
@@ -128,7 +129,7 @@ def test_data_replicas_share_the_load_and_equal_one_device(dense):
     """data=2 serves as two engines on one device each (tensor=2 inside each: four devices), each with its own
     pages; requests go to the less loaded, and every output is the one-device engine's."""
     placed = _placed(num_devices=4, data=2, tensor=2)
-    served = replicas.build(placed, SMALL)
+    served = replicas.build(placed, ONE_STEP)
     assert served.replicas == 2 and [len(e.placed.mesh.devices.flat) for e in served.engines] == [2, 2]
     assert not set(served.engines[0].placed.mesh.devices.flat) & set(served.engines[1].placed.mesh.devices.flat)
     want = [o.token_ids for o in dense[1].generate(PROMPTS * 2, SamplingParams(max_tokens=NEW))]
@@ -147,13 +148,12 @@ def test_gpt2_options_decode_their_forward():
 
 
 def test_mixture_of_experts_decodes_its_forward():
-    """On one device, and with its experts split over expert=2 in each of two data replicas."""
+    """On one device, and with its experts split over expert=2."""
     placed = _placed(experts=4)
     want = [_reference(placed, p, 4) for p in PROMPTS[:2]]
     assert _staggered(Engine.build(placed, SMALL), PROMPTS[:2], 4) == want
-    one_bucket = dataclasses.replace(SMALL, max_num_seqs=2, max_batch_tokens=8)  # one step compiled per replica
-    split = replicas.build(_placed(num_devices=4, experts=4, data=2, expert=2), one_bucket)
-    assert split.engines[0].buckets == [8] and split.engines[0].placed.mesh.shape["expert"] == 2
+    split = Engine.build(_placed(num_devices=2, experts=4, expert=2), ONE_STEP)
+    assert split.buckets == [8] and split.placed.mesh.shape["expert"] == 2
     assert _staggered(split, PROMPTS[:2], 4) == want
 
 
