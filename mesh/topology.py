@@ -102,6 +102,12 @@ class Topology:
                 any(v <= 0 for v in self.peak_tflops.values()) or not 0 < self.step_overhead < math.inf:
             raise TopologyError(f"topology {self.name}: device_memory_gb, storage_gbps and hbm_gbps must be >= 0, "
                                 f"step_overhead and every peak_tflops value > 0 (and finite)")
+        bad = [(k, x, e) for k, v in self.matmul_efficiency.items() for x, e in v if not (x > 0 and 0 < e <= 1)]
+        if bad:
+            k, x, e = bad[0]
+            raise TopologyError(f"topology {self.name}: matmul_efficiency[{k!r}] has [{x:g}, {e:g}]; each point needs "
+                                f"a dim > 0 and a fraction in (0, 1] (measure it again: python -m train.plan "
+                                f"--calibrate=FILE)")
 
     @property
     def num_devices(self) -> int:

@@ -100,6 +100,15 @@ def _checkpoint_without_manifest(tmp):
     return source
 
 
+def _saved_dataset(tmp):
+    """A `datasets` DatasetDict saved to disk with a train split only (its import logs a line of its own, which
+    the error must not follow)."""
+    import datasets
+    saved = tmp / "saved-dataset"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["one document"]})}).save_to_disk(str(saved))
+    return saved
+
+
 def _user_folder(tmp):
     """A folder of a user's own files (no meta.json): not a DATADIR, so train.prepare --overwrite leaves it."""
     mine = tmp / "mine"
@@ -192,6 +201,7 @@ def _cases(tmp):
     syntax, no_get = tmp / "syntax.py", tmp / "no_get.py"
     garbage, no_tokenizer, zst = _garbage_header(tmp), _without_tokenizer(tmp), _damaged_zst(tmp)
     (tmp / "empty.txt").write_text("")
+    saved = _saved_dataset(tmp)
     (tmp / "no-config" / "checkpoints" / "3").mkdir(parents=True)
     (tmp / "small").mkdir()
     (tmp / "small" / "a.txt").write_text("tiny text " * 100)
@@ -329,6 +339,10 @@ def _cases(tmp):
         "prepare on a damaged .jsonl.zst": ("train.prepare", [f"--input={zst}", f"--out={tmp / 'D'}"],
                                             rf"{t(str(zst))}: cannot read it \(zstd decompress error: .*\)",
                                             [tmp / "D"]),
+        "prepare on a saved dataset without the split": ("train.prepare", [f"--input=hf:{saved}:test",
+                                                                           f"--out={tmp / 'D'}"],
+                                                         rf"--input=hf:{t(str(saved))}:test: no split 'test' \(it has "
+                                                         r"train\); write hf:DIR:SPLIT", [tmp / "D"]),
         "prepare on an empty file": ("train.prepare", [f"--input={tmp / 'empty.txt'}", f"--out={tmp / 'D'}"],
                                      t("--input: the corpus has no training documents (1 files); add text"),
                                      [tmp / "D"]),

@@ -65,6 +65,7 @@ def test_calibrate_measures_memory_bandwidth_and_a_reference_step(tmp_path, monk
     topo = T.get_topology(str(path))
     assert topo.hbm_gbps > 0 and topo.hbm_gbps != H100.hbm_gbps
     assert [n for n, _ in topo.matmul_efficiency["float32"]] == [128.0, 256.0, 512.0, 1024.0]
+    assert all(e > 0 for _, e in topo.matmul_efficiency["float32"])  # a CPU against an H100's peak: tiny, never 0
     assert topo.shared_host  # measured on this machine's virtual CPU devices, all at once
     assert topo.step_overhead > 0 and topo.step_overhead != 1.0  # the reference step, set against its roofline
     reference = json.loads(path.read_text())["provenance"]["step_overhead_reference"]
@@ -105,6 +106,8 @@ def test_the_step_overhead_multiplies_the_work_not_the_communication():
     assert slow["communication_total_s"] == base["communication_total_s"]
     with pytest.raises(T.TopologyError, match="step_overhead"):
         dataclasses.replace(H100, step_overhead=0.0)
+    with pytest.raises(T.TopologyError, match=r"matmul_efficiency\['float32'\] has \[128, 0\]"):
+        dataclasses.replace(H100, matmul_efficiency={"float32": [[128.0, 0.0], [256.0, 0.1]]})
 
 
 def test_a_shared_host_charges_no_bubble_and_hides_no_collective():

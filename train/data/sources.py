@@ -11,6 +11,7 @@ import hashlib
 import importlib
 import importlib.util
 import io
+import logging
 import lzma
 import pathlib
 from typing import IO, Any, Iterator
@@ -152,8 +153,19 @@ def dataset_fingerprint(spec: str) -> str:
     return ""  # a Hub or folder dataset streams: it is named by name and split only
 
 
-def _load_saved(spec: str, name: str, split: str):
+def _datasets(spec: str):
+    """The `datasets` library, its own log lines and progress bars off: what a bad input gets is this project's
+    one line (the Hub client's retries and warnings would come first)."""
+    logging.getLogger("datasets").setLevel(logging.ERROR)  # before the import, which logs the versions it found
     datasets = extras.load("datasets", f"--input={spec}")
+    datasets.logging.set_verbosity_error()
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # after: its import sets its own level
+    datasets.disable_progress_bars()
+    return datasets
+
+
+def _load_saved(spec: str, name: str, split: str):
+    datasets = _datasets(spec)
     data = datasets.load_from_disk(str(pathlib.Path(name).expanduser()))
     if isinstance(data, datasets.DatasetDict):
         if split not in data:
@@ -165,7 +177,7 @@ def _load_saved(spec: str, name: str, split: str):
 def dataset_rows(spec: str, field: str) -> Iterator[str]:
     """The `field` of every row of a dataset, streamed (a saved one memory-mapped, batch by batch)."""
     name, split = _dataset_parts(spec)
-    datasets = extras.load("datasets", f"--input={spec}")
+    datasets = _datasets(spec)
     if _saved(name):
         rows = _load_saved(spec, name, split).iter(batch_size=1024)
         batches = (batch.get(field) for batch in rows)

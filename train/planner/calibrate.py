@@ -42,7 +42,8 @@ def measure(topology: str, dtype: str) -> topology_lib.Topology:
         # the efficiency curve is a fraction of the whole machine's (the sweep's rates are every device's sum).
         best = max(f for n, f in measured if n >= min(cpu_peak.SIZES))
         peaks[dtype] = cpu_peak.per_device(best / machine) / 1e12
-    curve = [[float(n), round(f / (peaks[dtype] * 1e12 * machine), 4)] for n, f in measured]
+    # Four significant digits, never 0: a CPU's small matmuls against a GPU topology's peak are 1e-4 or less.
+    curve = [[float(n), max(float(f"{f / (peaks[dtype] * 1e12 * machine):.4g}"), 1e-9)] for n, f in measured]
     # Virtual CPU devices share the machine's memory bus: all of them read at once and each gets its share.
     hbm = probes.measure_memory_gbps(1 << (28 if shared else 30), REPEATS, every_device=shared)
     hbm /= machine
