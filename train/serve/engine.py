@@ -73,7 +73,7 @@ def pool_pages(placed: Placed, s: Settings, kv_heads: int, pages_per_seq: int) -
     enough = CPU_SEQS_OF_PAGES * s.max_num_seqs * pages_per_seq + 1
     if not stats or "bytes_limit" not in stats:
         return enough
-    tensor = dict(zip(placed.mesh.axis_names, placed.mesh.devices.shape)).get("tensor", 1)
+    tensor = placed.mesh.shape.get("tensor", 1)
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     return max(2, int(s.kv_memory_fraction * free // (page_bytes(placed.model, kv_heads, s.page_size) // tensor)))
 
@@ -92,9 +92,9 @@ class Engine:
         self.pages_per_seq = -(-context // ps)
         self.num_pages = pool_pages(placed, settings, kv_heads, self.pages_per_seq)
         self.max_context = min(context, (self.num_pages - 1) * ps)
-        sizes = dict(zip(placed.mesh.axis_names, placed.mesh.devices.shape))
-        self.buckets = buckets(settings, math.prod(sizes[a] for a in experts_lib.batch_axes(placed.layout.rules,
-                                                                                           sizes)))
+        sizes = dict(placed.mesh.shape)
+        rows_split = math.prod(sizes[a] for a in experts_lib.batch_axes(placed.layout.rules, sizes))
+        self.buckets = buckets(settings, rows_split)
         self.pages = Pages(self.num_pages)
         self.scheduler = Scheduler(self.pages, settings)
         self.pool = self._empty_pool(kv_heads)
@@ -121,7 +121,7 @@ class Engine:
         shape = paged.pool_shape(self.cfg, kv_heads, self.num_pages, self.settings.page_size)
         mesh = self.placed.mesh
         spec = sharding_specs.mesh_spec(P(*paged.POOL_AXES), self.placed.layout.rules, shape,
-                                        dict(zip(mesh.axis_names, mesh.devices.shape)))
+                                        dict(mesh.shape))
         dtype = jnp.dtype(self.cfg.compute_dtype)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, spec))
         return {"k": zeros(), "v": zeros()}

@@ -29,7 +29,7 @@ def slices(placed: Placed) -> list[Placed]:
 
 
 def data_size(placed: Placed) -> int:
-    return dict(zip(placed.mesh.axis_names, placed.mesh.devices.shape)).get("data", 1)
+    return placed.mesh.shape.get("data", 1)
 
 
 def build(placed: Placed, settings: Settings | None = None, max_context: int | None = None) -> Engine | Replicas:
