@@ -28,10 +28,11 @@ TINY = ["--config=experiments/tiny.py", "--config.mesh.data=8"]
 
 def _datadirs(tmp):
     """A good DATADIR and damaged copies: a train.bin of an odd size, one shorter than meta.json says, a
-    tokenizer.json that is not one, another valid tokenizer.json, and a meta.json whose max_id exceeds its vocab."""
+    tokenizer.json that is not one, another valid tokenizer.json, a meta.json whose max_id exceeds its vocab, and
+    one whose max_id is below the ids its train.bin holds."""
     good = tmp / "data"
     prepare.prepare([str(ROOT / "train" / "data")], str(good), "bytes", val_percent=25)
-    bad = {name: tmp / name for name in ("odd", "short", "tokenizer", "replaced", "max_id")}
+    bad = {name: tmp / name for name in ("odd", "short", "tokenizer", "replaced", "max_id", "low_id")}
     for path in bad.values():
         shutil.copytree(good, path)
     with open(bad["odd"] / "train.bin", "ab") as f:
@@ -44,6 +45,8 @@ def _datadirs(tmp):
     meta = json.loads((good / "meta.json").read_text())
     meta["train"]["max_id"] = meta["vocab_size"] + 100
     (bad["max_id"] / "meta.json").write_text(json.dumps(meta))
+    meta["train"]["max_id"] = 10
+    (bad["low_id"] / "meta.json").write_text(json.dumps(meta))
     return bad
 
 
@@ -128,11 +131,14 @@ def _run_without_step_99(tmp):
 
 
 def _chats(tmp):
-    """A DATADIR of conversations, with a loss mask."""
+    """A DATADIR of conversations with a loss mask, and a copy whose mask holds a byte that is not 0 or 1."""
     answered = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
-    (tmp / "chats.jsonl").write_text(json.dumps(answered) + "\n" + json.dumps(answered) + "\n")
+    (tmp / "chats.jsonl").write_text((json.dumps(answered) + "\n") * 64)
     prepare.prepare([str(tmp / "chats.jsonl")], str(tmp / "chat"), "bytes", data_format="chat")
-    return tmp / "chat"
+    shutil.copytree(tmp / "chat", tmp / "chat-mask")
+    with open(tmp / "chat-mask" / "train_mask.bin", "r+b") as f:
+        f.write(b"\x07")
+    return tmp / "chat", tmp / "chat-mask"
 
 
 # Values a section's declaration refuses (train/sections.py): {override: the error line after it}.
@@ -196,7 +202,7 @@ def _cases(tmp):
     """{name: (module, args, the error line as a regex, paths that must not exist afterwards)}."""
     bad, hf, trained = _datadirs(tmp), _hf_truncated(tmp), _run_without_step_99(tmp)
     damaged = _damaged_checkpoint(tmp)
-    chats = _chats(tmp)
+    chats, bad_mask = _chats(tmp)
     no_manifest, mine = _checkpoint_without_manifest(tmp), _user_folder(tmp)
     syntax, no_get = tmp / "syntax.py", tmp / "no_get.py"
     garbage, no_tokenizer, zst = _garbage_header(tmp), _without_tokenizer(tmp), _damaged_zst(tmp)
@@ -248,6 +254,15 @@ def _cases(tmp):
         "a loss mask that data.loss_mask ignores": ("train", [*tokens, f"--config.data.path={chats}"],
                                                     rf"data.path='{t(str(chats))}' holds conversations with a loss "
                                                     r"mask, which data.loss_mask=False would ignore .*", [W]),
+        "meta.json max_id below its tokens": ("train", [*tokens, f"--config.data.path={bad['low_id']}"],
+                                              r"data.path: .*/train.bin holds token id \d+, above meta.json's "
+                                              r"train.max_id=10; the files do not match it: run train.prepare again "
+                                              r"with --overwrite", [W]),
+        "a loss mask of other bytes": ("train", [*tokens, f"--config.data.path={bad_mask}",
+                                                 "--config.data.loss_mask=True"],
+                                       r"data.path: .*/train_mask.bin holds bytes other than 0 and 1 \(a damaged "
+                                       r"loss mask\); the files do not match it: run train.prepare again with "
+                                       r"--overwrite", [W]),
         "unwritable data.cache_dir": ("train", [*TINY, f"--config.data.cache_dir={blocked}", f"--workdir={W}"],
                                       rf"data.cache_dir={t(str(blocked))}: cannot write there \(.*", [W]),
         "unwritable checkpoint.local_dir": ("train", [*TINY, f"--config.checkpoint.local_dir={blocked}",

@@ -131,11 +131,20 @@ def test_data_2_tensor_2_scores_as_one_device(run, ours, monkeypatch):
 @pytest.mark.parametrize("change,message", [
     (dict(include_path="tests/fixtures/no_such_folder"), "--include_path=tests/fixtures/no_such_folder: no such file"),
     (dict(tasks=("tiny_choice", "no_such_task_xyz")), "--tasks: no task 'no_such_task_xyz' in lm_eval's registry"),
-], ids=["include_path", "task"])
+    (dict(tasks=("tiny_gen_long",), mesh={"data": 1}, num_devices=1),
+     "--tasks: task 'tiny_gen_long' asks for max_gen_toks=16, which leaves no context within the model's seq_len=16"),
+    (dict(tasks=("tiny_hub",)), "--tasks: the data of task 'tiny_hub' cannot be loaded"),
+], ids=["include_path", "task", "max_gen_toks", "hub_offline"])
 def test_bad_flags_are_one_line_and_exit_2(run, change, message, monkeypatch, capsys):
+    """The Hub dataset is read in offline mode (train/runtime/hub.py turns it on where the Hub cannot be reached;
+    here lm_eval's import has read the mode already, so the test sets it where the clients look)."""
     workdir, _ = run
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", ["train.eval"])
+    import datasets
+    import huggingface_hub
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     options = Options(workdir, **{"tasks": TASKS, "include_path": INCLUDE, **change})
     before = sorted(p.name for p in workdir.rglob("*"))
     with pytest.raises(SystemExit) as exit_:

@@ -4,7 +4,9 @@ install, raised before any work."""
 import ast
 import importlib.metadata
 import importlib.util
+import os
 import re
+import subprocess
 import sys
 import tomllib
 
@@ -13,7 +15,7 @@ import pytest
 from tests.helpers import ROOT, tiny_config
 from train.data import corpus
 from train.loop import runner as loop
-from train.runtime import extras
+from train.runtime import extras, hub
 
 PACKAGES = ("mesh", "models", "sharding", "train", "checkpoint", "experiments")
 BROUGHT_BY = {"jaxlib": "jax"}  # installed by the declared package on the right, with a matching version
@@ -78,3 +80,14 @@ def test_a_missing_extra_is_one_line_naming_the_pip_install(tmp_path, missing):
     with pytest.raises(extras.MissingExtra, match=r"^train.loggers=wandb needs wandb, .*spmdtrain\[wandb\]"):
         loop.run(config, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("mode,expected", [(None, "1 127.0.0.1 cannot be reached from here"), ("0", "0 ")])
+def test_an_unreachable_hub_turns_on_offline_mode_unless_the_user_chose_one(mode, expected):
+    """Offline, the Hub client retries each request for about 25 s; in offline mode it reads the cache at once."""
+    env = {k: v for k, v in os.environ.items() if k not in (*hub.PROXIES, "HF_HUB_OFFLINE")}
+    env.update(HF_ENDPOINT="http://127.0.0.1:1", **({"HF_HUB_OFFLINE": mode} if mode else {}))
+    code = ("import os; from train.runtime import hub; hub.go_offline_if_unreachable(); "
+            "print(os.environ.get('HF_HUB_OFFLINE'), hub.note())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith(expected), out.stdout + out.stderr

@@ -2,6 +2,7 @@
 writes, meta.json counts match the files, re-runs are no-ops, bad input is one line with nothing left."""
 import json
 import os
+import pathlib
 
 import numpy as np
 import pyarrow as pa
@@ -125,3 +126,24 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path):
     result = run_cli(f"--input={tmp_path / 'nope'}", f"--out={tmp_path / 'out'}", module="train.prepare", timeout=60)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         f"error: --input={tmp_path / 'nope'}: no such file or directory"]
+
+
+@pytest.mark.parametrize("full", ["train.bin", "meta.json"])
+def test_a_full_disk_is_one_line_and_keeps_the_previous_datadir(tmp_path, corpus, monkeypatch, full):
+    """Writes into /dev/full fail as a full disk does (ENOSPC), at the first token file or at the last file."""
+    out = tmp_path / "out"
+    prepare.prepare(corpus[1:2], str(out), "bytes")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real_open, real_write = open, pathlib.Path.write_text
+    if full == "train.bin":
+        monkeypatch.setattr(prepare, "open", lambda path, mode="r", *a, **k: real_open(
+            "/dev/full" if pathlib.Path(path).name == full else path, mode, *a, **k), raising=False)
+    else:
+        monkeypatch.setattr(pathlib.Path, "write_text", lambda self, *a, **k: real_write(
+            pathlib.Path("/dev/full") if self.name == full else self, *a, **k))
+    with pytest.raises(PrepareError) as caught:
+        prepare.prepare(corpus, str(out), "bytes", overwrite=True)
+    assert str(caught.value) == (f"--out={out}: the disk filled while writing (No space left on device); free "
+                                 f"space there or choose another --out; nothing was written to it")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

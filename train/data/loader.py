@@ -190,6 +190,25 @@ def largest_id(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
     return max((int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk)), default=-1)
 
 
+def _scan(stream: Stream, source: datadir.SourceSpec, vocab_size: int) -> None:
+    """One full read of a source's files, before anything compiles: every token id fits model.vocab_size and
+    is no larger than the max_id its meta.json records (a token file from another tokenizer), and a loss mask
+    holds only 0s and 1s (a damaged mask file)."""
+    again = "the files do not match it: run train.prepare again with --overwrite"
+    for split, tokens, mask in (("train", stream.train, stream.train_mask), ("val", stream.eval, stream.eval_mask)):
+        top = largest_id(tokens)
+        if top >= vocab_size:
+            raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the data's token ids (up to {top} "
+                              f"in {stream.name}); raise it")
+        recorded = (source.meta or {}).get(split, {}).get("max_id")
+        if recorded is not None and top > recorded:
+            raise datadir.DataConfigError(f"data.path: {source.train.with_name(split + '.bin')} holds token id "
+                                          f"{top}, above meta.json's {split}.max_id={recorded}; {again}")
+        if mask is not None and largest_id(mask) > 1:
+            raise datadir.DataConfigError(f"data.path: {source.train.with_name(datadir.MASK_FILES[split])} holds "
+                                          f"bytes other than 0 and 1 (a damaged loss mask); {again}")
+
+
 def load(data_cfg: Any, vocab_size: int, length: int, spec: datadir.DataSpec | None = None) -> TokenSource:
     """Open the configured source (`data_cfg`: Plan.data, or the data.* settings); `length` is the tokens
     per row (seq_len + 1); `spec` is the resolved token files (train/datadir.resolve; resolved here when not given)."""
@@ -213,11 +232,9 @@ def load(data_cfg: Any, vocab_size: int, length: int, spec: datadir.DataSpec | N
                 raise ConfigError(f"data.path={data_cfg.path!r}: the {split} split of {stream.name} has {len(arr)} "
                                   f"tokens, fewer than one row of {length}; use more data (or a larger "
                                   f"{held_setting}) or a shorter model.seq_len")
-        if data_cfg.source == "tokens":
-            top = max(largest_id(stream.train), largest_id(stream.eval))
-            if top >= vocab_size:
-                raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the data's token ids (up to {top} "
-                                  f"in {stream.name}); raise it")
+    if data_cfg.source == "tokens":
+        for stream, source in zip(streams, spec.sources):
+            _scan(stream, source, vocab_size)
     return TokenSource(data_cfg.source, streams, vocab_size, order, tuple(cumulative))
 
 

@@ -5,6 +5,7 @@ sees finished files (meta.json last)."""
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import json
 import multiprocessing
@@ -49,6 +50,7 @@ _MAX_SKIPPED = flags.DEFINE_float("max_skipped_percent", 50.0, "--format=chat: f
 
 CHUNK_BYTES = 1 << 18  # text per work unit: large enough to amortize the hand-off, small for a bounded RSS
 SPLITS = ("train", "val")
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write that fails for want of room, not a bad path
 
 
 class PrepareError(UserError):
@@ -288,6 +290,11 @@ def prepare(inputs: list[str], out: str, spec: str, *, text_field: str = "text",
         meta = _write(staging, files, listed, recipe, text_field, val_percent, num_workers, bpe_sample_mb, bos_token,
                       max_skipped_percent)
         _publish(staging, out_path)
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        raise PrepareError(f"--out={out_path}: the disk filled while writing ({e.strerror}); free space there or "
+                           f"choose another --out; nothing was written to it") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return meta
@@ -347,7 +354,7 @@ def _stream(staging: pathlib.Path, encoded: Iterator[dict[str, Any]], progress: 
                 for s in SPLITS:
                     if s not in mask_sinks:
                         mask_sinks[s] = open(staging / datadir.MASK_FILES[s], "wb")
-                    got["mask"][s].tofile(mask_sinks[s])
+                    _append(mask_sinks[s], got["mask"][s])
                     counts[s]["targets"] = counts[s].get("targets", 0) + int(got["mask"][s].sum())
             if got["nearest"]:
                 h, offset, n = got["nearest"]
@@ -355,7 +362,7 @@ def _stream(staging: pathlib.Path, encoded: Iterator[dict[str, Any]], progress: 
                 nearest = min(nearest, candidate) if nearest else candidate
             for s in SPLITS:
                 ids = got["ids"][s]
-                ids.tofile(sinks[s])
+                _append(sinks[s], ids)
                 c = counts[s]
                 c["documents"] += got["docs"][s]
                 c["tokens"] += len(ids)
@@ -365,6 +372,12 @@ def _stream(staging: pathlib.Path, encoded: Iterator[dict[str, Any]], progress: 
         for sink in [*sinks.values(), *mask_sinks.values()]:
             sink.close()
     return counts, nearest
+
+
+def _append(sink: Any, array: np.ndarray) -> None:
+    """Write an array's bytes; unlike ndarray.tofile, a failed write raises an OSError that carries its errno
+    (ENOSPC for a full disk)."""
+    sink.write(np.ascontiguousarray(array).data)
 
 
 def _fill_val(staging: pathlib.Path, counts: dict, nearest: tuple[int, int, int], dtype: str,
@@ -395,12 +408,13 @@ def _move_out(staging: pathlib.Path, source: str, target: str, dtype: str, offse
     """Move items [offset, offset + n) of the file `source` into the file `target`, in chunks; returns them."""
     data = np.memmap(staging / source, dtype=dtype, mode="r")
     moved = np.array(data[offset:offset + n])
-    moved.tofile(staging / target)
+    with open(staging / target, "wb") as f:
+        _append(f, moved)
     step = 1 << 24
     with open(staging / f"{source}.rest", "wb") as f:
         for begin, end in ((0, offset), (offset + n, len(data))):
             for i in range(begin, end, step):
-                np.asarray(data[i:min(i + step, end)]).tofile(f)
+                _append(f, data[i:min(i + step, end)])
     del data
     os.replace(staging / f"{source}.rest", staging / source)
     return moved

@@ -17,7 +17,7 @@ import pathlib
 from typing import IO, Any, Iterator
 
 from mesh.errors import UserError
-from train.runtime import extras
+from train.runtime import extras, hub
 
 HF = "hf:"
 COMPRESSED = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstandard"}
@@ -157,6 +157,7 @@ def _datasets(spec: str):
     """The `datasets` library, its own log lines and progress bars off: what a bad input gets is this project's
     one line (the Hub client's retries and warnings would come first)."""
     logging.getLogger("datasets").setLevel(logging.ERROR)  # before the import, which logs the versions it found
+    hub.go_offline_if_unreachable()  # also before it: offline, a Hub name fails at once instead of after retries
     datasets = extras.load("datasets", f"--input={spec}")
     datasets.logging.set_verbosity_error()
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # after: its import sets its own level
@@ -185,8 +186,9 @@ def dataset_rows(spec: str, field: str) -> Iterator[str]:
         try:
             stream = datasets.load_dataset(name, split=split, streaming=True)
         except Exception as e:  # noqa: BLE001  (datasets raises many types: missing, unreachable, bad split)
+            offline = f"; {hub.note()}" if hub.note() else ""
             raise CorpusError(f"--input={spec}: cannot load it ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+                              f"{str(e).splitlines()[0] if str(e) else ''}){offline}") from None
         batches = ([row.get(field)] for row in stream)
     for values in batches:
         if values is None:

@@ -17,7 +17,7 @@ from train import config as run_config
 from train.config import base_config
 from train.eval import load, results
 from train.eval.options import Options, check, parse_tasks
-from train.runtime import extras
+from train.runtime import extras, hub
 
 FLAGS = flags.FLAGS
 WHAT = "python -m train.eval"
@@ -51,10 +51,12 @@ def evaluate(options: Options, echo=print) -> dict:
     run_config.load_run_config(options.workdir)
     run_config.run_checkpoints(options.workdir, options.step)
     extras.check("lm_eval", WHAT)
+    hub.go_offline_if_unreachable()  # before lm_eval imports datasets: offline, a registry task fails at once
     harness = importlib.import_module("train.eval.harness")  # imports lm_eval, now known to be installed
     manager = harness.task_manager(options.tasks, options.include_path)
-    harness.check_data(manager, options.tasks)
+    generates = harness.check_data(manager, options.tasks)
     run = load.load_run(options.workdir, options.step, options.batch_size, options.mesh, options.num_devices)
+    harness.check_generation(generates, run.scorer.cfg.seq_len)
     lm = harness.SpmdLM(run=run)
     out = harness.evaluate(lm, manager, options.tasks, options.num_fewshot, options.limit)
     if jax.process_index() == 0:  # every process of a multi-process run computed the same results

@@ -15,6 +15,7 @@ from lm_eval.tasks import TaskManager
 from mesh.layout import AXES
 from train.eval import load
 from train.eval.options import EvalError
+from train.runtime import hub
 from train.serve.sampling import SamplingParams
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm_eval's own default
@@ -135,17 +136,35 @@ def task_manager(names: tuple[str, ...], include_path: str | None) -> TaskManage
     return manager
 
 
-def check_data(manager: TaskManager, names: tuple[str, ...]) -> None:
+def check_data(manager: TaskManager, names: tuple[str, ...]) -> dict[str, int]:
     """Load each task (and its dataset) once before the checkpoint is read, so a dataset that cannot be reached
-    offline is one line, not a traceback after the restore; lm_eval loads it again from the `datasets` cache."""
+    offline is one line, not a traceback after the restore; lm_eval loads it again from the `datasets` cache.
+    Returns the max_gen_toks of each generation task (check_generation compares them with the model)."""
+    generates: dict[str, int] = {}
     for name in names:
         try:
-            manager.load([name])
+            loaded = manager.load([name])["tasks"]
         except Exception as e:  # noqa: BLE001  (datasets raises ConnectionError, FileNotFoundError and its own kinds)
             cause = " ".join(str(e).split()) or type(e).__name__
-            raise EvalError(f"--tasks: the data of task {name!r} cannot be loaded ({cause}); offline, give a local "
-                            f"task over local files with --include_path, or fill the Hugging Face datasets cache "
-                            f"first") from None
+            offline = f"; {hub.note()}" if hub.note() else ""
+            raise EvalError(f"--tasks: the data of task {name!r} cannot be loaded ({cause}){offline}; offline, give "
+                            f"a local task over local files with --include_path, or fill the Hugging Face datasets "
+                            f"cache first") from None
+        for task_name, task in loaded.items():
+            config = getattr(task, "config", None)
+            if getattr(config, "output_type", None) == "generate_until":
+                kwargs = config.generation_kwargs or {}
+                generates[task_name] = int(kwargs.get("max_gen_toks", kwargs.get("max_new_tokens",
+                                                                                  DEFAULT_MAX_GEN_TOKS)))
+    return generates
+
+
+def check_generation(generates: dict[str, int], seq_len: int) -> None:
+    """A generation task must leave room for its prompt within the model's positions (before any request runs)."""
+    for name, max_gen in generates.items():
+        if max_gen >= seq_len:
+            raise EvalError(f"--tasks: task {name!r} asks for max_gen_toks={max_gen}, which leaves no context within "
+                            f"the model's seq_len={seq_len}; lower the task's max_gen_toks (generation_kwargs)")
 
 
 def _refuse(unknown: list[str], include_path: str | None) -> None:
