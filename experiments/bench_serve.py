@@ -75,6 +75,7 @@ class Result:
     latency: float
     output_tokens: int
     error: str = ""
+    text: str = ""  # the streamed text: greedy outputs of two servers compare by it
 
 
 def percentile(values, q: float) -> float:
@@ -123,7 +124,7 @@ def request_body(model: str, prompt, output_len: int, peer: str) -> dict:
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result:
     """Send one streamed completion; a chunk counts as a token arrival when it carries text."""
-    times, usage, start = [], None, time.perf_counter()
+    times, usage, texts, start = [], None, [], time.perf_counter()
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -134,12 +135,14 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result
                     return Result(False, times, 0.0, 0, str(event["error"])[:200])
                 if event.get("usage"):
                     usage = event["usage"]
-                if any(c.get("text") for c in event.get("choices") or ()):
+                chunk = "".join(c.get("text") or "" for c in event.get("choices") or ())
+                if chunk:
                     times.append(time.perf_counter() - start)
+                    texts.append(chunk)
     except httpx.HTTPError as e:
         return Result(False, times, 0.0, 0, f"{type(e).__name__}: {e}")
     tokens = usage["completion_tokens"] if usage and usage.get("completion_tokens") else len(times)
-    return Result(True, times, time.perf_counter() - start, tokens)
+    return Result(True, times, time.perf_counter() - start, tokens, text="".join(texts))
 
 
 async def run_level(url: str, bodies: list[dict], concurrency: int = 0, rate: float = 0.0,
@@ -198,8 +201,19 @@ def measure(server: str, url: str, model: str, prompts: list, peer: str = "") ->
         errors = sorted({r.error for r in results if not r.ok})
         rows.append({"server": server, kind: value, "input_len": FLAGS.input_len,
                      "output_len": FLAGS.output_len, **summarize(results, duration),
-                     **({"errors": errors[:3]} if errors else {})})
+                     **({"errors": errors[:3]} if errors else {}), "texts": [r.text for r in results]})
     return rows
+
+
+def same_outputs(rows: list[dict]) -> None:
+    """Beside each peer row, how many of its requests streamed exactly our text for the same prompt (greedy: the
+    same tokens); the texts themselves leave the rows."""
+    ours = {(r.get("concurrency"), r.get("rate")): r["texts"] for r in rows if r["server"] == "ours"}
+    for r in rows:
+        texts = r.pop("texts")
+        mine = ours.get((r.get("concurrency"), r.get("rate")))
+        if r["server"] != "ours" and mine is not None:
+            r["same_as_ours"] = sum(a == b and a != "" for a, b in zip(mine, texts))
 
 
 def print_table(rows: list[dict]) -> None:
@@ -209,9 +223,13 @@ def print_table(rows: list[dict]) -> None:
     names = {"request_throughput": "req/s", "output_tokens_per_s": "tok/s", "ttft_p50_ms": "TTFT p50",
              "ttft_p99_ms": "TTFT p99", "itl_p50_ms": "ITL p50", "itl_p99_ms": "ITL p99",
              "e2e_p50_ms": "E2E p50", "completed": "done"}
-    print("".join(f"{names.get(c, c):>{w}}" for c, w in cols) + "   (latencies in ms)")
+    same = any("same_as_ours" in r for r in rows)
+    cols += [("same_as_ours", 9)] if same else []
+    names["same_as_ours"] = "same"
+    print("".join(f"{names.get(c, c):>{w}}" for c, w in cols) + "   (latencies in ms" +
+          ("; same: requests whose text equals ours" if same else "") + ")")
     for r in rows:
-        print("".join(f"{r[c]:>{w}}" for c, w in cols))
+        print("".join(f"{r.get(c, ''):>{w}}" for c, w in cols))
         for e in r.get("errors", ()):
             print(f"  error: {e}")
 
@@ -274,6 +292,7 @@ def serve_rows() -> list[dict]:
     if FLAGS.peer:
         with transformers_server(FLAGS.peer_model, FLAGS.peer_port) as url:
             rows += measure(FLAGS.peer, url, "", prompts, peer=FLAGS.peer)
+    same_outputs(rows)
     print_table(rows)
     return rows
 

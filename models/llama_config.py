@@ -78,6 +78,9 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
     # Tests: bytes, every width divisible by 4 so tensor=2 and tensor=4 layouts apply (n_kv_heads=4).
     "llama3-tiny": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=8, n_heads=8, n_kv_heads=4, d_mlp=384,
                         tie_embeddings=True),
+    # About 100M parameters (100.7M, embeddings tied) with Llama 3's blocks: the serving benchmark's CPU-sized model.
+    "llama3-100m": dict(_LLAMA3, vocab_size=32768, seq_len=1024, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4,
+                        d_mlp=2048, tie_embeddings=True, compute_dtype="float32"),
     "llama3.2-1b": dict(_LLAMA3, seq_len=2048, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_mlp=8192,
                         rope_scaling=(32.0, 1.0, 4.0, 8192), tie_embeddings=True, remat="save_dots"),
     "llama3.2-3b": dict(_LLAMA3, seq_len=2048, d_model=3072, n_layers=28, n_heads=24, n_kv_heads=8, d_mlp=8192,

@@ -29,3 +29,12 @@ def test_sse_events_stop_at_done():
     async def collect():
         return [e async for e in bench.sse_events(lines())]
     assert asyncio.run(collect()) == [{"choices": [{"text": "a"}]}, {"usage": {"x": 1}}]
+
+
+def test_a_peer_row_counts_the_requests_that_streamed_our_text():
+    rows = [{"server": "ours", "concurrency": 4, "texts": ["a b", "c", ""]},
+            {"server": "transformers", "concurrency": 4, "texts": ["a b", "d", ""]},
+            {"server": "transformers", "concurrency": 16, "texts": ["a b", "c", ""]}]
+    bench.same_outputs(rows)
+    assert [r.get("same_as_ours") for r in rows] == [None, 1, None]  # an empty text (a failure) never counts
+    assert not any("texts" in r for r in rows)
