@@ -264,7 +264,9 @@ def head_matrix(params: Params, cfg: GPTConfig) -> jax.Array:
 
 def logits(params: Params, x_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain = no_constraint):
     h = norm(x_BxLxD, params, "final_norm", cfg)
-    out = jnp.einsum("bld,dv->blv", h, head_matrix(params, cfg).astype(jnp.dtype(cfg.compute_dtype)))
+    dtype = jnp.dtype(cfg.compute_dtype)  # a tied table is read as [V, D]: its transpose was a copy in every call
+    out = (jnp.einsum("bld,vd->blv", h, params["embed"].astype(dtype)) if cfg.tie_embeddings
+           else jnp.einsum("bld,dv->blv", h, params["head"].astype(dtype)))
     return lm_loss.used(constrain(out.astype(jnp.float32), ("batch", "seq", "vocab")), cfg.vocab_size)
 
 

@@ -155,11 +155,11 @@ def attention(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constr
 
 
 def mlp(p: Params, h_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain) -> jax.Array:
-    gate_up = jnp.einsum("bld,dtf->tblf", h_BxLxD, weight(p, "w_in", cfg, constrain))
-    if lora.KEY in p:  # the adapter's output is [B, L, 2, F]
-        gate_up = jnp.moveaxis(lora.add(jnp.moveaxis(gate_up, 0, 2), p, "mlp_in", h_BxLxD, cfg), 2, 0)
-    gate_up = constrain(gate_up, (None, "batch", "seq", "mlp"))
-    u_BxLxF = constrain(jax.nn.silu(gate_up[0]) * gate_up[1], ("batch", "seq", "mlp"))
+    # [B, L, 2, F], the weight's own order of free dimensions: "tblf" made XLA's CPU backend transpose the whole
+    # weight in every call, a copy that dominated a decode step.
+    gate_up = jnp.einsum("bld,dtf->bltf", h_BxLxD, weight(p, "w_in", cfg, constrain))
+    gate_up = constrain(lora.add(gate_up, p, "mlp_in", h_BxLxD, cfg), ("batch", "seq", None, "mlp"))
+    u_BxLxF = constrain(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], ("batch", "seq", "mlp"))
     return lora.add(jnp.einsum("blf,fd->bld", u_BxLxF, weight(p, "w_down", cfg, constrain)), p, "mlp_out", u_BxLxF, cfg)
 
 
@@ -192,8 +192,8 @@ def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: L
 def expert_mlp(w: Params, x_ExNxD: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """Each expert's SwiGLU MLP on its own rows."""
     cdt = jnp.dtype(cfg.compute_dtype)
-    gate_up = jnp.einsum("end,edtf->tenf", x_ExNxD, w["w_in"].astype(cdt))
-    return jnp.einsum("enf,efd->end", jax.nn.silu(gate_up[0]) * gate_up[1], w["w_down"].astype(cdt))
+    gate_up = jnp.einsum("end,edtf->entf", x_ExNxD, w["w_in"].astype(cdt))  # the weight's order, as in mlp
+    return jnp.einsum("enf,efd->end", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], w["w_down"].astype(cdt))
 
 
 def head_matrix(params: Params, cfg: LlamaConfig) -> jax.Array:
@@ -203,7 +203,9 @@ def head_matrix(params: Params, cfg: LlamaConfig) -> jax.Array:
 
 def logits(params: Params, x_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain = no_constraint):
     h = rms_norm(x_BxLxD, params["final_norm"], cfg.norm_eps)
-    out = jnp.einsum("bld,dv->blv", h, head_matrix(params, cfg).astype(jnp.dtype(cfg.compute_dtype)))
+    dtype = jnp.dtype(cfg.compute_dtype)  # a tied table is read as [V, D]: its transpose was a copy in every call
+    out = (jnp.einsum("bld,vd->blv", h, params["embed"].astype(dtype)) if cfg.tie_embeddings
+           else jnp.einsum("bld,dv->blv", h, params["head"].astype(dtype)))
     return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"))
 
 
