@@ -1,7 +1,8 @@
 """The production train step of six built-in layouts lowers to the same StableHLO text as the one recorded in
 tests/fixtures/step_text.json: refactors of the code around the step may not change what a user runs. The
 text depends on the JAX version, so a record is kept per version; `python -m tests.test_step_text` prints
-the hashes of the installed one to add to the file after a JAX upgrade (never after a change of ours)."""
+the hashes of the installed one to add to the file after a JAX upgrade (never after a refactor of ours; only
+after a deliberate change of a model's program, named in its commit)."""
 from __future__ import annotations
 
 import hashlib
