@@ -262,11 +262,17 @@ def head_matrix(params: Params, cfg: GPTConfig) -> jax.Array:
     return params["embed"].T if cfg.tie_embeddings else params["head"]
 
 
+def head_logits(h_BxLxD: jax.Array, params: Params, cfg: Any) -> jax.Array:
+    """The final-normed `h` through the head, in compute dtype. A tied table is read as [V, D]: head_matrix's
+    transpose was a copy of the whole table in every decode step on XLA's CPU backend."""
+    dtype = jnp.dtype(cfg.compute_dtype)
+    if cfg.tie_embeddings:
+        return jnp.einsum("bld,vd->blv", h_BxLxD, params["embed"].astype(dtype))
+    return jnp.einsum("bld,dv->blv", h_BxLxD, params["head"].astype(dtype))
+
+
 def logits(params: Params, x_BxLxD: jax.Array, cfg: GPTConfig, constrain: Constrain = no_constraint):
-    h = norm(x_BxLxD, params, "final_norm", cfg)
-    dtype = jnp.dtype(cfg.compute_dtype)  # a tied table is read as [V, D]: its transpose was a copy in every call
-    out = (jnp.einsum("bld,vd->blv", h, params["embed"].astype(dtype)) if cfg.tie_embeddings
-           else jnp.einsum("bld,dv->blv", h, params["head"].astype(dtype)))
+    out = head_logits(norm(x_BxLxD, params, "final_norm", cfg), params, cfg)
     return lm_loss.used(constrain(out.astype(jnp.float32), ("batch", "seq", "vocab")), cfg.vocab_size)
 
 

@@ -196,16 +196,8 @@ def expert_mlp(w: Params, x_ExNxD: jax.Array, cfg: LlamaConfig) -> jax.Array:
     return jnp.einsum("enf,efd->end", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], w["w_down"].astype(cdt))
 
 
-def head_matrix(params: Params, cfg: LlamaConfig) -> jax.Array:
-    """[D, V]: the head, or the embedding table transposed when tied."""
-    return params["embed"].T if cfg.tie_embeddings else params["head"]
-
-
 def logits(params: Params, x_BxLxD: jax.Array, cfg: LlamaConfig, constrain: Constrain = no_constraint):
-    h = rms_norm(x_BxLxD, params["final_norm"], cfg.norm_eps)
-    dtype = jnp.dtype(cfg.compute_dtype)  # a tied table is read as [V, D]: its transpose was a copy in every call
-    out = (jnp.einsum("bld,vd->blv", h, params["embed"].astype(dtype)) if cfg.tie_embeddings
-           else jnp.einsum("bld,dv->blv", h, params["head"].astype(dtype)))
+    out = gpt.head_logits(rms_norm(x_BxLxD, params["final_norm"], cfg.norm_eps), params, cfg)
     return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"))
 
 
@@ -214,7 +206,7 @@ def head_loss(params: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: L
     """As gpt.head_loss, through the head or the tied embedding: (loss, no metrics)."""
     params = lora.freeze(params, cfg)
     h = rms_norm(x_BxLxD, params["final_norm"], cfg.norm_eps)
-    return gpt.mean_head_loss(h, head_matrix(params, cfg), targets_BxL, cfg, constrain, loss_mask_BxL), {}
+    return gpt.mean_head_loss(h, gpt.head_matrix(params, cfg), targets_BxL, cfg, constrain, loss_mask_BxL), {}
 
 
 # ----------------------------------------------------------------------------- decoding with a KV cache
