@@ -94,10 +94,8 @@ class SpmdLM(TemplateLM):
         eos_text = self.codec.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
         until += [eos_text] if eos_text not in until else []
         max_gen = int(kwargs.get("max_gen_toks", kwargs.get("max_new_tokens", self.max_gen_toks)))
+        check_room(max_gen, self.max_length)
         keep = self.max_length - max_gen  # room for the new tokens inside the model's length, as lm_eval's hf
-        if keep <= 0:
-            raise EvalError(f"a task asks for max_gen_toks={max_gen}, which leaves no context within the model's "
-                            f"seq_len={self.max_length}; lower the task's max_gen_toks (generation_kwargs)")
         prompts = [self.tok_encode(c)[-keep:] or [self.prefix_token_id] for c in contexts]
         greedy = not kwargs.get("do_sample", False) or float(kwargs.get("temperature", 0.0)) == 0.0
         sampling = SamplingParams() if greedy else SamplingParams(temperature=float(kwargs["temperature"]),
@@ -160,11 +158,17 @@ def check_data(manager: TaskManager, names: tuple[str, ...]) -> dict[str, int]:
 
 
 def check_generation(generates: dict[str, int], seq_len: int) -> None:
-    """A generation task must leave room for its prompt within the model's positions (before any request runs)."""
+    """Every generation task of check_data leaves room for its prompt (before any request runs)."""
     for name, max_gen in generates.items():
-        if max_gen >= seq_len:
-            raise EvalError(f"--tasks: task {name!r} asks for max_gen_toks={max_gen}, which leaves no context within "
-                            f"the model's seq_len={seq_len}; lower the task's max_gen_toks (generation_kwargs)")
+        check_room(max_gen, seq_len, name)
+
+
+def check_room(max_gen: int, seq_len: int, task: str | None = None) -> None:
+    """`max_gen` new tokens leave at least one position of the model's `seq_len` for the prompt."""
+    if max_gen >= seq_len:
+        who = f"--tasks: task {task!r} asks" if task else "a task asks"
+        raise EvalError(f"{who} for max_gen_toks={max_gen}, which leaves no context within the model's "
+                        f"seq_len={seq_len}; lower the task's max_gen_toks (generation_kwargs)")
 
 
 def _refuse(unknown: list[str], include_path: str | None) -> None:
