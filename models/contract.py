@@ -131,10 +131,11 @@ class Decode(Protocol):
 
 
 class PagedDecode(Protocol):
-    """(params, models.paged.Batch, pool {"k", "v"} [layers, pages, page_size, kv_heads, head_dim], cfg, hooks)
-    -> (float32 logits [R, V] of the batch's selected tokens, the new pool)."""
-    def __call__(self, params: Params, batch: Any, pool: dict[str, jax.Array], cfg: ModelConfig,
-                 constrain: Hooks) -> tuple[jax.Array, dict[str, jax.Array]]: ...
+    """(weights split per layer by models.paged.unstack, models.paged.Batch, pools {"k", "v"}: a list over layers
+    of [pages, page_size, kv_heads, head_dim], cfg, hooks) -> (float32 logits [R, V] of the batch's selected
+    tokens, the new pools)."""
+    def __call__(self, weights: Params, batch: Any, pools: dict[str, list[jax.Array]], cfg: ModelConfig,
+                 constrain: Hooks) -> tuple[jax.Array, dict[str, list[jax.Array]]]: ...
 
 
 class LayerBytes(Protocol):

@@ -299,7 +299,7 @@ def init_cache(cfg: GPTConfig, batch: int, max_len: int) -> dict[str, jax.Array]
     return empty_kv_cache(cfg, cfg.n_heads, batch, max_len)
 
 
-def decode_paged(params: Params, batch: Any, pool: dict, cfg: GPTConfig, constrain: Constrain = no_constraint):
+def decode_paged(weights: Params, batch: Any, pools: dict, cfg: GPTConfig, constrain: Constrain = no_constraint):
     """The contract's paged decoding (models/paged.py) with GPT's own blocks; learned positions read each
     token's own position."""
     pieces = paged.Pieces(
@@ -308,7 +308,7 @@ def decode_paged(params: Params, batch: Any, pool: dict, cfg: GPTConfig, constra
         attention=lambda p, h, positions, attend: attention(p, h, cfg, constrain, None, positions, attend),
         expert_fn=lambda w, x: expert_mlp(w, x, cfg), norm=lambda p, x, name: norm(x, p, name, cfg),
         logits=lambda top, x: logits(top, x, cfg, constrain))
-    return paged.decode(params, batch, pool, cfg, constrain, pieces)
+    return paged.decode(weights, batch, pools, cfg, constrain, pieces)
 
 
 def decode(params: Params, tokens_BxT: jax.Array, cache: dict, length: jax.Array, cfg: GPTConfig,

@@ -224,7 +224,7 @@ def decode(params: Params, tokens_BxT: jax.Array, cache: dict, length: jax.Array
     return decode_with_cache(params, tokens_BxT, cache, length, cfg, constrain, gpt.embed, cached_block, logits)
 
 
-def decode_paged(params: Params, batch: paged.Batch, pool: dict, cfg: LlamaConfig,
+def decode_paged(weights: Params, batch: paged.Batch, pools: dict, cfg: LlamaConfig,
                  constrain: Constrain = no_constraint):
     """The contract's paged decoding (models/paged.py) with Llama's own blocks."""
     pieces = paged.Pieces(
@@ -234,7 +234,7 @@ def decode_paged(params: Params, batch: paged.Batch, pool: dict, cfg: LlamaConfi
         expert_fn=lambda w, x: expert_mlp(w, x, cfg),
         norm=lambda p, x, name: rms_norm(x, p[name], cfg.norm_eps),
         logits=lambda top, x: logits(top, x, cfg, constrain))
-    return paged.decode(params, batch, pool, cfg, constrain, pieces)
+    return paged.decode(weights, batch, pools, cfg, constrain, pieces)
 
 
 # ----------------------------------------------------------------------------- sizes

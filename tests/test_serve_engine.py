@@ -19,8 +19,9 @@ from train.serve import replicas
 from train.serve.engine import Engine, Settings
 from train.serve.sampling import SamplingParams
 
-SMALL = Settings(page_size=4, max_num_seqs=4, max_batch_tokens=32, prefill_chunk=8)
-ONE_STEP = dataclasses.replace(SMALL, max_num_seqs=2, max_batch_tokens=8)  # one step shape compiled
+SMALL = Settings(page_size=4, max_num_seqs=4, max_batch_tokens=32, prefill_chunk=8)  # steps of 1, 2, 4, ... 32 tokens
+FEW = dataclasses.replace(SMALL, min_step_tokens=8)  # three step shapes compiled (8, 16, 32)
+ONE_STEP = dataclasses.replace(FEW, max_num_seqs=2, max_batch_tokens=8)  # one step shape compiled
 PROMPTS = [[5, 9, 2, 7, 1, 3, 8, 4, 6, 11, 12], [3, 1, 4], [100, 50, 25, 12, 6, 3, 1, 99, 98, 97, 96, 95, 94, 93]]
 NEW = 6
 
@@ -107,7 +108,7 @@ def test_sampling_is_reproducible_and_stop_tokens_stop(dense):
 
 def test_a_small_pool_completes_every_request(dense):
     placed, big = dense
-    small = Engine.build(placed, dataclasses.replace(SMALL, kv_pages=9, prefix_cache=False))
+    small = Engine.build(placed, dataclasses.replace(FEW, kv_pages=9, prefix_cache=False))
     assert small.max_context == 32
     want = big.generate(PROMPTS * 2, SamplingParams(max_tokens=NEW))
     got = small.generate(PROMPTS * 2, SamplingParams(max_tokens=NEW))
@@ -119,8 +120,8 @@ def test_a_small_pool_completes_every_request(dense):
 
 def test_tensor_split_equals_one_device(dense):
     placed = _placed(num_devices=2, tensor=2)
-    engine = Engine.build(placed, SMALL)
-    assert engine.pool["k"].sharding.spec[3] == "tensor"
+    engine = Engine.build(placed, FEW)
+    assert engine.pool["k"][0].sharding.spec[2] == "tensor"
     got = [o.token_ids for o in engine.generate(PROMPTS, SamplingParams(max_tokens=NEW))]
     assert got == [o.token_ids for o in dense[1].generate(PROMPTS, SamplingParams(max_tokens=NEW))]
 
@@ -141,7 +142,7 @@ def test_data_replicas_share_the_load_and_equal_one_device(dense):
 
 def test_gpt2_options_decode_their_forward():
     placed = _placed(gpt2=True)
-    engine = Engine.build(placed, SMALL)
+    engine = Engine.build(placed, FEW)
     assert engine.max_context == 32
     got = _staggered(engine, PROMPTS[:2], 4)
     assert got == [_reference(placed, p, 4) for p in PROMPTS[:2]]
@@ -151,7 +152,7 @@ def test_mixture_of_experts_decodes_its_forward():
     """On one device, and with its experts split over expert=2."""
     placed = _placed(experts=4)
     want = [_reference(placed, p, 4) for p in PROMPTS[:2]]
-    assert _staggered(Engine.build(placed, SMALL), PROMPTS[:2], 4) == want
+    assert _staggered(Engine.build(placed, FEW), PROMPTS[:2], 4) == want
     split = Engine.build(_placed(num_devices=2, experts=4, expert=2), ONE_STEP)
     assert split.buckets == [8] and split.placed.mesh.shape["expert"] == 2
     assert _staggered(split, PROMPTS[:2], 4) == want

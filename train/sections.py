@@ -175,16 +175,20 @@ class ServeSection(Section):
     KEY: ClassVar[str] = "serve"
     page_size: int = setting(16, "tokens per KV-cache page", above=0, whole=True, error="use a whole number >= 1")
     kv_pages: int = setting(0, "KV-cache pages in the pool; 0: from serve.kv_memory_fraction (on CPU: enough for "
-                            "every sequence at its longest)", minimum=0, whole=True,
+                            "every sequence at its longest, within that fraction of the host's free memory)",
+                            minimum=0, whole=True,
                             error="use a whole number of pages >= 0 (0: sized from memory)")
     kv_memory_fraction: float = setting(0.5, "the fraction of a device's free memory the pool takes when "
                                         "serve.kv_pages=0", above=0, maximum=1, error="use a fraction in (0, 1]")
-    max_num_seqs: int = setting(16, "sequences decoded together", above=0, whole=True,
+    max_num_seqs: int = setting(64, "sequences decoded together", above=0, whole=True,
                                 error="use a whole number >= 1")
     max_batch_tokens: int = setting(256, "tokens one step takes (decodes and prompt chunks together)", above=0,
                                     whole=True, error="use a whole number >= 1")
     prefill_chunk: int = setting(64, "the most prompt tokens of one sequence in one step", above=0, whole=True,
                                  error="use a whole number >= 1")
+    min_step_tokens: int = setting(1, "the fewest tokens a step is compiled for (steps of fewer pad up to it): "
+                                   "larger compiles fewer step shapes at start-up, at the cost of slower steps when "
+                                   "few sequences run", above=0, whole=True, error="use a whole number >= 1")
     prefix_cache: bool = setting(True, "share the cached pages of a prompt's leading full pages")
     max_waiting: int = setting(256, "requests queued before new ones are refused", above=0, whole=True,
                                error="use a whole number >= 1")

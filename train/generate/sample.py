@@ -102,7 +102,10 @@ def sample(workdir: pathlib.Path, step: int | None, request: Request, mesh: dict
                           f"the {limit} positions the model takes (model.seq_len, within model.max_positions); "
                           f"lower it to {max(limit - len(prompt), 0)} or less, or shorten the prompt")
     placed = placed_lib.restore(placed, workdir, step)
-    engine = serve.Engine.build(placed, dataclasses.replace(plan.serve, max_num_seqs=1))
+    # One sequence: steps of one token, and prompt chunks of at most its length (fewer step shapes to compile).
+    chunk = min(plan.serve.prefill_chunk, len(prompt))
+    engine = serve.Engine.build(placed, dataclasses.replace(plan.serve, max_num_seqs=1, prefill_chunk=chunk,
+                                                            max_batch_tokens=chunk))
     [out] = engine.generate([prompt], dataclasses.replace(request.sampling, max_tokens=max_new))
     return prompt_lib.render(codec, prompt, out.token_ids, request.as_json)
 

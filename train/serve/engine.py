@@ -1,11 +1,12 @@
 """The serving engine over a placed model (train/placed.py): requests in, one new token per running sequence per
-`step()`, outputs out. The model runs as one jitted program over a flat batch of tokens (models/paged.py),
-compiled at build time for a few bucketed token counts, never per request."""
+`step()`, outputs out. The model runs as one jitted program over a flat batch of tokens (models/paged.py), on
+weights split per layer once at build time, compiled then for a few bucketed token counts, never per request."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import math
+import os
 from typing import Literal
 
 import jax
@@ -20,6 +21,7 @@ from sharding import experts as experts_lib
 from sharding import specs as sharding_specs
 from train.placed import Placed
 from train.sections import ServeSection
+from train.serve.detokenize import Detokenizer
 from train.serve.pages import Pages
 from train.serve.sampling import SamplingParams, sample  # noqa: F401  (SamplingParams: the engine's API)
 from train.serve.scheduler import Chunk, Scheduler, Sequence
@@ -51,31 +53,44 @@ class Launched:
 
 
 def buckets(s: Settings, ways: int = 1) -> list[int]:
-    """The token counts the step compiles for: powers of two from 8, and the most one step can take (the token
-    budget, or every slot's prompt chunk when that is fewer), each rounded up to a multiple of `ways` (the
-    mesh's split of a mixture's rows: models/paged.py)."""
+    """The token counts the step compiles for: powers of two from serve.min_step_tokens (by default 1: a step of
+    one decoding sequence runs one token, not eight), and the most one step can take (the token budget, or every
+    slot's prompt chunk when that is fewer), each rounded up to a multiple of `ways` (the mesh's split of a
+    mixture's rows: models/paged.py)."""
     most = min(s.max_batch_tokens, s.max_num_seqs * s.prefill_chunk)
-    counts = [n for n in (2 ** i for i in range(3, 32)) if n < most] + [most]
+    least = min(s.min_step_tokens, most)
+    counts = [n for n in (least * 2 ** i for i in range(32)) if n < most] + [most]
     return sorted({-(-n // ways) * ways for n in counts})
 
 
 def page_bytes(cfg: models.ModelConfig, kv_heads: int, page_size: int) -> int:
+    """A page of keys and values over every layer."""
     return 2 * cfg.n_layers * page_size * kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
 
 
 def pool_pages(placed: Placed, s: Settings, kv_heads: int, pages_per_seq: int) -> int:
     """`kv_pages`, or what kv_memory_fraction of the free memory of the first device holds (the pool is split
-    over `tensor` by heads); on CPU, enough for every slot's longest sequence."""
+    over `tensor` by heads); on CPU, enough for every slot's longest sequence, within that fraction of the host's
+    available memory."""
     if s.kv_pages:
         return s.kv_pages
     device = placed.mesh.devices.flat[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    enough = CPU_SEQS_OF_PAGES * s.max_num_seqs * pages_per_seq + 1
-    if not stats or "bytes_limit" not in stats:
-        return enough
     tensor = placed.mesh.shape.get("tensor", 1)
+    each = page_bytes(placed.model, kv_heads, s.page_size) // tensor
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        enough = CPU_SEQS_OF_PAGES * s.max_num_seqs * pages_per_seq + 1
+        return max(2, min(enough, int(s.kv_memory_fraction * host_available_bytes() // each)))
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    return max(2, int(s.kv_memory_fraction * free // (page_bytes(placed.model, kv_heads, s.page_size) // tensor)))
+    return max(2, int(s.kv_memory_fraction * free // each))
+
+
+def host_available_bytes() -> int:
+    """The host's free memory (what a CPU device allocates from)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # a platform without these names: no cap
+        return 1 << 62
 
 
 class Engine:
@@ -85,11 +100,14 @@ class Engine:
         cfg, family = placed.model, models.family_of(placed.model)
         if family.decoding is None or family.decoding.paged is None:
             raise models.ModelConfigError(f"model.family={cfg.family!r} has no paged decoding (models/paged.py)")
-        self.placed, self.settings, self.cfg = placed, settings, cfg
+        assert placed.layer_order is None, "decoding folds pipelines into data (train/placed.py)"
+        # The stacked params stay the caller's: the engine decodes on its own per-layer copy (self.weights).
+        self.placed, self.settings, self.cfg = dataclasses.replace(placed, params=None), settings, cfg
         kv_heads = family.parallel.kv_heads(cfg)
         ps = settings.page_size
         context = max_context or paged.max_context(cfg)
         self.pages_per_seq = -(-context // ps)
+        self.table_width = paged.table_width(self.pages_per_seq, ps)
         self.num_pages = pool_pages(placed, settings, kv_heads, self.pages_per_seq)
         self.max_context = min(context, (self.num_pages - 1) * ps)
         sizes = dict(placed.mesh.shape)
@@ -98,6 +116,7 @@ class Engine:
         self.pages = Pages(self.num_pages)
         self.scheduler = Scheduler(self.pages, settings)
         self.pool = self._empty_pool(kv_heads)
+        self.weights = self._unstacked(placed)
         self._step = self._compile(family.decoding.paged, placed.layout.constrain())
         self._arrivals = itertools.count()
         self._by_id: dict[str, Sequence] = {}
@@ -117,22 +136,30 @@ class Engine:
         engine.warmup()
         return engine
 
-    def _empty_pool(self, kv_heads: int) -> dict[str, jax.Array]:
+    def _empty_pool(self, kv_heads: int) -> dict[str, list[jax.Array]]:
+        """One K and one V pool per layer (models/paged.py), split over `tensor` by KV heads."""
         shape = paged.pool_shape(self.cfg, kv_heads, self.num_pages, self.settings.page_size)
         mesh = self.placed.mesh
         spec = sharding_specs.mesh_spec(P(*paged.POOL_AXES), self.placed.layout.rules, shape,
                                         dict(mesh.shape))
-        dtype = jnp.dtype(self.cfg.compute_dtype)
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, spec))
-        return {"k": zeros(), "v": zeros()}
+        dtype, L = jnp.dtype(self.cfg.compute_dtype), self.cfg.n_layers
+        zeros = jax.jit(lambda: {n: [jnp.zeros(shape, dtype) for _ in range(L)] for n in ("k", "v")},
+                        out_shardings=NamedSharding(mesh, spec))
+        return zeros()
+
+    def _unstacked(self, placed: Placed):
+        """The params split per layer in their shardings (models/paged.unstack), what every step reads."""
+        out = paged.unstacked_shardings(placed.layout.params, self.cfg)
+        return jax.jit(lambda p: paged.unstack(p, self.cfg), out_shardings=out)(placed.params)
 
     def _compile(self, paged_decode, constrain):
         cfg = self.cfg
 
-        def run(params, pool, tokens, positions, slots, tables, select, temperature, top_k, top_p, seeds, counters):
-            batch = paged.Batch(tokens, positions, slots, tables, select)
-            logits, pool = paged_decode(params, batch, pool, cfg, constrain)
-            return pool, sample(logits, temperature, top_k, top_p, seeds, counters, MAX_LOGPROBS)
+        def run(weights, pool, tokens, positions, slots, tables, select, blocks, temperature, top_k, top_p, seeds,
+                counters, with_logprobs):
+            batch = paged.Batch(tokens, positions, slots, tables, select, blocks)
+            logits, pool = paged_decode(weights, batch, pool, cfg, constrain)
+            return pool, sample(logits, temperature, top_k, top_p, seeds, counters, MAX_LOGPROBS, with_logprobs)
         return jax.jit(run, donate_argnums=(1,))
 
     def warmup(self) -> None:
@@ -158,7 +185,9 @@ class Engine:
             raise ValueError(f"request_id {request_id!r}: already in the engine")
         if self.full():
             raise ValueError(f"the queue is full (serve.max_waiting={self.settings.max_waiting}); retry later")
-        seq = Sequence(request_id, prompt, params, next(self._arrivals))
+        codec = self.placed.codec
+        seq = Sequence(request_id, prompt, params, next(self._arrivals),
+                       detokenizer=None if codec is None else Detokenizer(codec))
         self._by_id[request_id] = seq
         self.scheduler.waiting.append(seq)
 
@@ -171,6 +200,8 @@ class Engine:
             self.scheduler.retire(seq)
         else:
             self.scheduler.waiting.remove(seq)
+        if seq.detokenizer is not None:
+            seq.detokenizer.flush()
         self._aborted.append(self._output(seq, "abort"))
 
     def full(self) -> bool:
@@ -215,38 +246,46 @@ class Engine:
         if launched.result is None:
             return outputs
         token, chosen, top_ids, top_lp = (np.asarray(a) for a in launched.result)
+        row = 0  # the sampling chunks' rows, in order (_inputs)
         for chunk in chunks:
             self.scheduler.computed(chunk)
             if chunk.samples:
-                outputs.append(self._append(chunk.seq, int(token[chunk.seq.slot]), float(chosen[chunk.seq.slot]),
-                                            top_ids[chunk.seq.slot], top_lp[chunk.seq.slot]))
+                outputs.append(self._append(chunk.seq, int(token[row]), float(chosen[row]), top_ids[row],
+                                            top_lp[row]))
+                row += 1
         return outputs
 
     def _run(self, inputs):
-        self.pool, out = self._step(self.placed.params, self.pool, *inputs)
+        self.pool, out = self._step(self.weights, self.pool, *inputs)
         return out
 
     def _inputs(self, chunks: list[Chunk], n: int):
-        """The step's arrays for `chunks` padded to `n` tokens, one row of sampling settings per slot."""
-        S = self.settings.max_num_seqs
+        """The step's arrays for `chunks` padded to `n` tokens, and one row of sampling settings for each chunk that
+        ends its sequence's tokens (in order; at most n rows, nor more than the slots)."""
+        S, R = self.settings.max_num_seqs, min(n, self.settings.max_num_seqs)
         tokens, positions, slots = np.zeros(n, np.int32), np.zeros(n, np.int32), np.full(n, -1, np.int32)
-        tables = np.zeros((S, self.pages_per_seq), np.int32)
-        select, counters = np.zeros(S, np.int32), np.zeros(S, np.int32)
-        temperature, top_p = np.zeros(S, np.float32), np.ones(S, np.float32)
-        top_k, seeds = np.zeros(S, np.int32), np.zeros(S, np.int32)
-        at = 0
+        tables = np.zeros((S, self.table_width), np.int32)
+        select, counters = np.zeros(R, np.int32), np.zeros(R, np.int32)
+        temperature, top_p = np.zeros(R, np.float32), np.ones(R, np.float32)
+        top_k, seeds = np.zeros(R, np.int32), np.zeros(R, np.int32)
+        at = row = 0
         for c in chunks:
             seq, slot = c.seq, c.seq.slot
             tokens[at:at + c.count] = seq.tokens[c.start:c.start + c.count]
             positions[at:at + c.count] = np.arange(c.start, c.start + c.count)
             slots[at:at + c.count] = slot
             tables[slot, :len(seq.pages)] = seq.pages
-            select[slot] = at + c.count - 1
-            p = seq.params
-            temperature[slot], top_k[slot], top_p[slot] = p.temperature, p.top_k, p.top_p
-            seeds[slot], counters[slot] = p.seed, len(seq.output)
             at += c.count
-        return tokens, positions, slots, tables, select, temperature, top_k, top_p, seeds, counters
+            if c.samples:
+                p = seq.params
+                select[row], counters[row] = at - 1, len(seq.output)
+                temperature[row], top_k[row], top_p[row], seeds[row] = p.temperature, p.top_k, p.top_p, p.seed
+                row += 1
+        longest = max((c.start + c.count for c in chunks), default=1)
+        blocks = np.int32(paged.blocks_for(longest, self.settings.page_size))
+        with_logprobs = np.bool_(any(c.seq.params.logprobs for c in chunks if c.samples))
+        return tokens, positions, slots, tables, select, blocks, temperature, top_k, top_p, seeds, counters, \
+            with_logprobs
 
     def _append(self, seq: Sequence, token: int, logprob: float, top_ids, top_lp) -> Output:
         seq.output.append(token)
@@ -254,27 +293,28 @@ class Engine:
         if seq.params.logprobs:
             row = {int(i): float(lp) for i, lp in zip(top_ids[:seq.params.logprobs], top_lp[:seq.params.logprobs])}
             seq.logprobs.append({**row, token: logprob})
+        stopped = token in seq.params.stop_token_ids
+        if seq.detokenizer is not None and not stopped:
+            seq.detokenizer.add(token)
         reason = None
-        if token in seq.params.stop_token_ids:
-            reason = "stop"
-        elif seq.params.stop and self.placed.codec is not None and \
-                any(s in self.placed.codec.decode(seq.output) for s in seq.params.stop):
+        if stopped or seq.params.stop and seq.detokenizer is not None and \
+                any(s in seq.detokenizer.text for s in seq.params.stop):
             reason = "stop"
         elif len(seq.output) >= seq.params.max_tokens or len(seq.tokens) >= self.max_context:
             reason = "length"
         if reason is not None:
             self.scheduler.retire(seq)
             del self._by_id[seq.request_id]
+            if seq.detokenizer is not None:
+                seq.detokenizer.flush()
         return self._output(seq, reason)
 
     def _text(self, seq: Sequence) -> str | None:
-        """The new tokens as text (a stop token left out, a stop string and what follows cut), or None without a
-        tokenizer."""
-        codec = self.placed.codec
-        if codec is None:
+        """The new tokens as text (a stop token left out, a stop string and what follows cut; a half character at
+        the end held back until the sequence finishes), or None without a tokenizer."""
+        if seq.detokenizer is None:
             return None
-        ids = [t for t in seq.output if t not in seq.params.stop_token_ids]
-        text = codec.decode(ids)
+        text = seq.detokenizer.text
         for s in seq.params.stop:
             if s in text:
                 text = text[:text.index(s)]

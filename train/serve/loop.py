@@ -84,13 +84,19 @@ class EngineLoop:
                 self._fail_all(e)
                 continue
             now = time.perf_counter()
+            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
             for out in outputs:
-                self._deliver(out, now)
+                sub = self._deliver(out, now)
+                if sub is not None:
+                    by_loop.setdefault(sub.loop, []).append((sub.queue, out))
+            for loop, items in by_loop.items():  # one wake-up of each event loop per step, not one per token
+                loop.call_soon_threadsafe(_put_all, items)
 
-    def _deliver(self, out: Output, now: float) -> None:
+    def _deliver(self, out: Output, now: float) -> _Subscriber | None:
+        """The subscriber `out` goes to (None: aborted, nobody waits), its latencies observed."""
         sub = self._subs.get(out.request_id)
         if sub is None:
-            return  # aborted: nobody waits for it
+            return None
         if out.finish_reason != "abort":
             if sub.last is None and self._first:
                 self._first(now - sub.added)
@@ -99,7 +105,7 @@ class EngineLoop:
             sub.last = now
         if out.finished:
             self._subs.pop(out.request_id, None)
-        sub.loop.call_soon_threadsafe(sub.queue.put_nowait, out)
+        return sub
 
     def _fail_all(self, error: Exception) -> None:
         with self.lock:
@@ -108,3 +114,8 @@ class EngineLoop:
                 self.engine.abort(request_id)
         for sub in subs.values():
             sub.loop.call_soon_threadsafe(sub.queue.put_nowait, error)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

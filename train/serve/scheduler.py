@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Hashable
+from typing import Any, Hashable
 
 from train.sections import ServeSection
 from train.serve.pages import Pages
@@ -24,6 +24,7 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0      # tokens whose keys and values are in the pages
     keys: list[Hashable] = dataclasses.field(default_factory=list)  # prefix keys of its full pages, in order
+    detokenizer: Any = None  # the engine's: its new tokens' text (train/serve/detokenize.py), with a tokenizer
 
     @property
     def tokens(self) -> list[int]:
