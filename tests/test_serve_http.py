@@ -26,7 +26,8 @@ from train.serve.sampling import SamplingParams
 from train.serve.server import Served, create_app, run_in_thread
 
 KEY = "test-key"
-SETTINGS = Settings(page_size=4, max_num_seqs=4, max_batch_tokens=32, prefill_chunk=8, max_waiting=2)
+SETTINGS = Settings(page_size=4, max_num_seqs=4, max_batch_tokens=32, prefill_chunk=8, max_waiting=2,
+                    min_step_tokens=8)  # three step shapes compiled (8, 16, 32)
 CONTEXT = 96
 PROMPT = [5, 9, 2, 7, 1, 3]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]

@@ -33,7 +33,10 @@ class Scorer:
     def __init__(self, placed: Placed, batch_size: int, pad_id: int, settings: serve.Settings | None = None):
         self.placed, self.cfg, self.params = placed, placed.model, placed.params
         self.batch_size, self.pad_id = batch_size, pad_id
-        self.settings = dataclasses.replace(settings or serve.Settings(), max_num_seqs=batch_size)
+        # lm_eval hands over whole batches, so steps keep many sequences running: none under 8 tokens compiles.
+        settings = settings or serve.Settings()
+        self.settings = dataclasses.replace(settings, max_num_seqs=batch_size,
+                                            min_step_tokens=max(settings.min_step_tokens, min(8, batch_size)))
         self._scores = jax.jit(functools.partial(token_scores, cfg=self.cfg, constrain=placed.layout.constrain()))
 
     def loglikelihood(self, rows: list[list[int]], continuation: list[int]) -> list[tuple[float, bool]]:
