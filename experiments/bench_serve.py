@@ -112,13 +112,16 @@ def sse_events(lines):
 
 def request_body(model: str, prompt, output_len: int, peer: str) -> dict:
     """A streamed completion of exactly `output_len` tokens: `ignore_eos` (vLLM's extension) for servers that
-    take it; transformers' server rejects unknown fields and takes a generation config instead."""
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True}
+    take it; transformers' server rejects unknown fields and takes a generation config instead. Both report
+    `usage` at the end, which the output-token counts read: a token whose text is empty (an id the tokenizer
+    cannot spell) streams no text, and transformers' server sends no chunk for it."""
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
     if peer == "transformers":
         body["generation_config"] = json.dumps({"max_new_tokens": output_len, "min_new_tokens": output_len,
                                                 "do_sample": False})
     else:
-        body.update(ignore_eos=True, stream_options={"include_usage": True})
+        body["ignore_eos"] = True
     return body
 
 

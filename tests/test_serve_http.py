@@ -239,3 +239,27 @@ def test_the_command_fails_in_one_line_before_loading():
                        text=True, timeout=120)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --workdir="), r.stderr
+
+
+def test_a_hugging_face_directory_is_served_within_the_context_its_config_names(tmp_path):
+    """`--hf=DIR` takes the model's context from config.json (max_position_embeddings), not from the preset the
+    family's fields are laid over."""
+    from train.config import resolve
+    from train.serve import command
+    cfg = models.from_dict({"preset": "llama3-tiny", "seq_len": 96})
+    family = models.family_of(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(family.hf.hf_config(cfg, "float32", None, 0)))
+    plan = resolve(command.hf_serving_config(tmp_path, {"data": 1}), 1)
+    assert plan.model.seq_len == 96 != models.from_dict({"preset": "llama3-tiny"}).seq_len
+
+
+def test_the_detokenizer_streams_the_whole_text_and_holds_half_characters():
+    from train.serve.detokenize import Detokenizer
+    codec = tok_lib.Codec(tok_lib.bytes_tokenizer(), 256, None, from_run=False)
+    text = "a é 日本 🙂\n"
+    ids = codec.encode(text)
+    detok = Detokenizer(codec)
+    pieces = [detok.add(t) for t in ids]
+    assert "".join(pieces) == detok.text == text and pieces[ids.index(0xC3)] == ""  # é's first byte waits
+    detok.add(0xF0)  # the first byte of a 4-byte character, and no more: U+FFFD once flushed, as a whole decode
+    assert detok.text == text and detok.flush() == "\ufffd" == codec.decode(ids + [0xF0])[len(text):]

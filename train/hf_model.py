@@ -39,6 +39,13 @@ def read_config(spec: str) -> dict[str, Any]:
     return hf
 
 
+def context_length(hf: dict[str, Any]) -> int | None:
+    """The positions config.json says the model takes (max_position_embeddings, or GPT-2's n_positions): the
+    context a server of `--hf=DIR` decodes within. None when it says none."""
+    value = hf.get("max_position_embeddings") or hf.get("n_positions")
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 def supported() -> str:
     return ", ".join(f"{a} ({name})" for name, fam in models.FAMILIES.items() if fam.hf
                      for a in fam.hf.architectures)

@@ -74,7 +74,6 @@ def load(path: pathlib.Path):
 
     import jax
 
-    from train import hf_model
     from train import placed as placed_lib
     from train.config import resolve
     from train.data import chat
@@ -87,15 +86,8 @@ def load(path: pathlib.Path):
         config = placed_lib.decoding_config(path, mesh)
         renderer_spec = chat_spec(config)
     else:
-        spec = hf_model.PREFIX + str(path)
-        config = base_config()
-        config.checkpoint.restore_from = spec
-        family = hf_model.family_of_hf(spec, hf_model.read_config(spec))
-        config.model.preset = next(iter(family.presets))
-        config.data.source = "synthetic"
-        config.plan.auto = False
-        config.mesh.update(mesh or {})
-        renderer_spec = spec if (path / tok_lib.FILE).is_file() else "bytes"
+        config = hf_serving_config(path, mesh)
+        renderer_spec = config.checkpoint.restore_from if (path / tok_lib.FILE).is_file() else "bytes"
     config.serve.update(overrides("serve"))
     plan = resolve(config, jax.device_count())
     placed = placed_lib.of_plan(plan)
@@ -106,6 +98,23 @@ def load(path: pathlib.Path):
     engine = replicas.build(placed, plan.serve)
     name = FLAGS.served_model_name or path.resolve().name
     return Served(placed, engine, name, chat.Renderer(renderer_spec))
+
+
+def hf_serving_config(path: pathlib.Path, mesh: dict | None):
+    """The config that serves a Hugging Face directory: its family's first preset with config.json's fields over
+    it (train/hf_model.py, at resolve), and the context config.json says the model takes, not the preset's."""
+    from train import hf_model
+    spec = hf_model.PREFIX + str(path)
+    config = base_config()
+    config.checkpoint.restore_from = spec
+    hf = hf_model.read_config(spec)
+    family = hf_model.family_of_hf(spec, hf)
+    config.model.preset = next(iter(family.presets))
+    config.model.seq_len = hf_model.context_length(hf) or config.model.seq_len
+    config.data.source = "synthetic"
+    config.plan.auto = False
+    config.mesh.update(mesh or {})
+    return config
 
 
 def chat_spec(config) -> str:

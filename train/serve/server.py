@@ -243,22 +243,30 @@ class Api:
         return shape.whole(rid, out)
 
     async def events(self, rid: str, queue: asyncio.Queue, shape, include_usage: bool):
-        """The SSE stream: one chunk per token (text held back while it may be a stop string's start)."""
-        sent, done, out = 0, False, None
+        """The SSE stream: one event per token (text held back while it may be a stop string's start). Tokens that
+        queued while the loop was busy go out in one write, each still its own event."""
+        sent, done, failed, out = 0, False, False, None
         try:
             for chunk in shape.opening(rid):
                 yield _sse(chunk)
-            while not done:
-                out = await queue.get()
-                if isinstance(out, Exception):
-                    yield _sse(proto.error_body(f"the engine failed: {out}", kind="server_error"))
-                    break
-                done, text = out.finished, out.text or ""
-                upto = max(sent, len(text) if done else len(text) - proto.held_back(text, shape.params.stop))
-                delta, sent = text[sent:upto], upto
-                yield _sse(shape.chunk(rid, delta, out))
-            if done and include_usage:
-                yield _sse(proto.envelope(shape.chunk_kind, rid, self.served.name, [], {"usage": proto.usage(out)}))
+            while not (done or failed):
+                events, out = [], await queue.get()
+                while True:
+                    if isinstance(out, Exception):
+                        events.append(_sse(proto.error_body(f"the engine failed: {out}", kind="server_error")))
+                        failed = True
+                        break
+                    done, text = out.finished, out.text or ""
+                    upto = max(sent, len(text) if done else len(text) - proto.held_back(text, shape.params.stop))
+                    delta, sent = text[sent:upto], upto
+                    events.append(_sse(shape.chunk(rid, delta, out)))
+                    if done or queue.empty():
+                        break
+                    out = queue.get_nowait()
+                if done and include_usage:
+                    events.append(_sse(proto.envelope(shape.chunk_kind, rid, self.served.name, [],
+                                                      {"usage": proto.usage(out)})))
+                yield "".join(events)
             yield "data: [DONE]\n\n"
         finally:
             if not done:
