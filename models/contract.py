@@ -132,7 +132,7 @@ class Decode(Protocol):
 
 class PagedDecode(Protocol):
     """(weights split per layer by models.paged.unstack, models.paged.Batch, pools {"k", "v"}: a list over layers
-    of [pages, page_size, kv_heads, head_dim], cfg, hooks) -> (float32 logits [R, V] of the batch's selected
+    of [kv_heads, pages, page_size, head_dim], cfg, hooks) -> (float32 logits [R, V] of the batch's selected
     tokens, the new pools)."""
     def __call__(self, weights: Params, batch: Any, pools: dict[str, list[jax.Array]], cfg: ModelConfig,
                  constrain: Hooks) -> tuple[jax.Array, dict[str, list[jax.Array]]]: ...

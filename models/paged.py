@@ -36,11 +36,12 @@ class Batch:
 
 
 def pool_shape(cfg: ModelConfig, kv_heads: int, pages: int, page_size: int) -> tuple[int, ...]:
-    """[pages, page_size, kv heads, head dim]: the K (or V) pool of one layer."""
-    return pages, page_size, kv_heads, cfg.head_dim
+    """[kv heads, pages, page_size, head dim]: the K (or V) pool of one layer, each head's pages apart, so the keys
+    a block of pages gathers are already laid out as the attention's batched matmuls read them."""
+    return kv_heads, pages, page_size, cfg.head_dim
 
 
-POOL_AXES = (None, None, "heads", "kv")  # logical names: a tensor mesh splits each pool by KV heads
+POOL_AXES = ("heads", None, None, "kv")  # logical names: a tensor mesh splits each pool by KV heads
 
 
 def block_pages(page_size: int) -> int:
@@ -114,7 +115,7 @@ class PagedAttend:
 
     def __call__(self, q_1xNxHxK, k_1xNxGxK, v_1xNxGxK):
         b = self.batch
-        page = self.k_pool.shape[1]
+        page = self.k_pool.shape[2]
         real = b.slots_N >= 0
         slot = jnp.where(real, b.slots_N, 0)
         page_N = jnp.where(real, b.tables_SxP[slot, b.positions_N // page], 0)
@@ -129,10 +130,10 @@ class PagedAttend:
         return out[None].astype(q_1xNxHxK.dtype), (k_pool, v_pool)
 
 
-def _write(pool_PxSxGxK: jax.Array, flat_N: jax.Array, new_NxGxK: jax.Array) -> jax.Array:
-    P, S = pool_PxSxGxK.shape[:2]
-    flat = pool_PxSxGxK.reshape(P * S, *pool_PxSxGxK.shape[2:])
-    return flat.at[flat_N].set(new_NxGxK.astype(flat.dtype)).reshape(pool_PxSxGxK.shape)
+def _write(pool_GxPxSxK: jax.Array, flat_N: jax.Array, new_NxGxK: jax.Array) -> jax.Array:
+    G, P, S, K = pool_GxPxSxK.shape
+    flat = pool_GxPxSxK.reshape(G, P * S, K)
+    return flat.at[:, flat_N].set(jnp.swapaxes(new_NxGxK, 0, 1).astype(flat.dtype)).reshape(pool_GxPxSxK.shape)
 
 
 def attend_pages(q_NxHxK: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages_NxP: jax.Array,
@@ -141,29 +142,28 @@ def attend_pages(q_NxHxK: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages
     float32: an online softmax over `blocks` blocks of block_pages pages, each gathered from the pool as it is
     read (FlashAttention's running max and sum, over pages rather than tiles). Out [N, H, K]."""
     N, H, K = q_NxHxK.shape
-    page, G = k_pool.shape[1], k_pool.shape[2]
-    bp = block_pages(page)
+    G, page = k_pool.shape[0], k_pool.shape[2]
+    R, bp = H // G, block_pages(page)
     width = bp * page
-    q = (q_NxHxK.reshape(N, G, H // G, K) * K ** -0.5).astype(jnp.float32)
+    q = jnp.swapaxes((q_NxHxK.reshape(N, G, R, K) * K ** -0.5).astype(jnp.float32), 0, 1)  # [G, N, R, K]
 
     def block(i, carry):
         top, total, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(pages_NxP, i * bp, bp, axis=1)
-        keys = k_pool[pages].reshape(N, width, G, K).astype(jnp.float32)
-        values = v_pool[pages].reshape(N, width, G, K).astype(jnp.float32)
-        scores = jnp.einsum("ngrk,ncgk->ngrc", q, keys)
+        keys = k_pool[:, pages].reshape(G, N, width, K).astype(jnp.float32)
+        values = v_pool[:, pages].reshape(G, N, width, K).astype(jnp.float32)
+        scores = jnp.einsum("gnrk,gnck->gnrc", q, keys)
         seen = (i * width + jnp.arange(width))[None, :] <= positions_N[:, None]
-        scores = jnp.where(seen[:, None, None, :], scores, -jnp.inf)
+        scores = jnp.where(seen[None, :, None, :], scores, -jnp.inf)
         new_top = jnp.maximum(top, scores.max(axis=-1))  # finite: block 0 holds position 0 of every token
         probs = jnp.exp(scores - new_top[..., None])
         rescale = jnp.exp(top - new_top)
         return (new_top, total * rescale + probs.sum(axis=-1),
-                acc * rescale[..., None] + jnp.einsum("ngrc,ncgk->ngrk", probs, values))
+                acc * rescale[..., None] + jnp.einsum("gnrc,gnck->gnrk", probs, values))
 
-    R = H // G
-    init = (jnp.full((N, G, R), -jnp.inf), jnp.zeros((N, G, R)), jnp.zeros((N, G, R, K)))
+    init = (jnp.full((G, N, R), -jnp.inf), jnp.zeros((G, N, R)), jnp.zeros((G, N, R, K)))
     _, total, acc = jax.lax.fori_loop(0, blocks, block, init)
-    return (acc / total[..., None]).reshape(N, H, K)
+    return jnp.swapaxes(acc / total[..., None], 0, 1).reshape(N, H, K)
 
 
 # ----------------------------------------------------------------------------- the stack

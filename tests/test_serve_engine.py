@@ -121,7 +121,7 @@ def test_a_small_pool_completes_every_request(dense):
 def test_tensor_split_equals_one_device(dense):
     placed = _placed(num_devices=2, tensor=2)
     engine = Engine.build(placed, FEW)
-    assert engine.pool["k"][0].sharding.spec[2] == "tensor"
+    assert engine.pool["k"][0].sharding.spec[0] == "tensor"
     got = [o.token_ids for o in engine.generate(PROMPTS, SamplingParams(max_tokens=NEW))]
     assert got == [o.token_ids for o in dense[1].generate(PROMPTS, SamplingParams(max_tokens=NEW))]
 
