@@ -49,6 +49,8 @@ def define_flags() -> None:
     flags.DEFINE_string("prompts", "", "A text file of prompts, one a line, used in turn instead of "
              "random ones.")
     flags.DEFINE_integer("seed", 0, "Seed of the prompts and the arrival times.")
+    flags.DEFINE_integer("repeat", 1, "Runs of each level; the table shows each figure's median over them (a "
+                         "shared or noisy machine).")
     flags.DEFINE_string("json", "", "Also write the rows to this JSON file.")
     flags.DEFINE_enum("peer", "", ["", "transformers"], "Also start this server on --peer_model and measure "
              "it with the same requests, side by side.")
@@ -199,13 +201,21 @@ def measure(server: str, url: str, model: str, prompts: list, peer: str = "") ->
     rows = []
     for kind, value in levels:
         kw = {"rate": value} if kind == "rate" else {"concurrency": value}
-        results, duration = asyncio.run(run_level(url, bodies, seed=FLAGS.seed, headers=headers,
-                                                  timeout=FLAGS.timeout, **kw))
-        errors = sorted({r.error for r in results if not r.ok})
+        runs = [asyncio.run(run_level(url, bodies, seed=FLAGS.seed, headers=headers, timeout=FLAGS.timeout, **kw))
+                for _ in range(FLAGS.repeat)]
+        results = runs[0][0]
+        errors = sorted({r.error for rs, _ in runs for r in rs if not r.ok})
         rows.append({"server": server, kind: value, "input_len": FLAGS.input_len,
-                     "output_len": FLAGS.output_len, **summarize(results, duration),
+                     "output_len": FLAGS.output_len, **median_summary([summarize(*run) for run in runs]),
                      **({"errors": errors[:3]} if errors else {}), "texts": [r.text for r in results]})
     return rows
+
+
+def median_summary(summaries: list[dict]) -> dict:
+    """Each figure's median over the repeats of a level (--repeat); `repeats` says how many."""
+    out = {k: round(float(np.median([s[k] for s in summaries])), 3) for k in summaries[0]}
+    out.update(completed=min(s["completed"] for s in summaries), failed=max(s["failed"] for s in summaries))
+    return {**out, "repeats": len(summaries)} if len(summaries) > 1 else summaries[0]
 
 
 def same_outputs(rows: list[dict]) -> None:

@@ -38,3 +38,13 @@ def test_a_peer_row_counts_the_requests_that_streamed_our_text():
     bench.same_outputs(rows)
     assert [r.get("same_as_ours") for r in rows] == [None, 1, None]  # an empty text (a failure) never counts
     assert not any("texts" in r for r in rows)
+
+
+def test_repeats_report_each_figures_median():
+    runs = [{"completed": 8, "failed": 0, "output_tokens_per_s": v, "ttft_p50_ms": t} for v, t in
+            ((100.0, 9.0), (300.0, 3.0), (200.0, 5.0))]
+    runs[1].update(completed=7, failed=1)
+    row = bench.median_summary(runs)
+    assert (row["output_tokens_per_s"], row["ttft_p50_ms"], row["repeats"]) == (200.0, 5.0, 3)
+    assert (row["completed"], row["failed"]) == (7, 1)  # the worst run's
+    assert bench.median_summary(runs[:1]) == runs[0]

@@ -271,7 +271,7 @@ class Engine:
         at = row = 0
         for c in chunks:
             seq, slot = c.seq, c.seq.slot
-            tokens[at:at + c.count] = seq.tokens[c.start:c.start + c.count]
+            tokens[at:at + c.count] = seq.token_slice(c.start, c.count)
             positions[at:at + c.count] = np.arange(c.start, c.start + c.count)
             slots[at:at + c.count] = slot
             tables[slot, :len(seq.pages)] = seq.pages
@@ -300,7 +300,7 @@ class Engine:
         if stopped or seq.params.stop and seq.detokenizer is not None and \
                 any(s in seq.detokenizer.text for s in seq.params.stop):
             reason = "stop"
-        elif len(seq.output) >= seq.params.max_tokens or len(seq.tokens) >= self.max_context:
+        elif len(seq.output) >= seq.params.max_tokens or seq.length() >= self.max_context:
             reason = "length"
         if reason is not None:
             self.scheduler.retire(seq)

@@ -30,6 +30,15 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def length(self) -> int:
+        """len(tokens), without building the list (read for every sequence in every step)."""
+        return len(self.prompt) + len(self.output)
+
+    def token_slice(self, start: int, count: int) -> list[int]:
+        """tokens[start:start + count], without building the whole list when it lies in the output."""
+        at = start - len(self.prompt)
+        return self.output[at:at + count] if at >= 0 else self.tokens[start:start + count]
+
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
@@ -40,7 +49,7 @@ class Chunk:
     @property
     def samples(self) -> bool:
         """The chunk ends at the sequence's last token: its logits choose the next one."""
-        return self.start + self.count == len(self.seq.tokens)
+        return self.start + self.count == self.seq.length()
 
 
 class Scheduler:
@@ -79,7 +88,7 @@ class Scheduler:
         return chunks
 
     def _count(self, seq: Sequence, budget: int) -> int:
-        pending = len(seq.tokens) - seq.computed
+        pending = seq.length() - seq.computed
         return 1 if pending == 1 else min(pending, self.prefill_chunk, budget)
 
     def _grow(self, seq: Sequence, upto: int) -> bool:
@@ -143,6 +152,8 @@ class Scheduler:
         seq = chunk.seq
         seq.computed = chunk.start + chunk.count
         if not self.prefix_cache:
+            return
+        if len(seq.keys) >= seq.computed // self.page_size:
             return
         tokens = seq.tokens
         while len(seq.keys) < seq.computed // self.page_size:
