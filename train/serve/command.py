@@ -97,7 +97,8 @@ def load(path: pathlib.Path):
         placed = dataclasses.replace(placed_lib.from_hf(placed, config.checkpoint.restore_from), codec=hf_codec(path))
     engine = replicas.build(placed, plan.serve)
     name = FLAGS.served_model_name or path.resolve().name
-    return Served(placed, engine, name, chat.Renderer(renderer_spec))
+    # The engine decodes on its own per-layer copy of the weights: the stacked params are let go.
+    return Served(dataclasses.replace(placed, params=None), engine, name, chat.Renderer(renderer_spec))
 
 
 def hf_serving_config(path: pathlib.Path, mesh: dict | None):

@@ -108,6 +108,7 @@ class Engine:
         context = max_context or paged.max_context(cfg)
         self.pages_per_seq = -(-context // ps)
         self.table_width = paged.table_width(self.pages_per_seq, ps)
+        self.weights = self._unstacked(placed)  # before the pool is sized from the memory left
         self.num_pages = pool_pages(placed, settings, kv_heads, self.pages_per_seq)
         self.max_context = min(context, (self.num_pages - 1) * ps)
         sizes = dict(placed.mesh.shape)
@@ -116,7 +117,6 @@ class Engine:
         self.pages = Pages(self.num_pages)
         self.scheduler = Scheduler(self.pages, settings)
         self.pool = self._empty_pool(kv_heads)
-        self.weights = self._unstacked(placed)
         self._step = self._compile(family.decoding.paged, placed.layout.constrain())
         self._arrivals = itertools.count()
         self._by_id: dict[str, Sequence] = {}

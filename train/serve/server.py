@@ -27,8 +27,9 @@ DEFAULT_STOP = "<|im_end|>"  # the end of a turn of train/data/chat.py's DEFAULT
 
 @dataclasses.dataclass
 class Served:
-    """What one server serves: the placed model (with its tokenizer), its engine, the name clients ask for and
-    the chat renderer `train.prepare --format=chat` uses for the model's tokenizer."""
+    """What one server serves: the placed model (with its tokenizer; its params may be gone, the engine holds its
+    own), its engine, the name clients ask for and the chat renderer `train.prepare --format=chat` uses for the
+    model's tokenizer."""
     placed: Placed
     engine: Engine | Replicas
     name: str
