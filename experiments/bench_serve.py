@@ -172,7 +172,8 @@ async def run_level(url: str, bodies: list[dict], concurrency: int = 0, rate: fl
 
 
 def make_prompts(n: int, input_len: int, seed: int):
-    """`n` prompts: lines of --prompts in turn, else random token ids (decoded with --tokenizer when set)."""
+    """`n` prompts: lines of --prompts in turn, else random token ids (with --tokenizer: text that reads back at
+    `input_len` tokens)."""
     if FLAGS.prompts:
         lines = [line for line in open(FLAGS.prompts, encoding="utf-8").read().splitlines() if line.strip()]
         return [lines[i % len(lines)] for i in range(n)]
@@ -181,8 +182,35 @@ def make_prompts(n: int, input_len: int, seed: int):
         return [row.tolist() for row in ids]
     from transformers import AutoTokenizer  # the hf extra, only for text prompts
     tok = AutoTokenizer.from_pretrained(FLAGS.tokenizer)
-    ids = np.random.default_rng(seed).integers(0, tok.vocab_size, (n, input_len))
-    return [tok.decode(row.tolist()) for row in ids]
+    rng = np.random.default_rng(seed)
+    whole = whole_character_ids(tok)
+    return [steady_text(tok, rng, whole, input_len) for _ in range(n)]
+
+
+def whole_character_ids(tok) -> np.ndarray:
+    """The ids, special tokens aside, that decode alone to whole characters (not a byte of one)."""
+    return np.asarray([i for i in range(tok.vocab_size)
+                       if i not in tok.all_special_ids and "\ufffd" not in tok.decode([i])])
+
+
+def steady_text(tok, rng, whole, length: int, tries: int = 20) -> str:
+    """Text of random tokens (of `whole`, the ids that decode to whole characters) that the tokenizer reads back
+    as exactly `length` tokens.
+
+    Decoded random ids often tokenize to another count (merges across the joins), which would make prompts longer
+    than --input_len (a server then refuses one whose prompt and max_tokens pass its context); re-encode, keep the
+    first ids, draw the rest afresh, and stop at the first text that reads back at its length.
+    """
+    ids = rng.choice(whole, length).tolist()
+    for _ in range(tries):
+        text = tok.decode(ids)
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) == length:
+            return text
+        keep = ids[:length - 1]
+        ids = keep + rng.choice(whole, length - len(keep)).tolist()
+    raise SystemExit(f"--tokenizer={FLAGS.tokenizer}: found no random text of {length} tokens that reads back "
+                     f"at its length; pass --prompts=FILE instead")
 
 
 def served_model(url: str, headers: dict) -> str:

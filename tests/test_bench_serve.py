@@ -48,3 +48,16 @@ def test_repeats_report_each_figures_median():
     assert (row["output_tokens_per_s"], row["ttft_p50_ms"], row["repeats"]) == (200.0, 5.0, 3)
     assert (row["completed"], row["failed"]) == (7, 1)  # the worst run's
     assert bench.median_summary(runs[:1]) == runs[0]
+
+
+def test_text_prompts_read_back_at_their_length():
+    """Random ids decoded to text re-tokenize to other counts; the prompts sent must hold --input_len tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    from train.data.tokenizer import train_bpe
+    words = [f"w{i} caf\u00e9 na\u00efve {i * 7} \u6f22\u5b57" for i in range(200)]  # multi-byte characters too
+    tok = PreTrainedTokenizerFast(tokenizer_object=train_bpe(words, 300))
+    rng = np.random.default_rng(0)
+    texts = [bench.steady_text(tok, rng, bench.whole_character_ids(tok), 12) for _ in range(64)]
+    assert {len(tok.encode(t, add_special_tokens=False)) for t in texts} == {12}
+    assert len(set(texts)) == 64
