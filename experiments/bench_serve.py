@@ -235,7 +235,8 @@ def measure(server: str, url: str, model: str, prompts: list, peer: str = "") ->
         errors = sorted({r.error for rs, _ in runs for r in rs if not r.ok})
         rows.append({"server": server, kind: value, "input_len": FLAGS.input_len,
                      "output_len": FLAGS.output_len, **median_summary([summarize(*run) for run in runs]),
-                     **({"errors": errors[:3]} if errors else {}), "texts": [r.text for r in results]})
+                     **({"errors": errors[:3]} if errors else {}),
+                     "texts": [r.text if r.ok else None for r in results]})
     return rows
 
 
@@ -248,13 +249,14 @@ def median_summary(summaries: list[dict]) -> dict:
 
 def same_outputs(rows: list[dict]) -> None:
     """Beside each peer row, how many of its requests streamed exactly our text for the same prompt (greedy: the
-    same tokens); the texts themselves leave the rows."""
+    same tokens; a text may be empty, the ids of a model whose vocabulary passes its tokenizer's); a failed request
+    (None) never counts. The texts themselves leave the rows."""
     ours = {(r.get("concurrency"), r.get("rate")): r["texts"] for r in rows if r["server"] == "ours"}
     for r in rows:
         texts = r.pop("texts")
         mine = ours.get((r.get("concurrency"), r.get("rate")))
         if r["server"] != "ours" and mine is not None:
-            r["same_as_ours"] = sum(a == b and a != "" for a, b in zip(mine, texts))
+            r["same_as_ours"] = sum(a == b and a is not None for a, b in zip(mine, texts))
 
 
 def print_table(rows: list[dict]) -> None:
