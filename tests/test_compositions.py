@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sharding import pipeline as pipeline_lib
-from tests.helpers import grads_and_run, reference_config, rel_norm, single_device_reference, step_with_grads
+from tests.helpers import STEPS, grads_and_run, reference_config, rel_norm, single_device_reference, step_with_grads
 from tests.test_documents import _config as documents_config
 from tests.test_documents import _datadir
 from tests.test_moe import moe_config
@@ -46,9 +46,9 @@ def dense_trainer(layout: tuple, sequence_parallel: bool) -> Trainer:
 
 @pytest.mark.parametrize("mesh,sequence_parallel", DENSE, ids=_id)
 def test_dense_composition_matches_single_device(mesh, sequence_parallel):
-    ref_losses, ref_grads = single_device_reference(5)
+    ref_losses, ref_grads = single_device_reference()
     trainer = dense_trainer(tuple(mesh.items()), sequence_parallel)
-    grads, losses, _ = grads_and_run(trainer, 5)
+    grads, losses, _ = grads_and_run(trainer, STEPS)
     if trainer.layer_order is not None:  # a pipeline's in-memory stack is in device-chunk order
         grads = pipeline_lib.to_logical(grads, trainer.layer_order)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
@@ -65,13 +65,13 @@ MOE = [({"expert": 2, "fsdp": 2, "data": 2}, False), ({"expert": 2, "data": 2, "
 
 @functools.lru_cache(maxsize=None)
 def moe_reference(accum: int) -> dict:
-    """moe-tiny on one device, over `accum` slices: its initial state, first-step gradients and 5 losses (with
+    """moe-tiny on one device, over `accum` slices: its initial state, first-step gradients and STEPS losses (with
     accum 1, test_moe's program)."""
     config = moe_config()
     config.train.grad_accum_steps = accum
     trainer = Trainer.build(config, num_devices=1)
     state = jax.device_get(trainer.init_state())
-    grads, losses, _ = grads_and_run(trainer, 5, state)
+    grads, losses, _ = grads_and_run(trainer, STEPS, state)
     return {"state": state, "grads": grads, "losses": losses}
 
 
@@ -84,7 +84,7 @@ def test_moe_composition_matches_single_device(mesh, sequence_parallel):
     trainer = moe_trainer(tuple(mesh.items()), sequence_parallel)
     ref = moe_reference(trainer.plan.pipeline.microbatches if trainer.plan.pipeline else 1)
     state = trainer.from_logical(jax.device_put(ref["state"], trainer.layout.state))  # a pipeline's stack order
-    grads, losses, _ = grads_and_run(trainer, 5, state)
+    grads, losses, _ = grads_and_run(trainer, STEPS, state)
     if trainer.layer_order is not None:
         grads = pipeline_lib.to_logical(grads, trainer.layer_order)
     np.testing.assert_allclose(losses, ref["losses"], rtol=1e-4)
@@ -144,9 +144,9 @@ def test_audit_of_fsdp_beside_context_and_sequence_parallelism():
 
 @pytest.fixture(scope="module")
 def documents(tmp_path_factory) -> dict:
-    """Packed documents (an EOS about every 9 tokens) on one device: the DATADIR, 3 losses, first gradients."""
+    """Packed documents (an EOS about every 9 tokens) on one device: the DATADIR, STEPS losses, first gradients."""
     path = _datadir(tmp_path_factory.mktemp("documents") / "data")
-    grads, losses, _ = grads_and_run(Trainer.build(documents_config(path), num_devices=1), 3)
+    grads, losses, _ = grads_and_run(Trainer.build(documents_config(path), num_devices=1), STEPS)
     return {"path": path, "grads": grads, "losses": losses}
 
 
@@ -156,7 +156,7 @@ def test_packed_documents_in_ring_attention_match_single_device(mesh, documents)
     a pipeline each cell finds the documents along the whole rows and weighs its slice's loss by its counted
     targets."""
     trainer = Trainer.build(documents_config(documents["path"], **mesh), num_devices=math.prod(mesh.values()))
-    grads, losses, _ = grads_and_run(trainer, 3)
+    grads, losses, _ = grads_and_run(trainer, STEPS)
     if trainer.layer_order is not None:
         grads = pipeline_lib.to_logical(grads, trainer.layer_order)
     np.testing.assert_allclose(losses, documents["losses"], rtol=1e-4)
@@ -242,12 +242,12 @@ _FAMILY_MAKERS = {preset: family_config(preset) for preset, _ in FAMILY_LAYOUTS}
 
 @functools.lru_cache(maxsize=None)
 def family_reference(preset: str, accum: int) -> dict:
-    """`preset` on one device over `accum` slices: its initial state, first-step gradients and 3 losses."""
+    """`preset` on one device over `accum` slices: its initial state, first-step gradients and STEPS losses."""
     config = _FAMILY_MAKERS[preset]()
     config.train.grad_accum_steps = accum
     trainer = Trainer.build(config, num_devices=1)
     state = jax.device_get(trainer.init_state())
-    grads, losses, _ = grads_and_run(trainer, 3, state)
+    grads, losses, _ = grads_and_run(trainer, STEPS, state)
     return {"state": state, "grads": grads, "losses": losses}
 
 
@@ -256,7 +256,7 @@ def test_newer_mixture_layout_matches_single_device(preset, mesh):
     trainer = _trainer(_FAMILY_MAKERS[preset], tuple(mesh.items()), False)
     ref = family_reference(preset, trainer.plan.pipeline.microbatches if trainer.plan.pipeline else 1)
     state = trainer.from_logical(jax.device_put(ref["state"], trainer.layout.state))
-    grads, losses, _ = grads_and_run(trainer, 3, state)
+    grads, losses, _ = grads_and_run(trainer, STEPS, state)
     if trainer.layer_order is not None:
         grads = pipeline_lib.to_logical(grads, trainer.layer_order)
     np.testing.assert_allclose(losses, ref["losses"], rtol=1e-4)

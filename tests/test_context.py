@@ -9,7 +9,15 @@ import pytest
 
 from mesh.errors import UserError
 from sharding.context import zigzag_order
-from tests.helpers import compiled_step, grads_and_run, reference_config, rel_norm, single_device_reference, tiny_config
+from tests.helpers import (
+    STEPS,
+    compiled_step,
+    grads_and_run,
+    reference_config,
+    rel_norm,
+    single_device_reference,
+    tiny_config,
+)
 from train.loop import runner as loop
 from train.planner import audit as audit_lib
 from train.planner import compile_report as report
@@ -44,9 +52,9 @@ def test_zigzag_order_gives_device_i_chunks_i_and_2c_minus_1_minus_i():
                          ids=lambda v: ",".join(f"{k}={n}" for k, n in v.items()) if isinstance(v, dict)
                          else ("sp" if v else "-"))
 def test_long_sequence_layout_matches_single_device(mesh, sequence_parallel):
-    ref_losses, ref_grads = single_device_reference(5)
+    ref_losses, ref_grads = single_device_reference()
     trainer = _trainer(tuple(mesh.items()), sequence_parallel)
-    grads, losses, _ = grads_and_run(trainer, 5)
+    grads, losses, _ = grads_and_run(trainer, STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     assert rel_norm(grads, ref_grads) < 1e-5
 

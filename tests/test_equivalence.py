@@ -3,7 +3,15 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import grads_and_run, reference_config, rel_norm, run_steps, single_device_reference, step_with_grads
+from tests.helpers import (
+    STEPS,
+    grads_and_run,
+    reference_config,
+    rel_norm,
+    run_steps,
+    single_device_reference,
+    step_with_grads,
+)
 from train.trainer import Trainer
 
 LAYOUTS = [
@@ -16,19 +24,19 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
 def test_layout_matches_single_device(layout):
-    ref_losses, ref_grads = single_device_reference(5)
+    ref_losses, ref_grads = single_device_reference()
     trainer = Trainer.build(reference_config(**layout))
-    grads, losses, _ = grads_and_run(trainer, 5)
+    grads, losses, _ = grads_and_run(trainer, STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     assert rel_norm(grads, ref_grads) < 1e-5
 
 
 def test_gradient_accumulation_matches_one_big_batch():
-    ref_losses, _ = single_device_reference(5)
+    ref_losses, _ = single_device_reference()
     config = reference_config(data=4, fsdp=2)
     config.train.grad_accum_steps = 2
     trainer = Trainer.build(config)
-    losses, state = run_steps(trainer, 5)
+    losses, state = run_steps(trainer, STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     # Evaluation goes through the same slices, and averages to the whole batch's loss.
     whole = Trainer.build(reference_config(data=4, fsdp=2))
@@ -38,10 +46,10 @@ def test_gradient_accumulation_matches_one_big_batch():
 
 
 def test_optimizer_state_sharding_keeps_the_numbers():
-    ref_losses, _ = single_device_reference(5)
+    ref_losses, _ = single_device_reference()
     config = reference_config(data=8)
     config.sharding.shard_opt_state = True
-    losses, _ = run_steps(Trainer.build(config), 5)
+    losses, _ = run_steps(Trainer.build(config), STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
 
 

@@ -12,11 +12,18 @@ from mesh.errors import UserError
 from sharding import pipeline as pipeline_lib
 from sharding import pipeline_stages as stages
 from sharding import schedules, slot_program
-from tests.helpers import compiled_step, grads_and_run, reference_config, rel_norm, single_device_run, tiny_config
+from tests.helpers import (
+    STEPS,
+    compiled_step,
+    grads_and_run,
+    reference_config,
+    rel_norm,
+    single_device_run,
+    tiny_config,
+)
 from train.config import resolve
 from train.trainer import Trainer
 
-STEPS = 3
 LAYOUTS = [(("pipeline", 4), ("data", 2)),
            (("pipeline", 2), ("data", 2), ("tensor", 2)),
            (("pipeline", 2), ("fsdp", 2), ("data", 2))]
