@@ -153,11 +153,8 @@ class Scheduler:
         seq.computed = chunk.start + chunk.count
         if not self.prefix_cache:
             return
-        if len(seq.keys) >= seq.computed // self.page_size:
-            return
-        tokens = seq.tokens
         while len(seq.keys) < seq.computed // self.page_size:
             i = len(seq.keys)
-            key = (seq.keys[-1] if seq.keys else None, tuple(tokens[i * self.page_size:(i + 1) * self.page_size]))
+            key = (seq.keys[-1] if seq.keys else None, tuple(seq.token_slice(i * self.page_size, self.page_size)))
             self.pages.register(key, seq.pages[i])
             seq.keys.append(key)
