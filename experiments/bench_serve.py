@@ -177,9 +177,8 @@ def make_prompts(n: int, input_len: int, seed: int):
     if FLAGS.prompts:
         lines = [line for line in open(FLAGS.prompts, encoding="utf-8").read().splitlines() if line.strip()]
         return [lines[i % len(lines)] for i in range(n)]
-    ids = np.random.default_rng(seed).integers(0, FLAGS.vocab, (n, input_len))
     if not FLAGS.tokenizer:
-        return [row.tolist() for row in ids]
+        return np.random.default_rng(seed).integers(0, FLAGS.vocab, (n, input_len)).tolist()
     from transformers import AutoTokenizer  # the hf extra, only for text prompts
     tok = AutoTokenizer.from_pretrained(FLAGS.tokenizer)
     rng = np.random.default_rng(seed)
