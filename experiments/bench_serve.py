@@ -8,7 +8,7 @@ gaps between successive streamed chunks, as `vllm bench serve` counts them) perc
 
 `--engine_only` measures the serving engine (train/serve/) in process, no HTTP: the step time at a full batch of
 --engine_seqs decoding sequences beside a bare jitted decode step of the same model, batch and cache length over a
-contiguous KV cache (the model contract's Decoding.decode), and the engine's throughput by serve.max_num_seqs
+contiguous KV cache (experiments/bare_decode.py), and the engine's throughput by serve.max_num_seqs
 (--seqs). Weights are random: speed does not depend on their values.
 
     python -m experiments.bench_serve --engine_only --preset=llama3-tiny --engine_seqs=16 --seqs=1,8,16
@@ -369,23 +369,25 @@ def engine_step_seconds(placed, seqs: int, input_len: int, steps: int) -> float:
 
 
 def bare_step_seconds(placed, seqs: int, input_len: int, steps: int) -> float:
-    """The median jitted decode step (greedy) of `seqs` rows over a contiguous cache of the engine's length."""
+    """The median jitted greedy decode step of `seqs` rows over a contiguous cache of the engine's length
+    (experiments/bare_decode.py)."""
     import jax
     import jax.numpy as jnp
 
-    import models
-    cfg, decoding = placed.model, models.family_of(placed.model).decoding
-    constrain = placed.layout.constrain()
+    from experiments import bare_decode
+    from models import paged
+    cfg, constrain = placed.model, placed.layout.constrain()
 
-    def run(params, tokens, cache, length):
-        logits, cache = decoding.decode(params, tokens, cache, length, cfg, constrain)
+    def run(weights, tokens, cache, length):
+        logits, cache = bare_decode.step(weights, tokens, cache, length, cfg, constrain)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], cache
     step = jax.jit(run, donate_argnums=(2,))
-    state = {"cache": decoding.init_cache(cfg, seqs, input_len + steps + 2),
+    weights = jax.jit(lambda p: paged.unstack(p, cfg))(placed.params)
+    state = {"cache": bare_decode.empty_cache(cfg, seqs, input_len + steps + 2),
              "tokens": jnp.ones((seqs, 1), jnp.int32), "length": input_len}
 
     def one():
-        state["tokens"], state["cache"] = step(placed.params, state["tokens"], state["cache"],
+        state["tokens"], state["cache"] = step(weights, state["tokens"], state["cache"],
                                                jnp.asarray(state["length"], jnp.int32))
         state["tokens"].block_until_ready()
         state["length"] += 1

@@ -1,7 +1,8 @@
 """Causal attention behind one function, with the kernel chosen by name: XLA's (any platform and dtype; it
 builds every L x L score matrix) or cuDNN's fused flash attention (NVIDIA GPUs, bf16/fp16), both taking
-grouped-query K/V heads and optional segment ids so packed documents do not attend across their boundary; and
-the two pieces a ring attention is built from: one block's output with its log-sum-exp, and their combine.
+grouped-query K/V heads, a sliding window, and optional segment ids so packed documents do not attend across their
+boundary; and the two pieces a ring attention is built from: one block's output with its log-sum-exp, and their
+combine.
 """
 from __future__ import annotations
 
@@ -54,53 +55,36 @@ def segment_offsets(segment_ids_BxL: jax.Array, max_segments: int) -> tuple[jax.
 
 
 def attend(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, implementation: str,
-           segment_ids_BxL: jax.Array | None = None, max_segments: int = 64) -> jax.Array:
-    """Causal attention of a resolved `implementation` (`xla` or `cudnn`); G (K/V heads) divides H.
+           segment_ids_BxL: jax.Array | None = None, max_segments: int = 64, window: int = 0) -> jax.Array:
+    """Causal attention of a resolved `implementation` (`xla` or `cudnn`); G (K/V heads) divides H. A `window` > 0
+    keeps each query to the `window` latest positions, its own included (a sliding layer): both kernels take it
+    (cuDNN as its sliding window length).
 
     With segment ids, XLA masks the cross-document scores (a [B, 1, L, L] boolean mask: XLA materializes the
     scores anyway), while cuDNN takes each row's document offsets and lengths and never builds a mask; rows
     holding more than `max_segments` documents are cut to the first ones there, so keep it above the most
     documents a row can hold. `auto` (a model config used outside train/config.py's resolution) is resolved
     here for the default backend and the inputs' dtype."""
+    local = {"local_window_size": (window - 1, 0)} if window else {}
     if implementation == "auto":
         implementation = resolve("auto", jax.default_backend(), q_BxLxHxK.dtype.name, q_BxLxHxK.shape[-1])
     if implementation == "cudnn":
         if segment_ids_BxL is None:
             return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, is_causal=True,
-                                                implementation="cudnn")
+                                                implementation="cudnn", **local)
         from jax._src.cudnn import fused_attention_stablehlo as cudnn  # packed segments: not in jax.nn
         lengths, offsets = segment_offsets(segment_ids_BxL, max_segments)
         scale = q_BxLxHxK.shape[-1] ** -0.5
         return cudnn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, q_seqlen=lengths, kv_seqlen=lengths,
                                            q_offsets=offsets, kv_offsets=offsets, scale=scale,
-                                           mask_type=cudnn.MaskType.PADDING_CAUSAL)
+                                           mask_type=cudnn.MaskType.PADDING_CAUSAL,
+                                           sliding_window_length=window or None)
     assert implementation == "xla", implementation
     mask = None
     if segment_ids_BxL is not None:
         mask = (segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :])
     return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=mask, is_causal=True,
-                                        implementation="xla")
-
-
-def attend_cached(q_BxTxHxK: jax.Array, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Array, k_cache_BxSxGxK: jax.Array,
-                  v_cache_BxSxGxK: jax.Array, length: jax.Array,
-                  start_B: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Decoding with a KV cache: write T new keys and values at position `length` of the [B, S, G, K] buffers,
-    then attend causally over the cache (a new token sees every cached position up to its own). Returns (out,
-    (k cache, v cache)); T is a prompt's length for the prefill, 1 for a step. `start_B`: each row's first real
-    position, for prompts of several lengths left-padded into one batch (rotary positions are relative, so a
-    row shifted right attends as it would unshifted); the padding is never attended but by itself."""
-    k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache_BxSxGxK, k_BxTxGxK.astype(k_cache_BxSxGxK.dtype), length, 1)
-    v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache_BxSxGxK, v_BxTxGxK.astype(v_cache_BxSxGxK.dtype), length, 1)
-    T, S = q_BxTxHxK.shape[1], k_cache.shape[1]
-    query_T = length + jnp.arange(T)
-    allowed = (jnp.arange(S)[None, :] <= query_T[:, None])[None]
-    if start_B is not None:  # a padding query keeps its own key, so no row of scores is empty
-        own_TxS = jnp.arange(S)[None, :] == query_T[:, None]
-        allowed = allowed & ((jnp.arange(S)[None, None, :] >= start_B[:, None, None]) | own_TxS[None])
-    out = jax.nn.dot_product_attention(q_BxTxHxK, k_cache.astype(q_BxTxHxK.dtype), v_cache.astype(q_BxTxHxK.dtype),
-                                       mask=allowed[:, None])
-    return out, (k_cache, v_cache)
+                                        implementation="xla", **local)
 
 
 def attention_block(q_BxQxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,

@@ -5,6 +5,12 @@ axis (run by `lax.scan`; a pipeline stage is a contiguous slice), and "top" entr
 (embedding, final norm, head; a family chooses their names). The forward pass is split in three pure
 functions that the plain step, evaluation and the pipeline cells all call: `embed` (first chunk),
 `run_layers` (any chunk) and `head_loss` (last chunk).
+
+Layers are declared as data: `Family.layer_specs(cfg)` gives one `LayerSpec` per layer (its attention kind and
+window, its rotary base and scaling, a dense or expert MLP), and every reader takes them from there: the stack,
+each pipeline stage, context parallelism, the paged decode and its cache, the planner. A transformer family lends
+its layer once, as a `Block` that the training stack (models/stack.py) and the paged decode (models/paged.py)
+both run.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import jax.numpy as jnp
 
 from models import attention, documents, lora
 from models.hf import HFAdapter
+from models.layer_spec import LayerSpec, attended_keys
 from models.protocols import ModelConfig, TransformerConfig
 
 Params = dict[str, Any]  # nested dicts of arrays (or ShapeDtypeStructs); a leaf's type is the caller's
@@ -41,10 +48,11 @@ class Hooks:
         return None
 
     def causal_attention(self, q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array,
-                         implementation: str, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
-        """Causal attention over the whole sequence (models/attention.attend); a context-parallel layout
-        overrides it with a ring over its sequence shards."""
-        return attention.attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL)
+                         implementation: str, segment_ids_BxL: jax.Array | None = None, window: int = 0) -> jax.Array:
+        """Causal attention over the whole sequence, or within the `window` latest positions (a sliding layer;
+        0: no window) (models/attention.attend); a context-parallel layout overrides it with a ring over its
+        sequence shards."""
+        return attention.attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL, window=window)
 
     def whole_rows(self, x_BxLxD: jax.Array) -> jax.Array:
         """`x` with every row's sequence whole on each device but for context parallelism's split (a mixture of
@@ -108,16 +116,25 @@ class ExpertBuffers:
 # The family's functions, typed. Shapes are in the argument names: B rows, L positions, D d_model, V vocab.
 InitParams = Callable[[ModelConfig, int], Params]  # (cfg, seed) -> params
 AbstractParams = Callable[[ModelConfig], tuple[Params, dict]]  # cfg -> (shapes, logical-axes PartitionSpecs)
-Embed = Callable[[Params, jax.Array, ModelConfig, Hooks], jax.Array]  # (top, inputs_BxL, cfg, hooks) -> x_BxLxD
 Logits = Callable[[Params, jax.Array, ModelConfig, Hooks], jax.Array]  # (top, x_BxLxD, ...) -> f32 logits_BxLxV
 PerConfig = Callable[[ModelConfig], float]  # a count of the model: FLOPs per token, parameters, heads
 Divisibility = Callable[[ModelConfig], dict[str, tuple[tuple[str, int], ...]]]
-InitCache = Callable[[ModelConfig, int, int], dict[str, jax.Array]]  # (cfg, batch, max_len) -> cache
+LayerSpecs = Callable[[ModelConfig], tuple[LayerSpec, ...]]  # cfg -> one spec per layer
+
+
+class Embed(Protocol):
+    def __call__(self, top: Params, inputs_BxL: jax.Array, cfg: ModelConfig, hooks: Hooks,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """x_BxLxD of the inputs; `positions` ([L] or [B, L]) where a model embeds positions itself (learned
+        absolute positions) and the caller knows them (the paged decode's flat batch), else derived here."""
 
 
 class RunLayers(Protocol):
     def __call__(self, layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: ModelConfig,
-                 constrain: Hooks) -> tuple[jax.Array, LayerAux]: ...
+                 constrain: Hooks, layer_ids: jax.Array | None = None) -> tuple[jax.Array, LayerAux]:
+        """`layers`: the stack or any contiguous slice of it; `layer_ids` (int32, one per entry of its leading
+        axis): the logical stack positions it holds, by which each entry finds its LayerSpec; None: the whole
+        stack in order, or a slice whose layers are all of one attention kind (`uniform_attention`)."""
 
 
 class HeadLoss(Protocol):
@@ -125,21 +142,37 @@ class HeadLoss(Protocol):
                  loss_mask_BxL: jax.Array | None = None) -> tuple[jax.Array, Metrics]: ...
 
 
-class Decode(Protocol):
-    def __call__(self, params: Params, tokens_BxT: jax.Array, cache: dict[str, jax.Array], length: jax.Array,
-                 cfg: ModelConfig, constrain: Hooks) -> tuple[jax.Array, dict[str, jax.Array]]: ...
-
-
-class PagedDecode(Protocol):
-    """(weights split per layer by models.paged.unstack, models.paged.Batch, pools {"k", "v"}: a list over layers
-    of [kv_heads, pages, page_size, head_dim], cfg, hooks) -> (float32 logits [R, V] of the batch's selected
-    tokens, the new pools)."""
-    def __call__(self, weights: Params, batch: Any, pools: dict[str, list[jax.Array]], cfg: ModelConfig,
-                 constrain: Hooks) -> tuple[jax.Array, dict[str, list[jax.Array]]]: ...
-
-
 class LayerBytes(Protocol):
     def __call__(self, cfg: ModelConfig, remat: str, tensor: int) -> float: ...
+
+
+class Attend(Protocol):
+    def __call__(self, q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array) -> jax.Array:
+        """The attention itself, which the runner of a Block supplies for the layer's spec: over whole sequences
+        (the training stack, through the hooks) or over a paged pool (the paged decode, which writes k and v)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One transformer layer as a family lends it, once: the training stack (models/stack.py) and the paged decode
+    (models/paged.py) both run it as x += attention(p, x, spec, positions, attend); x += mlp_output(p, MLP(
+    mlp_input(p, x))), where MLP is `mlp` for a dense layer and a mixture of `expert_mlp`s for an expert layer.
+
+    attention(p, x_BxLxD, spec, positions, attend) -> what the attention half adds to the residual stream: the
+        family's norms and projections around `attend(q, k, v)`, with the layer's LayerSpec (rotary embedding) and
+        the rotary `positions` ([L] or [B, L]; None: 0..L-1);
+    mlp_input(p, x) -> the MLP half's normed input h; mlp(p, h) -> the dense MLP's output; mlp_output(p, y) -> what
+        the MLP half adds (a post-norm, Gemma's; `y` itself by default);
+    expert_mlp(w, x_ExNxD) -> y_ExNxD: one expert's MLP on each expert's rows (models/moe.py), None for a family
+        without mixtures."""
+    attention: Callable[..., jax.Array]
+    mlp_input: Callable[[Params, jax.Array], jax.Array]
+    mlp: Callable[[Params, jax.Array], jax.Array]
+    mlp_output: Callable[[Params, jax.Array], jax.Array] = lambda p, y: y
+    expert_mlp: Callable[[Params, jax.Array], jax.Array] | None = None
+
+
+BlockOf = Callable[[ModelConfig, Hooks], Block]  # (cfg, hooks) -> the family's Block on that layout
 
 
 def query_heads(cfg: TransformerConfig) -> int:
@@ -151,10 +184,17 @@ def no_experts(cfg: ModelConfig) -> ExpertBuffers | None:
     return None
 
 
-def causal_attention_flops(cfg: ModelConfig) -> float:
-    """Attention scores and values per token, forward and backward: 12 * layers * heads * head_dim * seq_len (PaLM,
-    App. B, where heads * head_dim = d_model)."""
-    return 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * cfg.seq_len
+def causal_layers(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
+    """The layer specs of a family that declares none: every layer causal with the default rotary embedding."""
+    return (LayerSpec(),) * cfg.n_layers
+
+
+def attention_flops(cfg: TransformerConfig) -> float:
+    """Attention scores and values per token, forward and backward: 12 * heads * head_dim * the keys each layer's
+    query attends (PaLM, App. B: seq_len for a causal layer, whatever heads * head_dim is; a sliding layer's window,
+    models/layer_spec.attended_keys), summed over the layers."""
+    specs = family_of(cfg).layer_specs(cfg)
+    return 12.0 * cfg.n_heads * cfg.head_dim * sum(attended_keys(s, cfg.seq_len) for s in specs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,16 +214,6 @@ class Forward:
     head_loss: HeadLoss
     logits: Logits
     lora_projections: Callable[[ModelConfig], dict[str, lora.Projection]] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Decoding:
-    """Incremental decoding with a KV cache: decode takes the T new tokens at positions length..length+T-1 and
-    returns the float32 logits of the last one [B, V] and the cache. `paged`: a flat batch of tokens of many
-    sequences over a pool of KV pages (models/paged.py), which the serving engine runs; None: not offered."""
-    init_cache: InitCache
-    decode: Decode
-    paged: PagedDecode | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +242,7 @@ class Cost:
         (None: the planner cannot size the family)"""
     flops_per_token: PerConfig
     param_count: Callable[[ModelConfig], int]
-    attention_flops_per_token: PerConfig = causal_attention_flops
+    attention_flops_per_token: PerConfig = attention_flops
     layer_bytes_per_token: LayerBytes | None = None
 
 
@@ -221,14 +251,17 @@ class Family:
     """One model family: its config dataclass (a ModelConfig; `attention`, which train/config.py resolves per
     platform, `loss_chunk_size` and `document_eos_id` are read where a family has them) and presets, and its
     functions grouped by purpose. Each takes the family's config `cfg` and, inside a layer, the Hooks that
-    sharding/ lends it. `hf`: its Hugging Face adapter (models/hf.py), config.json and tensors both ways."""
+    sharding/ lends it. `layer_specs(cfg)`: one LayerSpec per layer (models/layer_spec.py). `block(cfg, hooks)`:
+    the family's layer (Block), which the paged decode runs; None: the family cannot decode (its own run_layers
+    trains it). `hf`: its Hugging Face adapter (models/hf.py), config.json and tensors both ways."""
     name: str
     config_cls: type
     presets: Mapping[str, Mapping[str, Any]]
     forward: Forward
     parallel: Parallel
     cost: Cost
-    decoding: Decoding | None = None  # None: the family cannot sample
+    layer_specs: LayerSpecs = causal_layers
+    block: BlockOf | None = None
     hf: HFAdapter | None = None  # None: no Hugging Face import or export
 
 
@@ -249,6 +282,15 @@ def stack_length(cfg: ModelConfig) -> int:
     mixture's groups of `moe_every` layers (models/moe.py)."""
     buffers = family_of(cfg).parallel.expert_buffers(cfg)
     return cfg.n_layers if buffers is None else buffers.layers
+
+
+def layer_specs(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
+    return family_of(cfg).layer_specs(cfg)
+
+
+def uniform_attention(cfg: ModelConfig) -> bool:
+    """Whether every layer's attention is of one kind: no reader then needs to know which layer it runs."""
+    return len({s.attention_kind for s in layer_specs(cfg)}) == 1
 
 
 def top_params(params: Params) -> Params:

@@ -6,7 +6,7 @@ With `cfg.masked_targets` a row also carries a loss mask (supervised fine-tuning
 is stored as -(id+1), so the mask rides in the same int32 rows (`split_row` decodes it)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -69,3 +69,21 @@ def target_counter(cfg: ModelConfig) -> Callable[[jax.Array], jax.Array] | None:
     if eos_id(cfg) is None and not masked(cfg):
         return None
     return lambda tokens_BxL1: jnp.sum(split_row(tokens_BxL1, cfg)[2], dtype=jnp.float32)
+
+
+def segments_and_positions(inputs_BxL: jax.Array, length: int, cfg: ModelConfig,
+                           hooks: Any) -> tuple[jax.Array | None, jax.Array | None]:
+    """Packed documents' (segment ids, positions) of the `length` positions a stack runs. A context-parallel
+    layout's permuted sequence (`hooks.context_order`) keeps its global rotary positions; its documents are found in
+    the global order (they run along it) and their ids and positions permuted like the inputs. `inputs_BxL` is the
+    stack's own sequence (L = length), or, where it runs a slice of each row (a pipeline cell under context
+    parallelism), the whole rows in order (L > length): the positions are then the slice's and the segment ids the
+    whole rows' in order, for the layout's attention to read every block's ids."""
+    order = hooks.context_order(length)
+    if order is None:
+        return segments(inputs_BxL, cfg)
+    whole = inputs_BxL.shape[1] > length
+    segment_ids, positions = segments(inputs_BxL if whole else jnp.take(inputs_BxL, jnp.argsort(order), axis=1), cfg)
+    if segment_ids is None:
+        return None, order
+    return (segment_ids if whole else jnp.take(segment_ids, order, axis=1)), jnp.take(positions, order, axis=1)

@@ -1,7 +1,9 @@
-"""Building blocks the families share: parameters carrying logical axes, RMSNorm and LayerNorm, rotary embeddings,
-rematerialization policies and decoding a stack with a KV cache; pure functions of arrays."""
+"""Building blocks the families share: parameters carrying logical axes, RMSNorm and LayerNorm, rotary embeddings and
+their frequencies per layer (models/layer_spec.Rope), rematerialization policies, a weight as its matmul takes it;
+pure functions of arrays."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -9,8 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models.contract import Params
-from models.protocols import ModelConfig
+from models.contract import Hooks, Params
+from models.layer_spec import Rope
 
 
 def param(rngs: nnx.Rngs, shape, axes: tuple, dtype, std: float | None) -> nnx.Param:
@@ -77,32 +79,33 @@ def rotary(x_BxLxHxK: jax.Array, freqs_K2: jax.Array | None = None, positions_L:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxLxHxK.dtype)
 
 
+def rope_frequencies(rope: Rope, dim: int) -> jax.Array:
+    """float32 [dim/2]: theta^(-2i/dim), scaled as `rope.scaling` says: `linear` divides them all by the factor;
+    `llama3` divides wavelengths above original_context/low_freq_factor by it, keeps those below
+    original_context/high_freq_factor and interpolates the band between (the formula of transformers'
+    `_compute_llama3_parameters`)."""
+    freqs = 1.0 / (rope.theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    if rope.scaling == "linear":
+        return freqs / rope.factor
+    if rope.scaling != "llama3":
+        return freqs
+    factor, low, high, context = rope.factor, rope.low_freq_factor, rope.high_freq_factor, rope.original_context
+    wavelen = 2 * math.pi / freqs
+    scaled = jnp.where(wavelen > context / low, freqs / factor, freqs)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def weight(p: Params, name: str, axes: dict, compute_dtype: str, hooks: Hooks) -> jax.Array:
+    """One layer's matrix `name` (logical axes `axes[name]`) in the compute dtype, as the layout's hooks hand it to
+    its matmul."""
+    return hooks.weight(p[name], axes[name]).astype(jnp.dtype(compute_dtype))
+
+
 def remat(fn, policy: str):
     if policy == "none":
         return fn
     saveable = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[policy]
     return jax.checkpoint(fn, policy=saveable, prevent_cse=False)
-
-
-def empty_kv_cache(cfg: ModelConfig, kv_heads: int, batch: int, max_len: int) -> dict[str, jax.Array]:
-    """Keys and values of every layer, [layers, B, max_len, kv_heads, head_dim] in the compute dtype."""
-    shape = (cfg.n_layers, batch, max_len, kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)}
-
-
-def decode_with_cache(params: Params, tokens_BxT: jax.Array, cache: dict, length: jax.Array, cfg: ModelConfig,
-                      constrain: Any, embed: Any, cached_block: Any, logits: Any):
-    """A family's `decode`: run T new tokens at positions length.. through the stack, writing their keys and
-    values into the cache: a prefill (T = prompt length, length 0) or one step (T = 1). `cached_block(p, x,
-    positions, (k, v, length[, start])) -> (x, (k, v))` is one layer. A cache with a "start" entry [B] holds
-    left-padded rows (models/attention.attend_cached). Returns (last position's logits [B, V], cache)."""
-    positions = length + jnp.arange(tokens_BxT.shape[1])
-    x = embed(params, tokens_BxT, cfg, constrain)
-    start = (cache["start"],) if "start" in cache else ()
-
-    def body(x, layer):
-        p, k, v = layer
-        return cached_block(p, x, positions, (k, v, length, *start))
-
-    x, (k, v) = jax.lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
-    return logits(params, x[:, -1:], cfg, constrain)[:, 0], {"k": k, "v": v, **({"start": start[0]} if start else {})}

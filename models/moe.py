@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.contract import Constrain, ExpertBuffers, Params
-from models.layers import param, remat, rms_norm
+from models.contract import Block, Constrain, ExpertBuffers, Params
+from models.layers import param, remat
 from models.protocols import ModelConfig
 
 # The scalars a mixture logs beside the language-model loss (per-expert load: moe_load_e0, moe_load_e1, ...).
@@ -33,6 +33,12 @@ def on_whole_rows(keys: tuple[str, ...]) -> bool:
     router, experts: _mlp_half_on_rows), which a context-parallel layout runs on rows split over `context`, so
     its gradient is summed over the batch axes and `context` at once."""
     return keys[:1] in (("router",), ("experts",)) or keys[:2] == ("moe", "mlp_norm")
+
+
+def mlp_kind(cfg: ModelConfig, layer: int) -> str:
+    """`experts` for the MLP of a mixture's MoE block (each group's last, every moe_every-th layer), else `dense`:
+    what a family's LayerSpec of layer `layer` says."""
+    return "experts" if is_moe(cfg) and (layer + 1) % cfg.moe_every == 0 else "dense"
 
 
 def groups(cfg: ModelConfig) -> int:
@@ -155,33 +161,46 @@ def _mixture(router_DxE: jax.Array, experts: Params, h_BxLxD: jax.Array, cfg: Mo
 
 
 def _mlp_half_on_rows(g: Params, x_BxLxD: jax.Array, cfg: ModelConfig, constrain: Constrain,
-                      expert_fn: Callable) -> tuple[jax.Array, dict]:
+                      block: Block) -> tuple[jax.Array, dict]:
     """A context-parallel layout's MoE block after attention: its rows split over `context` in place of their
     sequence (one all-to-all each way) and the sequence back in its order there, so the norm, the mixture and the
     residual add see whole rows, route as one device does and drop the same tokens."""
     x_BxLxD = constrain.rows_in_order(x_BxLxD)
-    y_BxLxD, stats = _mixture(g["router"], g["experts"], rms_norm(x_BxLxD, g["moe"]["mlp_norm"], cfg.norm_eps), cfg,
-                              constrain, expert_fn)
-    return constrain(constrain.rows_to_context(x_BxLxD + y_BxLxD), ("batch", "seq", "embed")), stats
+    y_BxLxD, stats = _mixture(g["router"], g["experts"], block.mlp_input(g["moe"], x_BxLxD), cfg, constrain,
+                              block.expert_mlp)
+    out = x_BxLxD + block.mlp_output(g["moe"], y_BxLxD)
+    return constrain(constrain.rows_to_context(out), ("batch", "seq", "embed")), stats
 
 
-def run_groups(layers: Params, x_BxLxD: jax.Array, cfg: ModelConfig, constrain: Constrain, dense_block: Callable,
-               attention_residual: Callable, expert_fn: Callable) -> tuple[jax.Array, dict]:
-    """The scanned groups; returns (x, aux): `aux_loss` (the weighted router losses, mean over MoE layers, for
-    the objective), the statistics of METRICS and `moe_load` [E], each the mean over the MoE layers, and
-    `topk_margin`, the smallest over them (not logged; the equivalence tests read it)."""
-    def group(g, x):
-        if "dense" in g:
-            x, _ = jax.lax.scan(lambda x, p: (dense_block(p, x), None), x, g["dense"])
-        x = attention_residual(g["moe"], x)
+def run_groups(layers: Params, x_BxLxD: jax.Array, cfg: ModelConfig, constrain: Constrain, block: Block,
+               dense_layer: Callable, attention: Callable,
+               group_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """The scanned groups of `block`s: `dense_layer(p, x, layer)` a whole dense layer and `attention(p, x, layer)`
+    the attention half's addition of logical layer `layer`, which `attention.uniform` says they do not read (None
+    then); `group_ids` the logical groups of a slice of the stack. Returns (x, aux): `aux_loss` (the weighted router
+    losses, mean over MoE layers, for the objective), the statistics of METRICS and `moe_load` [E], each the mean
+    over the MoE layers, and `topk_margin`, the smallest over them (not logged; the equivalence tests read it)."""
+    k = cfg.moe_every
+
+    def group(g, x, gid):
+        first = None if gid is None else gid * k
+        if "dense" in g and gid is None:
+            x, _ = jax.lax.scan(lambda x, p: (dense_layer(p, x, None), None), x, g["dense"])
+        elif "dense" in g:
+            x, _ = jax.lax.scan(lambda x, pj: (dense_layer(pj[0], x, first + pj[1]), None), x,
+                                (g["dense"], jnp.arange(k - 1)))
+        x = x + attention(g["moe"], x, None if gid is None else first + k - 1)
         if constrain.context_order(x.shape[1]) is not None:
-            return _mlp_half_on_rows(g, x, cfg, constrain, expert_fn)
-        y, stats = moe_mlp(g["router"], g["experts"], rms_norm(x, g["moe"]["mlp_norm"], cfg.norm_eps), cfg,
-                           constrain, expert_fn)
-        return constrain(x + y, ("batch", "seq", "embed")), stats
+            return _mlp_half_on_rows(g, x, cfg, constrain, block)
+        y, stats = moe_mlp(g["router"], g["experts"], block.mlp_input(g["moe"], x), cfg, constrain, block.expert_mlp)
+        return constrain(x + block.mlp_output(g["moe"], y), ("batch", "seq", "embed")), stats
 
     body = remat(group, cfg.remat)
-    x_BxLxD, stats = jax.lax.scan(lambda x, g: body(g, x), x_BxLxD, layers)
+    if attention.uniform:
+        x_BxLxD, stats = jax.lax.scan(lambda x, g: body(g, x, None), x_BxLxD, layers)
+    else:
+        ids = jnp.arange(groups(cfg), dtype=jnp.int32) if group_ids is None else group_ids
+        x_BxLxD, stats = jax.lax.scan(lambda x, gi: body(gi[0], x, gi[1]), x_BxLxD, (layers, ids))
     margin = jnp.min(stats.pop("topk_margin"))
     stats = {**jax.tree.map(lambda s: jnp.mean(s, axis=0), stats), "topk_margin": margin}
     stats["aux_loss"] = (cfg.router_z_loss_weight * stats["moe_z_loss"]

@@ -1,7 +1,10 @@
 """Paged KV-cache decoding over a flat batch of tokens from many sequences: each token's keys and values go to
-its sequence's page slot in its layer's pool, and it attends causally over that sequence's pages alone, a block
-of pages at a time, as far as the step's longest sequence reaches. The families lend their own projections
-(block, attention, expert MLP); the per-layer weights, the pool writes, the attention and the layer loop are here.
+its sequence's page slot in its layer's pool, and it attends over that sequence's pages alone, a block of pages at a
+time, as far as the step's longest sequence reaches (a sliding layer: over its window's blocks alone). Layers whose
+caches are alike share one page table per sequence (a `CacheGroup`: every causal layer, or every sliding layer of
+one window), so a sliding layer's pages that fall out of its window can be given back (train/serve/pages.py) while
+a causal layer's are kept. The family lends its layer once (models/contract.Block, the training stack's); the
+per-layer weights, the pool writes, the attention over pages and the layer loop are here.
 
 The loop over layers is unrolled over weights split per layer (`unstack`) and one pool per layer: a scan over the
 stacked weights and pools made XLA copy each layer's weights out of the stack and the whole pool once per step
@@ -14,8 +17,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from models import moe
-from models.contract import LAYERS, Hooks, Params, top_params
+from models import moe, stack
+from models.contract import LAYERS, Block, Hooks, Params, family_of, layer_specs, top_params
+from models.layer_spec import LayerSpec
 from models.protocols import ModelConfig
 
 ATTEND_TOKENS = 64  # keys each step of the attention loop reads per token (a whole number of pages, at least one)
@@ -24,18 +28,39 @@ ATTEND_TOKENS = 64  # keys each step of the attention loop reads per token (a wh
 @dataclasses.dataclass(frozen=True)
 class Batch:
     """The tokens of one step: tokens, positions and sequence slots [N] (slot -1: padding, written to the
-    scratch page 0 and never read), page tables [S, P] (page ids, 0 where unallocated; P a multiple of
-    `block_pages`), the token index [R] whose logits are wanted, and `blocks` (int32 []): the blocks of
-    `block_pages` pages the attention visits, enough for the step's longest sequence (`blocks_for`)."""
+    scratch page 0 and never read), page tables [C, S, P], one per cache group (page ids by position // page
+    size, 0 where unallocated or given back; P a multiple of `block_pages`), the token index [R] whose logits are
+    wanted, and `blocks` (int32 []): the blocks of `block_pages` pages the attention visits, enough for the step's
+    longest sequence (`blocks_for`)."""
     tokens_N: jax.Array
     positions_N: jax.Array
     slots_N: jax.Array
-    tables_SxP: jax.Array
+    tables_CxSxP: jax.Array
     select_R: jax.Array
     blocks: jax.Array
 
 
-def pool_shape(cfg: ModelConfig, kv_heads: int, pages: int, page_size: int) -> tuple[int, ...]:
+@dataclasses.dataclass(frozen=True)
+class CacheGroup:
+    """Layers whose caches share one page table per sequence: `window` 0, layers that keep every position (causal);
+    else sliding layers of that window, which need a sequence's latest `window` positions alone."""
+    window: int
+    layers: tuple[int, ...]
+
+    @property
+    def kind(self) -> str:
+        """`causal`, or `sliding_<window>`: how /metrics names the group."""
+        return f"sliding_{self.window}" if self.window else "causal"
+
+
+def cache_groups(cfg: ModelConfig) -> tuple[CacheGroup, ...]:
+    """The model's cache groups from its LayerSpecs, in order of first appearance."""
+    specs = layer_specs(cfg)
+    windows = dict.fromkeys(s.window for s in specs)
+    return tuple(CacheGroup(w, tuple(i for i, s in enumerate(specs) if s.window == w)) for w in windows)
+
+
+def pool_shape(cfg: ModelConfig, kv_heads: int, pages: int, page_size: int) -> tuple[int, int, int, int]:
     """[kv heads, pages, page_size, head dim]: the K (or V) pool of one layer, each head's pages apart, so the keys
     a block of pages gathers are already laid out as the attention's batched matmuls read them."""
     return kv_heads, pages, page_size, cfg.head_dim
@@ -60,6 +85,12 @@ def blocks_for(longest: int, page_size: int) -> int:
     return max(1, -(-longest // (block_pages(page_size) * page_size)))
 
 
+def window_blocks(window: int, page_size: int) -> int:
+    """Attention blocks that cover any `window` consecutive positions, wherever they start."""
+    width = block_pages(page_size) * page_size
+    return -(-(window - 1) // width) + 1
+
+
 def position_limit(cfg: ModelConfig) -> int | None:
     """The most positions the model can encode: its learned position table's rows; None for rotary positions."""
     return cfg.position_rows if getattr(cfg, "positions", "rotary") == "learned" else None
@@ -71,11 +102,6 @@ def max_context(cfg: ModelConfig) -> int:
 
 
 # ----------------------------------------------------------------------------- weights split per layer
-
-def _is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    """A mixture's groups end with their MoE block (models/moe.py): every `moe_every`-th layer."""
-    return moe.is_moe(cfg) and (layer + 1) % cfg.moe_every == 0
-
 
 def _per_layer(layers: Params, cfg: ModelConfig, take: Callable) -> list[Params]:
     """The stack as one entry per layer in execution order; `take(leaf, index)` picks a leaf's layer at the
@@ -107,27 +133,30 @@ def unstacked_shardings(shardings: Params, cfg: ModelConfig) -> Params:
 # ----------------------------------------------------------------------------- attention over pages
 
 class PagedAttend:
-    """What a family's attention calls in place of a contiguous cache: `self(q, k, v) -> (out, (k pool, v pool))`
-    for q [1, N, H, K], k and v [1, N, G, K] of the batch's tokens."""
+    """The `attend(q, k, v)` a family's Block calls here for one layer (models/contract.Attend): writes the batch's
+    new keys and values (k and v [1, N, G, K]) into the layer's pools at its group's pages, then attends over them;
+    q [1, N, H, K]. The new pools are left in `k_pool` and `v_pool`."""
 
-    def __init__(self, batch: Batch, k_pool: jax.Array, v_pool: jax.Array):
-        self.batch, self.k_pool, self.v_pool = batch, k_pool, v_pool
+    def __init__(self, batch: Batch, k_pool: jax.Array, v_pool: jax.Array, group: int, window: int):
+        self.batch, self.k_pool, self.v_pool, self.group, self.window = batch, k_pool, v_pool, group, window
 
     def __call__(self, q_1xNxHxK, k_1xNxGxK, v_1xNxGxK):
         b = self.batch
+        tables_SxP = b.tables_CxSxP[self.group]
         page = self.k_pool.shape[2]
         real = b.slots_N >= 0
         slot = jnp.where(real, b.slots_N, 0)
-        page_N = jnp.where(real, b.tables_SxP[slot, b.positions_N // page], 0)
+        page_N = jnp.where(real, tables_SxP[slot, b.positions_N // page], 0)
         flat_N = page_N * page + jnp.where(real, b.positions_N % page, 0)
-        k_pool = _write(self.k_pool, flat_N, k_1xNxGxK[0])
-        v_pool = _write(self.v_pool, flat_N, v_1xNxGxK[0])
+        self.k_pool = _write(self.k_pool, flat_N, k_1xNxGxK[0])
+        self.v_pool = _write(self.v_pool, flat_N, v_1xNxGxK[0])
         # Read inside a conditional that always runs (blocks >= 1): read directly, XLA's CPU backend fused the
         # pool's write into its reads and so copied every layer's whole pool twice per step (2.3 ms of a 2.8 ms
         # step of a tiny Llama over 257 pages).
-        out = jax.lax.cond(b.blocks > 0, attend_pages, lambda q, *_: q.astype(jnp.float32), q_1xNxHxK[0], k_pool,
-                           v_pool, b.tables_SxP[slot], b.positions_N, b.blocks)
-        return out[None].astype(q_1xNxHxK.dtype), (k_pool, v_pool)
+        attend = lambda *a: attend_pages(*a, window=self.window)  # noqa: E731
+        out = jax.lax.cond(b.blocks > 0, attend, lambda q, *_: q.astype(jnp.float32), q_1xNxHxK[0], self.k_pool,
+                           self.v_pool, tables_SxP[slot], b.positions_N, b.blocks)
+        return out[None].astype(q_1xNxHxK.dtype)
 
 
 def _write(pool_GxPxSxK: jax.Array, flat_N: jax.Array, new_NxGxK: jax.Array) -> jax.Array:
@@ -137,79 +166,82 @@ def _write(pool_GxPxSxK: jax.Array, flat_N: jax.Array, new_NxGxK: jax.Array) -> 
 
 
 def attend_pages(q_NxHxK: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages_NxP: jax.Array,
-                 positions_N: jax.Array, blocks: jax.Array) -> jax.Array:
+                 positions_N: jax.Array, blocks: jax.Array, window: int = 0) -> jax.Array:
     """Each token's causal attention over its own sequence's pages (`pages_NxP`, its row of the page tables), in
     float32: an online softmax over `blocks` blocks of block_pages pages, each gathered from the pool as it is
-    read (FlashAttention's running max and sum, over pages rather than tiles). Out [N, H, K]."""
+    read (FlashAttention's running max and sum, over pages rather than tiles). With a `window`, each token's blocks
+    start at the one holding the first position it sees and are no more than `window_blocks`: a sliding layer
+    reads its window alone, whatever the sequence's length, and never the pages given back before it. Out
+    [N, H, K]."""
     N, H, K = q_NxHxK.shape
     G, page = k_pool.shape[0], k_pool.shape[2]
     R, bp = H // G, block_pages(page)
     width = bp * page
     q = jnp.swapaxes((q_NxHxK.reshape(N, G, R, K) * K ** -0.5).astype(jnp.float32), 0, 1)  # [G, N, R, K]
+    first_N = jnp.maximum(positions_N - window + 1, 0) // width if window else None  # each token's first block
 
     def block(i, carry):
         top, total, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(pages_NxP, i * bp, bp, axis=1)
+        if window:
+            start_N = first_N + i
+            columns = start_N[:, None] * bp + jnp.arange(bp)[None, :]
+            pages = jnp.take_along_axis(pages_NxP, columns, axis=1, mode="clip")
+            key_NxC = start_N[:, None] * width + jnp.arange(width)[None, :]
+            seen = (key_NxC <= positions_N[:, None]) & (key_NxC > positions_N[:, None] - window)
+        else:
+            pages = jax.lax.dynamic_slice_in_dim(pages_NxP, i * bp, bp, axis=1)
+            seen = (i * width + jnp.arange(width))[None, :] <= positions_N[:, None]
         keys = k_pool[:, pages].reshape(G, N, width, K).astype(jnp.float32)
         values = v_pool[:, pages].reshape(G, N, width, K).astype(jnp.float32)
         scores = jnp.einsum("gnrk,gnck->gnrc", q, keys)
-        seen = (i * width + jnp.arange(width))[None, :] <= positions_N[:, None]
         scores = jnp.where(seen[None, :, None, :], scores, -jnp.inf)
-        new_top = jnp.maximum(top, scores.max(axis=-1))  # finite: block 0 holds position 0 of every token
+        new_top = jnp.maximum(top, scores.max(axis=-1))  # finite: a token's first block holds its first key
         probs = jnp.exp(scores - new_top[..., None])
         rescale = jnp.exp(top - new_top)
         return (new_top, total * rescale + probs.sum(axis=-1),
                 acc * rescale[..., None] + jnp.einsum("gnrc,gnck->gnrk", probs, values))
 
+    count = jnp.minimum(blocks, window_blocks(window, page)) if window else blocks
     init = (jnp.full((G, N, R), -jnp.inf), jnp.zeros((G, N, R)), jnp.zeros((G, N, R, K)))
-    _, total, acc = jax.lax.fori_loop(0, blocks, block, init)
+    _, total, acc = jax.lax.fori_loop(0, count, block, init)
     return jnp.swapaxes(acc / total[..., None], 0, 1).reshape(N, H, K)
 
 
 # ----------------------------------------------------------------------------- the stack
 
-@dataclasses.dataclass(frozen=True)
-class Pieces:
-    """A family's parts for paged decoding: embed(top, tokens_1xN, positions_N) -> x; block(p, x, positions,
-    attend) -> (x, pools); attention(p, h, positions, attend) -> (out, pools) for an MoE block's first half;
-    expert_fn(w, x_ExNxD) -> y; norm(p, x, name) the family's norm of a block's `name` weights; logits(top, x)
-    -> [1, R, V]."""
-    embed: Callable
-    block: Callable
-    attention: Callable
-    expert_fn: Callable
-    norm: Callable
-    logits: Callable
-
-
-def decode(weights: Params, batch: Batch, pools: dict[str, list[jax.Array]], cfg: ModelConfig, constrain: Hooks,
-           pieces: Pieces) -> tuple[jax.Array, dict[str, list[jax.Array]]]:
-    """The layers over the batch's tokens (`weights` as `unstack` gives them), writing each layer's pools
-    {"k": [layers], "v": [layers]}; returns (float32 logits [R, V] of the selected tokens, the new pools)."""
+def decode(weights: Params, batch: Batch, pools: dict[str, list[jax.Array]], cfg: ModelConfig,
+           hooks: Hooks) -> tuple[jax.Array, dict[str, list[jax.Array]]]:
+    """The family's layers over the batch's tokens (`weights` as `unstack` gives them), each with its LayerSpec,
+    writing each layer's pools {"k": [layers], "v": [layers]}; returns (float32 logits [R, V] of the selected tokens,
+    the new pools)."""
+    family = family_of(cfg)
+    block, specs = family.block(cfg, hooks), layer_specs(cfg)
+    group_of = {layer: g for g, group in enumerate(cache_groups(cfg)) for layer in group.layers}
     top, positions = weights["top"], batch.positions_N
-    x = pieces.embed(top, batch.tokens_N[None], positions)
+    x = family.forward.embed(top, batch.tokens_N[None], cfg, hooks, positions)
     ks, vs = [], []
     for layer, p in enumerate(weights["blocks"]):
-        attend = PagedAttend(batch, pools["k"][layer], pools["v"][layer])
-        if _is_moe_layer(cfg, layer):
-            x, (k, v) = _moe_block(p, x, positions, attend, cfg, constrain, pieces)
+        spec = specs[layer]
+        attend = PagedAttend(batch, pools["k"][layer], pools["v"][layer], group_of[layer], spec.window)
+        if spec.mlp == "experts":
+            x = expert_layer(block, p, x, spec, positions, attend, cfg, hooks)
         else:
-            x, (k, v) = pieces.block(p, x, positions, attend)
-        ks.append(k)
-        vs.append(v)
+            x = stack.mlp_half(block, p, x + block.attention(p, x, spec, positions, attend), hooks)
+        ks.append(attend.k_pool)
+        vs.append(attend.v_pool)
     chosen = jnp.take(x, batch.select_R, axis=1)
-    return pieces.logits(top, chosen)[0], {"k": ks, "v": vs}
+    return family.forward.logits(top, chosen, cfg, hooks)[0], {"k": ks, "v": vs}
 
 
-def _moe_block(p: Params, x, positions, attend: PagedAttend, cfg: ModelConfig, constrain: Hooks, pieces: Pieces):
+def expert_layer(block: Block, p: Params, x, spec: LayerSpec, positions, attend: PagedAttend, cfg: ModelConfig,
+                  hooks: Hooks):
     """A mixture's MoE block (models/moe.py) whose experts take every token (capacity_factor 0: none dropped, so a
     token's output never depends on the others in the batch)."""
-    block = p["moe"]
-    a, kv = pieces.attention(block, pieces.norm(block, x, "attn_norm"), positions, attend)
-    x = x + a
+    layer = p["moe"]
+    x = x + block.attention(layer, x, spec, positions, attend)
     # One row per token: dropless routing is per token, and rows (unlike the one row of the flat batch) split
     # over the batch axes as a mesh splitting the experts needs (sharding/experts.py).
-    h = pieces.norm(block, x, "mlp_norm")
+    h = block.mlp_input(layer, x)
     whole = dataclasses.replace(cfg, capacity_factor=0.0)
-    y, _ = moe.moe_mlp(p["router"], p["experts"], h.reshape(-1, 1, h.shape[-1]), whole, constrain, pieces.expert_fn)
-    return x + y.reshape(x.shape), kv
+    y, _ = moe.moe_mlp(p["router"], p["experts"], h.reshape(-1, 1, h.shape[-1]), whole, hooks, block.expert_mlp)
+    return x + block.mlp_output(layer, y.reshape(x.shape))

@@ -1,58 +1,111 @@
-"""The layer stack both families run as their `run_layers`: packed-document segments and rotary positions from
-the inputs (or a context-parallel layout's global order), then one scanned, rematerialized block per layer, or,
-for a mixture of experts, the groups of models/moe.py. A family lends its block, attention and expert MLP."""
+"""The layer stack as the built-in transformer families declare and train it: its parameters (stacked dense layers, or
+a mixture's groups, models/moe.py; LoRA adapters beside them), and `runner`, the contract's run_layers for a
+family's Block: packed-document segments and rotary positions from the inputs (or a context-parallel layout's
+global order), then one scanned, rematerialized layer per stack entry, each running its own LayerSpec's attention
+(a `lax.switch` over the model's attention kinds when they differ, by the layer's logical index)."""
 from __future__ import annotations
 
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from models import documents, lora, moe
-from models.contract import Constrain, LayerAux, Params
-from models.layers import remat, rms_norm
+from models.contract import Block, BlockOf, Constrain, LayerAux, Params, RunLayers, layer_specs
+from models.layer_spec import LayerSpec, attention_kinds
+from models.layers import remat
 from models.protocols import ModelConfig
+
+# attention(p, x, layer) -> what the attention half of logical layer `layer` adds (None: every layer's is one kind)
+AttentionHalf = Callable[[Params, jax.Array, "jax.Array | None"], jax.Array]
+
+
+# ----------------------------------------------------------------------------- parameters
+
+def build(cfg: ModelConfig, rngs: nnx.Rngs, layers_cls: type, experts_cls: type) -> nnx.Module:
+    """The layer stack of a family: its stacked dense layers `layers_cls(cfg, rngs)`, or mixture-of-experts groups
+    (models/moe.py) of its layers and `experts_cls(cfg, rngs, groups)`."""
+    if not moe.is_moe(cfg):
+        return layers_cls(cfg, rngs)
+    return moe.Groups(cfg, rngs, lambda shape, axes, with_mlp: layers_cls(cfg, rngs, (shape, axes), with_mlp),
+                      lambda G: experts_cls(cfg, rngs, G))
+
+
+def add_adapters(layers: nnx.Module, cfg: ModelConfig, projections: dict[str, lora.Projection],
+                 rngs: nnx.Rngs) -> None:
+    """The LoRA adapters of a stack: beside the blocks' weights, so each block finds its own under `lora`; a
+    mixture's in its `dense` stack and `moe` blocks (the attention projections: config.check_lora refuses `mlp`)."""
+    if not moe.is_moe(cfg):
+        layers.lora = lora.Adapters(cfg, projections, rngs)
+        return
+    G, k = moe.groups(cfg), cfg.moe_every
+    if k > 1:
+        layers.dense.lora = lora.Adapters(cfg, projections, rngs, ((G, k - 1), ("layers", None)))
+    layers.moe.lora = lora.Adapters(cfg, projections, rngs, ((G,), ("layers",)))
+
+
+# ----------------------------------------------------------------------------- the forward pass
+
+def runner(block_of: BlockOf) -> RunLayers:
+    """The contract's run_layers for a family whose layer is `block_of(cfg, hooks)`: (x, (aux loss, metrics))."""
+    def run_layers(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: ModelConfig, constrain: Constrain,
+                   layer_ids: jax.Array | None = None) -> tuple[jax.Array, LayerAux]:
+        return layer_aux(*run_stack(layers, x_BxLxD, inputs_BxL, cfg, constrain, block_of(cfg, constrain), layer_ids))
+    return run_layers
 
 
 def run_stack(layers: Params, x_BxLxD: jax.Array, inputs_BxL: jax.Array, cfg: ModelConfig, constrain: Constrain,
-              block: Callable, attention: Callable, expert_mlp: Callable):
-    """Apply a stack (or any contiguous slice of it). `block(p, x, segment_ids, positions) -> x` is one dense
-    layer, `attention(p, h, segment_ids, positions) -> out` its attention on the normed input, `expert_mlp(w,
-    x_ExNxD, cfg) -> y_ExNxD` one expert's MLP. Returns (x, aux): 0.0 for a dense stack (it adds nothing to the
-    loss), the router's losses and statistics for a mixture (moe.run_groups)."""
+              block: Block, layer_ids: jax.Array | None = None):
+    """Apply a stack (or any contiguous slice of it, `layer_ids` its logical entries) of `block`s. Returns (x, aux):
+    None for a dense stack (it adds nothing to the loss), the router's losses and statistics for a mixture
+    (moe.run_groups)."""
     layers = lora.freeze(layers, cfg)
-    segment_ids, positions = segments_and_positions(inputs_BxL, x_BxLxD.shape[1], cfg, constrain)
+    segment_ids, positions = documents.segments_and_positions(inputs_BxL, x_BxLxD.shape[1], cfg, constrain)
+    attention = AttentionHalves(block, cfg, constrain, segment_ids, positions)
 
-    def dense(p, x):
-        return block(p, x, segment_ids, positions)
+    def layer(p, x, index):
+        return mlp_half(block, p, x + attention(p, x, index), constrain)
 
     if moe.is_moe(cfg):
-        def attention_residual(p, x):
-            return x + attention(p, rms_norm(x, p["attn_norm"], cfg.norm_eps), segment_ids, positions)
-        return moe.run_groups(layers, x_BxLxD, cfg, constrain, dense, attention_residual,
-                              lambda w, x: expert_mlp(w, x, cfg))
-    body = remat(dense, cfg.remat)
-    x_BxLxD, _ = jax.lax.scan(lambda x, p: (body(p, x), None), x_BxLxD, layers)
+        return moe.run_groups(layers, x_BxLxD, cfg, constrain, block, layer, attention, layer_ids)
+    body = remat(layer, cfg.remat)
+    if attention.uniform:  # no layer needs its index: the scan reads the weights alone
+        x_BxLxD, _ = jax.lax.scan(lambda x, p: (body(p, x, None), None), x_BxLxD, layers)
+        return x_BxLxD, None
+    ids = jnp.arange(cfg.n_layers, dtype=jnp.int32) if layer_ids is None else layer_ids
+    x_BxLxD, _ = jax.lax.scan(lambda x, pi: (body(pi[0], x, pi[1]), None), x_BxLxD, (layers, ids))
     return x_BxLxD, None
 
 
-def segments_and_positions(inputs_BxL: jax.Array, length: int, cfg: ModelConfig,
-              constrain: Constrain) -> tuple[jax.Array | None, jax.Array | None]:
-    """Packed documents' (segment ids, positions) of the `length` positions the stack runs. A context-parallel
-    layout's permuted sequence keeps its global rotary positions; its documents are found in the global order
-    (they run along it) and their ids and positions permuted like the inputs. `inputs_BxL` is the stack's own
-    sequence (L = length), or, where it runs a slice of each row (a pipeline cell under context parallelism), the
-    whole rows in order (L > length): the positions are then the slice's and the segment ids the whole rows' in
-    order, for the layout's attention to read every block's ids."""
-    order = constrain.context_order(length)
-    if order is None:
-        return documents.segments(inputs_BxL, cfg)
-    whole = inputs_BxL.shape[1] > length
-    segment_ids, positions = documents.segments(
-        inputs_BxL if whole else jnp.take(inputs_BxL, jnp.argsort(order), axis=1), cfg)
-    if segment_ids is None:
-        return None, order
-    return (segment_ids if whole else jnp.take(segment_ids, order, axis=1)), jnp.take(positions, order, axis=1)
+def mlp_half(block: Block, p: Params, x_BxLxD: jax.Array, constrain: Constrain) -> jax.Array:
+    """x plus a dense layer's MLP half."""
+    out = block.mlp_output(p, block.mlp(p, block.mlp_input(p, x_BxLxD)))
+    return constrain(x_BxLxD + out, ("batch", "seq", "embed"))
+
+
+class AttentionHalves:
+    """(p, x, layer) -> the attention half's addition of logical layer `layer` over whole sequences, its kind (window,
+    rotary embedding) from the model's LayerSpecs: one program when every layer's attention is of one kind
+    (`uniform`, `layer` unused), else a `lax.switch` over the kinds, one compiled branch each."""
+
+    def __init__(self, block: Block, cfg: ModelConfig, constrain: Constrain, segment_ids_BxL: jax.Array | None,
+                 positions: jax.Array | None):
+        specs = layer_specs(cfg)
+        self.kinds = attention_kinds(specs)
+        self.uniform = len(self.kinds) == 1
+
+        def half(spec: LayerSpec) -> Callable:
+            def attend(q, k, v):
+                return constrain.causal_attention(q, k, v, cfg.attention, segment_ids_BxL, spec.window)
+            return lambda p, x: block.attention(p, x, spec, positions, attend)
+        self.branches = [half(kind) for kind in self.kinds]
+        self.kind_of = [self.kinds.index(s.attention_kind) for s in specs]
+
+    def __call__(self, p: Params, x_BxLxD: jax.Array, layer: jax.Array | None) -> jax.Array:
+        if self.uniform:
+            return self.branches[0](p, x_BxLxD)
+        return jax.lax.switch(jnp.asarray(self.kind_of, jnp.int32)[layer], self.branches, p, x_BxLxD)
 
 
 def layer_aux(x_BxLxD: jax.Array, stats: dict | None) -> tuple[jax.Array, LayerAux]:

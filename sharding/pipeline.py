@@ -124,19 +124,19 @@ class AutoAxesHints(models.contract.Hooks):
             return super().moe_experts(x_BxExCxD, experts, expert_fn)
         return experts_lib.exchange(x_BxExCxD, experts, expert_fn)
 
-    def causal_attention(self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL=None):
+    def causal_attention(self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL=None, window=0):
         """With `context` manual, the ring on this device's slice, its K/V blocks all-gathered (context._next_block)
         on each device's heads of the automatic axes (tensor) that split them (_on_local_shards: called on the
         whole heads, XLA replicated K and V over `tensor` first, moving `tensor` times the bytes)."""
         if self.context == 1:
-            return super().causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL)
+            return super().causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL, window)
         assert implementation == "xla", implementation  # train/config.py rejects cuDNN under context
         kv_spec = sharding_specs.mesh_spec(P("batch", "seq", "heads", "kv"), self.rules, k_BxLxGxK.shape, self.sizes)
         gather = functools.partial(_on_local_shards, context_lib.all_gather_blocks, spec=kv_spec,
                                    automatic=sharding_specs.spec_axes(kv_spec))
         # Packed documents: the ids of the whole rows in order (models/stack.py), laid out as the ring reads them.
         segments = None if segment_ids_BxL is None else context_lib.to_zigzag(segment_ids_BxL, self.context)
-        return context_lib.ring(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.context, segments, gather=gather)
+        return context_lib.ring(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.context, segments, gather=gather, window=window)
 
 
 def manual_axes(rules: Rules, mesh_sizes: Mapping[str, int]) -> tuple[str, ...]:
@@ -176,6 +176,7 @@ class DeviceOperands(NamedTuple):
     stack: Any  # the stage's layers as v chunks: every leaf [v, Lc, ...]
     top: Any  # the parameters outside the layer stack (embedding, final norm, head)
     micro: jax.Array  # int32 [m, b, seq+1]: this device's rows of the batch as m microbatches
+    ids: jax.Array | None  # int32 [v, Lc]: the logical layer ids of its chunks, None where no layer reads its id
     weight: Callable[[jax.Array], jax.Array] | None  # a microbatch's tokens -> its loss weight; None: 1/m
     cells: list[Callable]  # the lax.switch branches, indexed by pipeline_stages' constants
 
@@ -209,6 +210,10 @@ class StageProgram:
         assert sizes[PIPELINE] == p, (sizes, p)
         assert p * v >= 2 and cfg.n_layers % (p * v) == 0, (cfg.n_layers, p, v)
         self.cfg, self.train, self.v, self.m = cfg, train, v, schedule.microbatches
+        # Each stage's chunks' logical layers, which a model of several attention kinds reads its LayerSpecs by
+        # (models/stack.py), whatever the schedule's layer order.
+        self.layer_ids = None if models.uniform_attention(cfg) else layer_order(
+            models.stack_length(cfg), p, v, schedule.v_shape).reshape(p, v, -1).astype(np.int32)
         self.chunks = p * v
         self.manual = manual = manual_axes(rules, sizes)
         self.batch_axes = manual[1:]  # and `context`: each device's loss is the mean of its rows' slices
@@ -262,7 +267,8 @@ class StageProgram:
         cells = stages.branches(self.cfg, self.constrain, self.manual, 1.0 / m if weight is None else weight,
                                 self.chunks, self.split, self.context)
         assert len(cells) == stages.num_branches(self.split), len(cells)  # branch_slot_counts, the audit index these
-        return DeviceOperands(d, stack, top, micro, weight, cells)
+        ids = None if self.layer_ids is None else jnp.asarray(self.layer_ids)[d]
+        return DeviceOperands(d, stack, top, micro, ids, weight, cells)
 
     def initial_carry(self, device: DeviceOperands, tokens: jax.Array) -> dict[str, Any]:
         """The scan's carry: the two message buffers [entries, b, seq, D], what the cells log (the loss, and the
@@ -272,7 +278,8 @@ class StageProgram:
         act_shape = (tokens.shape[0] // self.m, (tokens.shape[1] - 1) // self.context, self.cfg.d_model)
         x = stages.make_varying(jnp.zeros(act_shape, dt), self.manual)
         chunk = jax.tree.map(lambda a: a[0], device.stack)
-        log = jax.eval_shape(device.cells[stages.IDLE], (chunk, device.top, device.micro[0], x, x))[-1]
+        ids = None if device.ids is None else device.ids[0]
+        log = jax.eval_shape(device.cells[stages.IDLE], (chunk, device.top, device.micro[0], x, x, ids))[-1]
         carry = dict(acts=jnp.zeros((self.act_entries, *act_shape), dt),
                      grads=jnp.zeros((self.grad_entries, *act_shape), dt),
                      log=jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), log))
@@ -288,8 +295,9 @@ class StageProgram:
         row, patterns = rows
         cell = {k: a[device.d] for k, a in row.items()}
         chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, cell["chunk"], 0, keepdims=False), device.stack)
+        ids = None if device.ids is None else jax.lax.dynamic_index_in_dim(device.ids, cell["chunk"], 0, keepdims=False)
         ops = (chunk, device.top, device.micro[cell["mb"]], carry["acts"][cell["act_read"]],
-               carry["grads"][cell["grad_read"]])
+               carry["grads"][cell["grad_read"]], ids)
         y, g_x, g_chunk, g_top, log = jax.lax.switch(cell["branch"], device.cells, ops)
         weight = None if device.weight is None else device.weight(device.micro[cell["mb"]])
         weighted = jax.tree.map(lambda x: x / self.m if weight is None else x * weight, log)

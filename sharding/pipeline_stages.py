@@ -26,10 +26,11 @@ def num_branches(split: bool) -> int:
     return NUM_SPLIT_BRANCHES if split else NUM_BRANCHES
 
 # One cell's inputs: (chunk layers [Lc, ...], top params (all outside the layer stack), tokens [b, seq+1],
-# x_in [b, seq, D], g_in [b, seq, D]).
+# x_in [b, seq, D], g_in [b, seq, D], the chunk's logical layer ids [Lc] or None where no layer needs its id:
+# models.contract.RunLayers).
 # Its outputs: (activation to send on, input gradient to send back, chunk grads, top grads, what it logs: `loss`,
 # the language-model loss of a last chunk's forward, and the chunk's share of the layers' metrics (Cells.layers)).
-Operands = tuple[Any, Any, jax.Array, jax.Array, jax.Array]
+Operands = tuple[Any, Any, jax.Array, jax.Array, jax.Array, jax.Array | None]
 Outputs = tuple[jax.Array, jax.Array, Any, Any, dict[str, jax.Array]]
 
 
@@ -112,25 +113,31 @@ class Cells:
     def rows(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         return device_rows(tokens, self.cfg, self.constrain, self.context)
 
-    def layers(self, chunk: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+    def layers(self, chunk: Any, x: jax.Array, tokens: jax.Array,
+               ids: jax.Array | None) -> tuple[jax.Array, jax.Array, dict]:
         """(x, this chunk's share of the aux loss, varying like the loss so its seed has its type, and of the
         layers' metrics)."""
-        # The whole rows' inputs in order: under context parallelism packed documents are found along them (stack.py).
+        # The whole rows' inputs in order: under context parallelism packed documents are found along them
+        # (models/documents.py).
+        by_id = {} if ids is None else {"layer_ids": ids}  # a family whose layers are alike never reads them
         y, (aux, metrics) = self.family.forward.run_layers(chunk, x, models.split_row(tokens, self.cfg)[0], self.cfg,
-                                                   self.constrain)
+                                                           self.constrain, **by_id)
         share = jax.tree.map(lambda a: a / self.chunks, (aux, metrics))
         return y, make_varying(share[0], self.manual), share[1]
 
-    def first(self, chunk: Any, top: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+    def first(self, chunk: Any, top: Any, tokens: jax.Array,
+              ids: jax.Array | None) -> tuple[jax.Array, jax.Array, dict]:
         x = self.family.forward.embed(top, self.rows(tokens)[0], self.cfg, self.constrain)
-        return self.layers(chunk, x, tokens)
+        return self.layers(chunk, x, tokens, ids)
 
-    def mid(self, chunk: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
-        return self.layers(chunk, x, tokens)
+    def mid(self, chunk: Any, x: jax.Array, tokens: jax.Array,
+            ids: jax.Array | None) -> tuple[jax.Array, jax.Array, dict]:
+        return self.layers(chunk, x, tokens, ids)
 
-    def last(self, chunk: Any, top: Any, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+    def last(self, chunk: Any, top: Any, x: jax.Array, tokens: jax.Array,
+             ids: jax.Array | None) -> tuple[jax.Array, jax.Array, dict]:
         """(objective: loss + the chunk's aux loss, the language-model loss, the chunk's metrics)."""
-        y, aux, metrics = self.layers(chunk, x, tokens)
+        y, aux, metrics = self.layers(chunk, x, tokens, ids)
         _, targets, mask = self.rows(tokens)
         loss, _ = self.family.forward.head_loss(top, y, targets, self.cfg, self.constrain, mask)
         return loss + aux, loss, metrics
@@ -146,42 +153,43 @@ class Cells:
     # --------------------------------------------------------------------- the branches
 
     def idle(self, ops: Operands) -> Outputs:
-        chunk, top, tokens, x_in, _ = ops
-        return self.zeros(x_in), self.zeros(x_in), self.zeros(chunk), self.zeros(top), self._no_log(chunk, x_in, tokens)
+        chunk, top, tokens, x_in, _, ids = ops
+        log = self._no_log(chunk, x_in, tokens, ids)
+        return self.zeros(x_in), self.zeros(x_in), self.zeros(chunk), self.zeros(top), log
 
     def fwd_first(self, ops: Operands) -> Outputs:
-        chunk, top, tokens, x_in, _ = ops
-        y, _, metrics = self.first(chunk, top, tokens)
+        chunk, top, tokens, x_in, _, ids = ops
+        y, _, metrics = self.first(chunk, top, tokens, ids)
         return y.astype(self.cdt), self.zeros(x_in), self.zeros(chunk), self.zeros(top), self.logged(0.0, metrics)
 
     def fwd_mid(self, ops: Operands) -> Outputs:
-        chunk, top, tokens, x_in, _ = ops
-        y, _, metrics = self.mid(chunk, x_in, tokens)
+        chunk, top, tokens, x_in, _, ids = ops
+        y, _, metrics = self.mid(chunk, x_in, tokens, ids)
         return y, self.zeros(x_in), self.zeros(chunk), self.zeros(top), self.logged(0.0, metrics)
 
     def fwd_last(self, ops: Operands) -> Outputs:
         """The loss is read here; the backward recomputes it."""
-        chunk, top, tokens, x_in, _ = ops
-        _, loss, metrics = self.last(chunk, top, x_in, tokens)
+        chunk, top, tokens, x_in, _, ids = ops
+        _, loss, metrics = self.last(chunk, top, x_in, tokens, ids)
         return self.zeros(x_in), self.zeros(x_in), self.zeros(chunk), self.zeros(top), self.logged(loss, metrics)
 
     def bwd_first(self, ops: Operands) -> Outputs:
-        chunk, top, tokens, x_in, g_in = ops
-        _, pullback = jax.vjp(lambda c, t: self.first(c, t, tokens)[:2], chunk, top)
+        chunk, top, tokens, x_in, g_in, ids = ops
+        _, pullback = jax.vjp(lambda c, t: self.first(c, t, tokens, ids)[:2], chunk, top)
         g_chunk, g_top = pullback((g_in, self.seed(tokens)))
-        return self.zeros(x_in), self.zeros(x_in), g_chunk, g_top, self._no_log(chunk, x_in, tokens)
+        return self.zeros(x_in), self.zeros(x_in), g_chunk, g_top, self._no_log(chunk, x_in, tokens, ids)
 
     def bwd_mid(self, ops: Operands) -> Outputs:
-        chunk, top, tokens, x_in, g_in = ops
-        _, pullback = jax.vjp(lambda c, x: self.mid(c, x, tokens)[:2], chunk, x_in)
+        chunk, top, tokens, x_in, g_in, ids = ops
+        _, pullback = jax.vjp(lambda c, x: self.mid(c, x, tokens, ids)[:2], chunk, x_in)
         g_chunk, g_x = pullback((g_in, self.seed(tokens)))
-        return self.zeros(x_in), g_x, g_chunk, self.zeros(top), self._no_log(chunk, x_in, tokens)
+        return self.zeros(x_in), g_x, g_chunk, self.zeros(top), self._no_log(chunk, x_in, tokens, ids)
 
     def bwd_last(self, ops: Operands) -> Outputs:
-        chunk, top, tokens, x_in, _ = ops
-        _, pullback = jax.vjp(lambda c, t, x: self.last(c, t, x, tokens)[0], chunk, top, x_in)
+        chunk, top, tokens, x_in, _, ids = ops
+        _, pullback = jax.vjp(lambda c, t, x: self.last(c, t, x, tokens, ids)[0], chunk, top, x_in)
         g_chunk, g_top, g_x = pullback(self.seed(tokens))
-        return self.zeros(x_in), g_x, g_chunk, g_top, self._no_log(chunk, x_in, tokens)
+        return self.zeros(x_in), g_x, g_chunk, g_top, self._no_log(chunk, x_in, tokens, ids)
 
     # --------------------------------------------------------------------- the split backward (zero-bubble)
     # Qi et al. 2023: B differentiates with respect to the chunk's input only, so the previous stage gets its
@@ -193,31 +201,31 @@ class Cells:
     # are kept, so W is a whole backward minus the input gradient of the chunk's first layer).
 
     def input_mid(self, ops: Operands) -> Outputs:
-        chunk, top, tokens, x_in, g_in = ops
-        _, pullback = jax.vjp(lambda x: self.mid(chunk, x, tokens)[:2], x_in)
+        chunk, top, tokens, x_in, g_in, ids = ops
+        _, pullback = jax.vjp(lambda x: self.mid(chunk, x, tokens, ids)[:2], x_in)
         (g_x,) = pullback((g_in, self.seed(tokens)))
-        return self.zeros(x_in), g_x, self.zeros(chunk), self.zeros(top), self._no_log(chunk, x_in, tokens)
+        return self.zeros(x_in), g_x, self.zeros(chunk), self.zeros(top), self._no_log(chunk, x_in, tokens, ids)
 
     def input_last(self, ops: Operands) -> Outputs:
-        chunk, top, tokens, x_in, _ = ops
-        _, pullback = jax.vjp(lambda x: self.last(chunk, top, x, tokens)[0], x_in)
+        chunk, top, tokens, x_in, _, ids = ops
+        _, pullback = jax.vjp(lambda x: self.last(chunk, top, x, tokens, ids)[0], x_in)
         (g_x,) = pullback(self.seed(tokens))
-        return self.zeros(x_in), g_x, self.zeros(chunk), self.zeros(top), self._no_log(chunk, x_in, tokens)
+        return self.zeros(x_in), g_x, self.zeros(chunk), self.zeros(top), self._no_log(chunk, x_in, tokens, ids)
 
     def weight_mid(self, ops: Operands) -> Outputs:
-        chunk, top, tokens, x_in, g_in = ops
-        _, pullback = jax.vjp(lambda c: self.mid(c, x_in, tokens)[:2], chunk)
+        chunk, top, tokens, x_in, g_in, ids = ops
+        _, pullback = jax.vjp(lambda c: self.mid(c, x_in, tokens, ids)[:2], chunk)
         (g_chunk,) = pullback((g_in, self.seed(tokens)))
-        return self.zeros(x_in), self.zeros(x_in), g_chunk, self.zeros(top), self._no_log(chunk, x_in, tokens)
+        return self.zeros(x_in), self.zeros(x_in), g_chunk, self.zeros(top), self._no_log(chunk, x_in, tokens, ids)
 
     def weight_last(self, ops: Operands) -> Outputs:
-        chunk, top, tokens, x_in, _ = ops
-        _, pullback = jax.vjp(lambda c, t: self.last(c, t, x_in, tokens)[0], chunk, top)
+        chunk, top, tokens, x_in, _, ids = ops
+        _, pullback = jax.vjp(lambda c, t: self.last(c, t, x_in, tokens, ids)[0], chunk, top)
         g_chunk, g_top = pullback(self.seed(tokens))
-        return self.zeros(x_in), self.zeros(x_in), g_chunk, g_top, self._no_log(chunk, x_in, tokens)
+        return self.zeros(x_in), self.zeros(x_in), g_chunk, g_top, self._no_log(chunk, x_in, tokens, ids)
 
-    def _no_log(self, chunk: Any, x_in: jax.Array, tokens: jax.Array) -> dict[str, jax.Array]:
+    def _no_log(self, chunk: Any, x_in: jax.Array, tokens: jax.Array, ids: jax.Array | None) -> dict[str, jax.Array]:
         """What a cell that logs nothing logs: zeros shaped as a forward cell's log (the switch's branches share
         one output type), the layers traced abstractly, so nothing of them runs."""
-        shapes = jax.eval_shape(lambda c, x, t: self.logged(0.0, self.mid(c, x, t)[2]), chunk, x_in, tokens)
+        shapes = jax.eval_shape(lambda c, x, t, i: self.logged(0.0, self.mid(c, x, t, i)[2]), chunk, x_in, tokens, ids)
         return self.zeros(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))

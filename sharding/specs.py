@@ -198,11 +198,12 @@ class ActivationSharding(Hooks):
         ways = self.sizes.get(context.AXIS, 1)
         return None if ways == 1 else jnp.asarray(context.zigzag_order(length, ways))
 
-    def causal_attention(self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL=None):
+    def causal_attention(self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL=None, window=0):
         """With mesh.context > 1, ring attention (XLA blocks; train/config.py rejects cuDNN there), packed
-        documents' segment ids riding the ring with the keys; else the model's own kernel."""
+        documents' segment ids riding the ring with the keys, a sliding layer's ring skipping the blocks wholly
+        outside its window (sharding/context.py); else the model's own kernel."""
         if self.sizes.get(context.AXIS, 1) == 1:
-            return super().causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL)
+            return super().causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL, window)
         assert implementation == "xla", implementation
         names = P("batch", "seq", "heads", "kv")
         q_spec = mesh_spec(names, self.rules, q_BxLxHxK.shape, self.sizes)
@@ -211,7 +212,7 @@ class ActivationSharding(Hooks):
         seg_spec = None if segment_ids_BxL is None else \
             mesh_spec(P("batch", None), self.rules, segment_ids_BxL.shape, self.sizes)
         return context.ring_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.mesh, q_spec, kv_spec,
-                                      segment_ids_BxL, seg_spec)
+                                      segment_ids_BxL, seg_spec, window)
 
     def whole_rows(self, x_BxLxD: jax.Array) -> jax.Array:
         """Under sequence parallelism, gather the rows' sequence over `tensor` (as before any MLP); else as is."""

@@ -12,7 +12,7 @@ import pytest
 
 import models
 from mesh.errors import UserError
-from models import gpt, moe
+from models import gpt, moe, stack
 from tests.helpers import STEPS, compiled_step, grads_and_run, rel_norm, step_with_grads, tiny_config
 from train.config import resolve
 from train.loop import runner as loop
@@ -50,8 +50,9 @@ def reference():
     cfg, family, tokens = trainer.plan.model, models.family_of(trainer.plan.model), trainer.batch(0)[:, :-1]
     def forward(p):  # the objective, its metrics, and the routing margin (one compiled program)
         x = family.forward.embed(models.top_params(p), tokens, cfg)
-        return *models.loss_and_metrics(p, trainer.batch(0), cfg), gpt.layer_stats(p["layers"], x, tokens,
-                                                                                   cfg)[1]["topk_margin"]
+        stats = stack.run_stack(p["layers"], x, tokens, cfg, models.contract.no_constraint,
+                                gpt.block(cfg, models.contract.no_constraint))[1]
+        return *models.loss_and_metrics(p, trainer.batch(0), cfg), stats["topk_margin"]
     objective, forward_metrics, margin = jax.jit(forward)(state["params"])
     return {"state": state, "grads": grads, "losses": losses, "metrics": jax.device_get(metrics),
             "margin": float(margin), "objective": float(objective), "forward": jax.device_get(forward_metrics)}

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import models
 from models import paged
+from models.layer_spec import window_pages
 from sharding import experts as experts_lib
 from sharding import specs as sharding_specs
 from train.placed import Placed
@@ -63,26 +64,43 @@ def buckets(s: Settings, ways: int = 1) -> list[int]:
     return sorted({-(-n // ways) * ways for n in counts})
 
 
-def page_bytes(cfg: models.ModelConfig, kv_heads: int, page_size: int) -> int:
-    """A page of keys and values over every layer."""
-    return 2 * cfg.n_layers * page_size * kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
+def page_bytes(cfg: models.ModelConfig, kv_heads: int, page_size: int, layers: int | None = None) -> int:
+    """A page of keys and values over `layers` layers (default every one)."""
+    n = cfg.n_layers if layers is None else layers
+    return 2 * n * page_size * kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
 
 
-def pool_pages(placed: Placed, s: Settings, kv_heads: int, pages_per_seq: int) -> int:
-    """`kv_pages`, or what kv_memory_fraction of the free memory of the first device holds (the pool is split
-    over `tensor` by heads); on CPU, enough for every slot's longest sequence, within that fraction of the host's
-    available memory."""
+def group_pages_per_seq(group: paged.CacheGroup, s: Settings, pages_per_seq: int) -> int:
+    """The most pages one sequence holds in `group`: every one of its longest sequence in a causal group; in a
+    sliding group its window's, plus the pages a prompt chunk adds while it runs (models/layer_spec.window_pages)."""
+    if not group.window:
+        return pages_per_seq
+    return min(pages_per_seq, window_pages(group.window - 1 + s.prefill_chunk, s.page_size))
+
+
+def pool_pages(placed: Placed, s: Settings, kv_heads: int, pages_per_seq: int) -> list[int]:
+    """Pages of each cache group (models/paged.cache_groups): `kv_pages` each, or from what kv_memory_fraction of the
+    free memory of the first device holds (the pool is split over `tensor` by heads): the sliding groups first,
+    enough for every slot (each sequence holds a few pages there), then the causal groups the rest, in the same
+    number; on CPU, enough for every slot's longest sequence, within that fraction of the host's available memory."""
+    groups = paged.cache_groups(placed.model)
     if s.kv_pages:
-        return s.kv_pages
-    device = placed.mesh.devices.flat[0]
+        return [s.kv_pages] * len(groups)
     tensor = placed.mesh.shape.get("tensor", 1)
-    each = page_bytes(placed.model, kv_heads, s.page_size) // tensor
+    each = [page_bytes(placed.model, kv_heads, s.page_size, len(g.layers)) // tensor for g in groups]
+    wanted = [CPU_SEQS_OF_PAGES * s.max_num_seqs * group_pages_per_seq(g, s, pages_per_seq) + 1 for g in groups]
+    device = placed.mesh.devices.flat[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
-        enough = CPU_SEQS_OF_PAGES * s.max_num_seqs * pages_per_seq + 1
-        return max(2, min(enough, int(s.kv_memory_fraction * host_available_bytes() // each)))
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    return max(2, int(s.kv_memory_fraction * free // each))
+        budget = s.kv_memory_fraction * host_available_bytes()
+    else:
+        budget = s.kv_memory_fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+        wanted = [w if g.window else math.inf for g, w in zip(groups, wanted)]  # the causal groups: all there is
+    sliding = sum(w * b for g, w, b in zip(groups, wanted, each) if g.window)
+    scale = min(1.0, budget / sliding) if sliding else 1.0  # the sliding groups' share, shrunk if it is all
+    left = budget - scale * sliding
+    causal = sum(b for g, b in zip(groups, each) if not g.window)
+    return [max(2, int(min(w, scale * w if g.window else left // causal))) for g, w in zip(groups, wanted)]
 
 
 def host_available_bytes() -> int:
@@ -98,8 +116,9 @@ class Engine:
 
     def __init__(self, placed: Placed, settings: Settings, max_context: int | None = None):
         cfg, family = placed.model, models.family_of(placed.model)
-        if family.decoding is None or family.decoding.paged is None:
-            raise models.ModelConfigError(f"model.family={cfg.family!r} has no paged decoding (models/paged.py)")
+        if family.block is None:
+            raise models.ModelConfigError(f"model.family={cfg.family!r} lends no Block: it has no paged decoding "
+                                          f"(models/paged.py)")
         assert placed.layer_order is None, "decoding folds pipelines into data (train/placed.py)"
         # The stacked params stay the caller's: the engine decodes on its own per-layer copy (self.weights).
         self.placed, self.settings, self.cfg = dataclasses.replace(placed, params=None), settings, cfg
@@ -109,15 +128,18 @@ class Engine:
         self.pages_per_seq = -(-context // ps)
         self.table_width = paged.table_width(self.pages_per_seq, ps)
         self.weights = self._unstacked(placed)  # before the pool is sized from the memory left
-        self.num_pages = pool_pages(placed, settings, kv_heads, self.pages_per_seq)
-        self.max_context = min(context, (self.num_pages - 1) * ps)
+        self.groups = paged.cache_groups(cfg)
+        self.group_pages = pool_pages(placed, settings, kv_heads, self.pages_per_seq)
+        self.num_pages = sum(self.group_pages)
+        self.max_context = min([context] + [(n - 1) * ps for g, n in zip(self.groups, self.group_pages)
+                                            if not g.window])
         sizes = dict(placed.mesh.shape)
         rows_split = math.prod(sizes[a] for a in experts_lib.batch_axes(placed.layout.rules, sizes))
         self.buckets = buckets(settings, rows_split)
-        self.pages = Pages(self.num_pages)
-        self.scheduler = Scheduler(self.pages, settings)
+        self.pages = [Pages(n) for n in self.group_pages]
+        self.scheduler = Scheduler(self.pages, [g.window for g in self.groups], settings)
         self.pool = self._empty_pool(kv_heads)
-        self._step = self._compile(family.decoding.paged, placed.layout.constrain())
+        self._step = self._compile(placed.layout.constrain())
         self._arrivals = itertools.count()
         self._by_id: dict[str, Sequence] = {}
         self._aborted: list[Output] = []
@@ -137,13 +159,14 @@ class Engine:
         return engine
 
     def _empty_pool(self, kv_heads: int) -> dict[str, list[jax.Array]]:
-        """One K and one V pool per layer (models/paged.py), split over `tensor` by KV heads."""
-        shape = paged.pool_shape(self.cfg, kv_heads, self.num_pages, self.settings.page_size)
+        """One K and one V pool per layer (models/paged.py), its group's pages, split over `tensor` by KV heads."""
+        pages = {layer: n for g, n in zip(self.groups, self.group_pages) for layer in g.layers}
+        shapes = [paged.pool_shape(self.cfg, kv_heads, pages[layer], self.settings.page_size)
+                  for layer in range(self.cfg.n_layers)]
         mesh = self.placed.mesh
-        spec = sharding_specs.mesh_spec(P(*paged.POOL_AXES), self.placed.layout.rules, shape,
-                                        dict(mesh.shape))
-        dtype, L = jnp.dtype(self.cfg.compute_dtype), self.cfg.n_layers
-        zeros = jax.jit(lambda: {n: [jnp.zeros(shape, dtype) for _ in range(L)] for n in ("k", "v")},
+        spec = sharding_specs.mesh_spec(P(*paged.POOL_AXES), self.placed.layout.rules, shapes[0], dict(mesh.shape))
+        dtype = jnp.dtype(self.cfg.compute_dtype)
+        zeros = jax.jit(lambda: {n: [jnp.zeros(shape, dtype) for shape in shapes] for n in ("k", "v")},
                         out_shardings=NamedSharding(mesh, spec))
         return zeros()
 
@@ -152,13 +175,13 @@ class Engine:
         out = paged.unstacked_shardings(placed.layout.params, self.cfg)
         return jax.jit(lambda p: paged.unstack(p, self.cfg), out_shardings=out)(placed.params)
 
-    def _compile(self, paged_decode, constrain):
+    def _compile(self, constrain):
         cfg = self.cfg
 
         def run(weights, pool, tokens, positions, slots, tables, select, blocks, temperature, top_k, top_p, seeds,
                 counters, with_logprobs):
             batch = paged.Batch(tokens, positions, slots, tables, select, blocks)
-            logits, pool = paged_decode(weights, batch, pool, cfg, constrain)
+            logits, pool = paged.decode(weights, batch, pool, cfg, constrain)
             return pool, sample(logits, temperature, top_k, top_p, seeds, counters, MAX_LOGPROBS, with_logprobs)
         return jax.jit(run, donate_argnums=(1,))
 
@@ -216,11 +239,18 @@ class Engine:
         return bool(self.scheduler.running or self.scheduler.waiting or self._aborted)
 
     def stats(self) -> dict[str, int]:
+        """The engine's counts; pages over every cache group, and each group's as `pages_used.<kind>` and
+        `pages_free.<kind>` (kind `causal` or `sliding_<window>`)."""
         s = self.scheduler
-        return {"running": len(s.running), "waiting": len(s.waiting), "pages_used": self.pages.used(),
-                "pages_free": self.pages.available(), "prefix_hits": s.prefix_hits,
-                "prefix_queries": s.prefix_queries, "tokens_generated": self.tokens_generated,
-                "prefill_tokens": s.prefill_tokens, "preemptions": s.preemptions}
+        by_kind = {}
+        for group, pages in zip(self.groups, self.pages):
+            by_kind[f"pages_used.{group.kind}"] = pages.used()
+            by_kind[f"pages_free.{group.kind}"] = pages.available()
+        return {"running": len(s.running), "waiting": len(s.waiting),
+                "pages_used": sum(p.used() for p in self.pages), "pages_free": sum(p.available() for p in self.pages),
+                **by_kind, "prefix_hits": s.prefix_hits, "prefix_queries": s.prefix_queries,
+                "tokens_generated": self.tokens_generated, "prefill_tokens": s.prefill_tokens,
+                "preemptions": s.preemptions}
 
     # ------------------------------------------------------------------ the step
 
@@ -264,7 +294,7 @@ class Engine:
         ends its sequence's tokens (in order; at most n rows, nor more than the slots)."""
         S, R = self.settings.max_num_seqs, min(n, self.settings.max_num_seqs)
         tokens, positions, slots = np.zeros(n, np.int32), np.zeros(n, np.int32), np.full(n, -1, np.int32)
-        tables = np.zeros((S, self.table_width), np.int32)
+        tables = np.zeros((len(self.groups), S, self.table_width), np.int32)
         select, counters = np.zeros(R, np.int32), np.zeros(R, np.int32)
         temperature, top_p = np.zeros(R, np.float32), np.ones(R, np.float32)
         top_k, seeds = np.zeros(R, np.int32), np.zeros(R, np.int32)
@@ -274,7 +304,8 @@ class Engine:
             tokens[at:at + c.count] = seq.token_slice(c.start, c.count)
             positions[at:at + c.count] = np.arange(c.start, c.start + c.count)
             slots[at:at + c.count] = slot
-            tables[slot, :len(seq.pages)] = seq.pages
+            for g, held in enumerate(seq.pages):
+                tables[g, slot, :len(held)] = held
             at += c.count
             if c.samples:
                 p = seq.params
