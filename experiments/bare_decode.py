@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 import models
 from models import paged, stack
+from models.layers import rotation
 
 
 class CacheAttend:
@@ -48,10 +49,11 @@ def step(weights: models.contract.Params, tokens_BxT: jax.Array, cache: dict, le
     for layer, p in enumerate(weights["blocks"]):
         spec = specs[layer]
         attend = CacheAttend(cache["k"][layer], cache["v"][layer], length, spec.window)
+        rotate = rotation(spec.rope, spec.rope_dim, positions)
         if spec.mlp == "experts":
-            x = paged.expert_layer(block, p, x, spec, positions, attend, cfg, hooks)
+            x = paged.expert_layer(block, p, x, rotate, attend, cfg, hooks)
         else:
-            x = stack.mlp_half(block, p, x + block.attention(p, x, spec, positions, attend), hooks)
+            x = stack.mlp_half(block, p, x + block.attention(p, x, rotate, attend), hooks)
         ks.append(attend.k)
         vs.append(attend.v)
     return family.forward.logits(weights["top"], x[:, -1:], cfg, hooks)[:, 0], {"k": ks, "v": vs}

@@ -268,7 +268,7 @@ def _branch_paths(comps, entry, count) -> dict[str, list[dict] | None]:
         if opcode == "conditional":
             tags = _jax_branch_tags(attrs, comps[callee])
             step = {"conditional": name, "index": index if not tags or tags == {index} else None,
-                    "branches": len(_branch_list(attrs)), "count": count[comp]}
+                    "branches": len(_branch_list(attrs)), "count": count[comp], "op_name": _op_name(attrs)}
         callers[callee].append((comp, step))
     memo: dict[str, set] = {entry: {()}}
 
@@ -311,7 +311,8 @@ def collectives(hlo_text: str, mesh) -> list[dict]:
     an enclosing loop has no known trip count; branch: the conditional branches it sits in, outermost
     first, each {conditional: instruction name, index: branch index (the lax.switch index; None if
     XLA's numbering contradicts JAX's), branches: how many the conditional has, count: executions of
-    the conditional per step}, [] outside any conditional, None when reached along several paths;
+    the conditional per step, op_name: JAX's name for the conditional}, [] outside any conditional, None
+    when reached along several paths;
     exact: trips_known and branch == [] (count is then exact); scalar: an all-reduce of single elements
     (loss, norms); name: the HLO instruction name; op_name: JAX's name for it (its name stack, '' if XLA
     dropped it); senders: how many devices send (a permute's pairs, which may leave devices out; for the

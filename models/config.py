@@ -94,7 +94,7 @@ def check_lora(cfg: SharedFields) -> None:
     if not isinstance(cfg.lora_alpha, (int, float)) or not cfg.lora_alpha > 0:
         raise ModelConfigError(f"model.lora_alpha={cfg.lora_alpha!r}: a number > 0 (adapters add "
                                f"alpha/rank x A.B to each weight)")
-    if cfg.n_experts and "mlp" in lora_targets(cfg):
+    if "mlp" in lora_targets(cfg) and any(s.mlp == "experts" for s in FAMILIES[cfg.family].layer_specs(cfg)):
         raise ModelConfigError(f"model.lora_targets={cfg.lora_targets!r} with model.n_experts={cfg.n_experts}: a "
                                f"mixture's adapters are on attention only; drop mlp (q, k, v, o adapt every layer)")
 

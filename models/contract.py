@@ -146,6 +146,9 @@ class LayerBytes(Protocol):
     def __call__(self, cfg: ModelConfig, remat: str, tensor: int) -> float: ...
 
 
+Rotate = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]  # (q, k) -> q, k with the layer's rotary
+
+
 class Attend(Protocol):
     def __call__(self, q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array) -> jax.Array:
         """The attention itself, which the runner of a Block supplies for the layer's spec: over whole sequences
@@ -155,17 +158,18 @@ class Attend(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Block:
     """One transformer layer as a family lends it, once: the training stack (models/stack.py) and the paged decode
-    (models/paged.py) both run it as x += attention(p, x, spec, positions, attend); x += mlp_output(p, MLP(
-    mlp_input(p, x))), where MLP is `mlp` for a dense layer and a mixture of `expert_mlp`s for an expert layer.
+    (models/paged.py) both run it as x += attention(p, x, rotate, attend); x += mlp_output(p, MLP(mlp_input(p, x))),
+    where MLP is `mlp` for a dense layer and a mixture of `expert_mlp`s for an expert layer. What differs between
+    layers (models/layer_spec.py) is the runner's: `rotate(q, k)` applies the layer's rotary embedding at the
+    tokens' positions, `attend(q, k, v)` its kind of attention, so the family's code is the same for every layer.
 
-    attention(p, x_BxLxD, spec, positions, attend) -> what the attention half adds to the residual stream: the
-        family's norms and projections around `attend(q, k, v)`, with the layer's LayerSpec (rotary embedding) and
-        the rotary `positions` ([L] or [B, L]; None: 0..L-1);
+    attention(p, x_BxLxD, rotate, attend) -> what the attention half adds to the residual stream: the family's
+        norms and projections, `rotate` where the rotary embedding goes, and `attend` between them;
     mlp_input(p, x) -> the MLP half's normed input h; mlp(p, h) -> the dense MLP's output; mlp_output(p, y) -> what
         the MLP half adds (a post-norm, Gemma's; `y` itself by default);
     expert_mlp(w, x_ExNxD) -> y_ExNxD: one expert's MLP on each expert's rows (models/moe.py), None for a family
         without mixtures."""
-    attention: Callable[..., jax.Array]
+    attention: Callable[[Params, jax.Array, Rotate, "Attend"], jax.Array]
     mlp_input: Callable[[Params, jax.Array], jax.Array]
     mlp: Callable[[Params, jax.Array], jax.Array]
     mlp_output: Callable[[Params, jax.Array], jax.Array] = lambda p, y: y

@@ -21,7 +21,7 @@ from models import contract, gpt_hf, lm_loss, lora, moe, stack, vocab
 from models.contract import Block, Constrain, Hooks, Params, no_constraint
 from models.gpt_config import GPT_PRESETS, GPTConfig
 from models.layer_spec import LayerSpec, Rope
-from models.layers import layer_norm, logical_axes, param, param_dict, rms_norm, rotary, weight, zeros
+from models.layers import layer_norm, logical_axes, param, param_dict, rms_norm, weight, zeros
 
 # Each block matrix's logical axes (after the leading `layers`), as declared and as the matmuls take them.
 AXES = {"wqkv": ("embed", None, "heads", "kv"), "wo": ("heads", "kv", "embed"), "w_in": ("embed", "mlp"),
@@ -137,9 +137,10 @@ def gelu(x: jax.Array, cfg: GPTConfig) -> jax.Array:
     return jax.nn.gelu(x, approximate=cfg.activation != "gelu")
 
 
-def attention(p: Params, x_BxLxD: jax.Array, spec: LayerSpec, positions: jax.Array | None,
-              attend: contract.Attend, cfg: GPTConfig, constrain: Constrain) -> jax.Array:
-    """Causal multi-head attention of the normed input through `attend`, rotary unless positions are learned."""
+def attention(p: Params, x_BxLxD: jax.Array, rotate: contract.Rotate, attend: contract.Attend, cfg: GPTConfig,
+              constrain: Constrain) -> jax.Array:
+    """Causal multi-head attention of the normed input through `attend`, rotary unless positions are learned (the
+    runner's `rotate` does nothing then: layer_specs)."""
     h_BxLxD = norm(x_BxLxD, p, "attn_norm", cfg)
     # Pinning the projection's output (heads split) makes sequence parallelism gather the normed input, not the weight.
     qkv = jnp.einsum("bld,dthk->tblhk", h_BxLxD, weight(p, "wqkv", AXES, cfg.compute_dtype, constrain))
@@ -148,8 +149,7 @@ def attention(p: Params, x_BxLxD: jax.Array, spec: LayerSpec, positions: jax.Arr
     qkv = constrain(qkv, (None, "batch", "seq", "heads", "kv"))
     q, k, v = (constrain(lora.add(t, p, name, h_BxLxD, cfg), ("batch", "seq", "heads", "kv"))
                for t, name in zip((qkv[0], qkv[1], qkv[2]), "qkv"))
-    if spec.rope is not None:  # base 10,000 (layer_specs), as rotary's default frequencies
-        q, k = rotary(q, positions_L=positions), rotary(k, positions_L=positions)
+    q, k = rotate(q, k)
     o_BxLxHxK = constrain(attend(q, k, v), ("batch", "seq", "heads", "kv"))
     projected = jnp.einsum("blhk,hkd->bld", o_BxLxHxK, weight(p, "wo", AXES, cfg.compute_dtype, constrain))
     out_BxLxD = lora.add(biased(projected, p, "wo_bias"), p, "o", o_BxLxHxK, cfg)
@@ -174,7 +174,7 @@ def expert_mlp(w: Params, x_ExNxD: jax.Array, cfg: GPTConfig) -> jax.Array:
 
 def block(cfg: GPTConfig, hooks: Hooks) -> Block:
     """The contract's Block: pre-norm attention and GELU MLP."""
-    return Block(attention=lambda p, x, spec, positions, attend: attention(p, x, spec, positions, attend, cfg, hooks),
+    return Block(attention=lambda p, x, rotate, attend: attention(p, x, rotate, attend, cfg, hooks),
                  mlp_input=lambda p, x: norm(x, p, "mlp_norm", cfg), mlp=lambda p, h: mlp(p, h, cfg, hooks),
                  expert_mlp=lambda w, x: expert_mlp(w, x, cfg))
 

@@ -12,8 +12,7 @@ from flax import nnx
 
 from models import lora
 from models.contract import Hooks, Params
-from models.layer_spec import LayerSpec
-from models.layers import param, rope_frequencies, rotary, weight
+from models.layers import param, weight
 from models.protocols import TransformerConfig
 
 # The matrices' logical axes (after the leading `layers`), as declared and as the matmuls take them.
@@ -40,14 +39,6 @@ def project(p: Params, h_BxLxD: jax.Array, cfg: TransformerConfig, hooks: Hooks)
     q = hooks(q_BxLxGxRxK.reshape(B, L, G * (R2 - 2), K), NAMES)
     k, v = (hooks(lora.add(qkv_BxLxGxRxK[:, :, :, i], p, t, h_BxLxD, cfg), NAMES) for i, t in ((-2, "k"), (-1, "v")))
     return q, k, v
-
-
-def rotate(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, spec: LayerSpec, positions: jax.Array | None):
-    """q and k with the layer's rotary embedding (none without one), positions 0..L-1 unless given."""
-    if spec.rope is None:
-        return q_BxLxHxK, k_BxLxGxK
-    freqs = rope_frequencies(spec.rope, spec.rope_dim or q_BxLxHxK.shape[-1])
-    return rotary(q_BxLxHxK, freqs, positions), rotary(k_BxLxGxK, freqs, positions)
 
 
 def output(p: Params, o_BxLxHxK: jax.Array, cfg: TransformerConfig, hooks: Hooks) -> jax.Array:

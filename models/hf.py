@@ -74,7 +74,9 @@ def always_supported(cfg: ModelConfig) -> str | None:
 class HFAdapter:
     """What train/hf/ needs of a family to import (`restore_from=hf:DIR`) and export (`train.export_hf`):
     `architectures` names the config.json `architectures` entries it reads (the import picks the family by them);
-    `ignored` tensor-name suffixes a file may carry beside the weights (buffers recomputed here)."""
+    `ignored` tensor-name suffixes a file may carry beside the weights (buffers recomputed here); `left_out` name
+    prefixes (after `rename`) of parts of a larger model that are not imported, each with what it is (a multimodal
+    checkpoint's vision tower), named in one line when a directory has them."""
     architectures: tuple[str, ...]
     fields_from_hf: FieldsFromHF
     hf_config: ToHFConfig
@@ -85,6 +87,7 @@ class HFAdapter:
     unsupported: Unsupported = always_supported
     rename: Rename = same_name
     ignored: tuple[str, ...] = ()
+    left_out: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def slices(index: Index, ndim: int) -> tuple:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models.contract import Hooks, Params
+from models.contract import Hooks, Params, Rotate
 from models.layer_spec import Rope
 
 
@@ -68,7 +68,7 @@ def rotary(x_BxLxHxK: jax.Array, freqs_K2: jax.Array | None = None, positions_L:
     [B, L] per row), frequencies 10000^(-2i/K) unless given."""
     L, K = x_BxLxHxK.shape[1], x_BxLxHxK.shape[3]
     if freqs_K2 is None:
-        freqs_K2 = 10000.0 ** (-jnp.arange(0, K // 2, dtype=jnp.float32) * 2 / K)
+        freqs_K2 = rope_frequencies(Rope(), K)
     if positions_L is None:
         positions_L = jnp.arange(L, dtype=jnp.float32)
     angles_BxLxK2 = positions_L.astype(jnp.float32)[..., None] * freqs_K2
@@ -96,6 +96,33 @@ def rope_frequencies(rope: Rope, dim: int) -> jax.Array:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= context / high) & (wavelen <= context / low)
     return jnp.where(medium, smoothed, scaled)
+
+
+def rotation(rope: Rope | None, rope_dim: int, positions: jax.Array | None) -> Rotate:
+    """A layer's `rotate(q, k)` (models/contract.Block): its rotary embedding at `positions` over the first
+    `rope_dim` dimensions' worth of frequencies (0: the head's), or nothing without one."""
+    if rope is None:
+        return lambda q, k: (q, k)
+
+    def rotate(q_BxLxHxK, k_BxLxGxK):
+        freqs = rope_frequencies(rope, rope_dim or q_BxLxHxK.shape[-1])
+        return rotary(q_BxLxHxK, freqs, positions), rotary(k_BxLxGxK, freqs, positions)
+    return rotate
+
+
+def rotation_by_kind(ropes: list[Rope | None], rope_dim: int, positions: jax.Array | None,
+                     kind: jax.Array) -> Rotate:
+    """`rotation` of the traced `kind`'s rope among `ropes` (every one a rotary embedding, or none at all): the
+    frequencies of each kind stacked and the layer's read by index, so layers of several kinds run one program."""
+    if all(r is None for r in ropes):
+        return lambda q, k: (q, k)
+    assert all(r is not None for r in ropes), ropes
+
+    def rotate(q_BxLxHxK, k_BxLxGxK):
+        dim = rope_dim or q_BxLxHxK.shape[-1]
+        freqs = jnp.stack([rope_frequencies(r, dim) for r in ropes])[kind]
+        return rotary(q_BxLxHxK, freqs, positions), rotary(k_BxLxGxK, freqs, positions)
+    return rotate
 
 
 def weight(p: Params, name: str, axes: dict, compute_dtype: str, hooks: Hooks) -> jax.Array:

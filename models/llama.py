@@ -75,20 +75,20 @@ def layer_specs(cfg: LlamaConfig) -> tuple[LayerSpec, ...]:
 
 # ----------------------------------------------------------------------------- the forward pass
 
-def attention(p: Params, x_BxLxD: jax.Array, spec: LayerSpec, positions: jax.Array | None,
-              attend: contract.Attend, cfg: LlamaConfig, hooks: Hooks) -> jax.Array:
+def attention(p: Params, x_BxLxD: jax.Array, rotate: contract.Rotate, attend: contract.Attend, cfg: LlamaConfig,
+              hooks: Hooks) -> jax.Array:
     """Grouped-query attention of the normed input, Qwen3's per-head q/k norms (over each head's K, before the
     rotation, as transformers' Qwen3Attention) when `qk_norm`."""
     q, k, v = gqa.project(p, rms_norm(x_BxLxD, p["attn_norm"], cfg.norm_eps), cfg, hooks)
     if cfg.qk_norm:
         q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
-    q, k = gqa.rotate(q, k, spec, positions)
+    q, k = rotate(q, k)
     return gqa.output(p, attend(q, k, v), cfg, hooks)
 
 
 def block(cfg: LlamaConfig, hooks: Hooks) -> Block:
     """The contract's Block: pre-norm attention and SwiGLU MLP, RMSNorm before each."""
-    return Block(attention=lambda p, x, spec, positions, attend: attention(p, x, spec, positions, attend, cfg, hooks),
+    return Block(attention=lambda p, x, rotate, attend: attention(p, x, rotate, attend, cfg, hooks),
                  mlp_input=lambda p, x: rms_norm(x, p["mlp_norm"], cfg.norm_eps),
                  mlp=lambda p, h: glu.mlp(p, h, cfg, hooks, "silu"),
                  expert_mlp=lambda w, x: glu.expert_mlp(w, x, cfg, "silu"))

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from models import moe, stack
-from models.contract import LAYERS, Block, Hooks, Params, family_of, layer_specs, top_params
-from models.layer_spec import LayerSpec
+from models.contract import LAYERS, Attend, Block, Hooks, Params, Rotate, family_of, layer_specs, top_params
+from models.layers import rotation
 from models.protocols import ModelConfig
 
 ATTEND_TOKENS = 64  # keys each step of the attention loop reads per token (a whole number of pages, at least one)
@@ -89,6 +89,13 @@ def window_blocks(window: int, page_size: int) -> int:
     """Attention blocks that cover any `window` consecutive positions, wherever they start."""
     width = block_pages(page_size) * page_size
     return -(-(window - 1) // width) + 1
+
+
+def cache_bytes(cfg: ModelConfig, context: int, kv_heads: int, windows: bool = True) -> int:
+    """Keys and values one sequence of `context` positions holds over every layer: a causal layer every position,
+    a sliding one its window's alone (or, `windows` False, every position: what it would hold without them)."""
+    per_position = 2 * kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
+    return sum(per_position * (min(context, s.window) if s.window and windows else context) for s in layer_specs(cfg))
 
 
 def position_limit(cfg: ModelConfig) -> int | None:
@@ -223,22 +230,22 @@ def decode(weights: Params, batch: Batch, pools: dict[str, list[jax.Array]], cfg
     for layer, p in enumerate(weights["blocks"]):
         spec = specs[layer]
         attend = PagedAttend(batch, pools["k"][layer], pools["v"][layer], group_of[layer], spec.window)
+        rotate = rotation(spec.rope, spec.rope_dim, positions)
         if spec.mlp == "experts":
-            x = expert_layer(block, p, x, spec, positions, attend, cfg, hooks)
+            x = expert_layer(block, p, x, rotate, attend, cfg, hooks)
         else:
-            x = stack.mlp_half(block, p, x + block.attention(p, x, spec, positions, attend), hooks)
+            x = stack.mlp_half(block, p, x + block.attention(p, x, rotate, attend), hooks)
         ks.append(attend.k_pool)
         vs.append(attend.v_pool)
     chosen = jnp.take(x, batch.select_R, axis=1)
     return family.forward.logits(top, chosen, cfg, hooks)[0], {"k": ks, "v": vs}
 
 
-def expert_layer(block: Block, p: Params, x, spec: LayerSpec, positions, attend: PagedAttend, cfg: ModelConfig,
-                  hooks: Hooks):
+def expert_layer(block: Block, p: Params, x, rotate: Rotate, attend: Attend, cfg: ModelConfig, hooks: Hooks):
     """A mixture's MoE block (models/moe.py) whose experts take every token (capacity_factor 0: none dropped, so a
     token's output never depends on the others in the batch)."""
     layer = p["moe"]
-    x = x + block.attention(layer, x, spec, positions, attend)
+    x = x + block.attention(layer, x, rotate, attend)
     # One row per token: dropless routing is per token, and rows (unlike the one row of the flat batch) split
     # over the batch axes as a mesh splitting the experts needs (sharding/experts.py).
     h = block.mlp_input(layer, x)

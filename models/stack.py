@@ -2,7 +2,7 @@
 a mixture's groups, models/moe.py; LoRA adapters beside them), and `runner`, the contract's run_layers for a
 family's Block: packed-document segments and rotary positions from the inputs (or a context-parallel layout's
 global order), then one scanned, rematerialized layer per stack entry, each running its own LayerSpec's attention
-(a `lax.switch` over the model's attention kinds when they differ, by the layer's logical index)."""
+(by the layer's logical index when the model's attention kinds differ: AttentionHalves)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -13,8 +13,8 @@ from flax import nnx
 
 from models import documents, lora, moe
 from models.contract import Block, BlockOf, Constrain, LayerAux, Params, RunLayers, layer_specs
-from models.layer_spec import LayerSpec, attention_kinds
-from models.layers import remat
+from models.layer_spec import attention_kinds
+from models.layers import remat, rotation, rotation_by_kind
 from models.protocols import ModelConfig
 
 # attention(p, x, layer) -> what the attention half of logical layer `layer` adds (None: every layer's is one kind)
@@ -84,28 +84,44 @@ def mlp_half(block: Block, p: Params, x_BxLxD: jax.Array, constrain: Constrain) 
     return constrain(x_BxLxD + out, ("batch", "seq", "embed"))
 
 
+KINDS_SCOPE = "attention_kinds"  # the name of the switch between attention kinds, which the audit weighs by
+
+
 class AttentionHalves:
-    """(p, x, layer) -> the attention half's addition of logical layer `layer` over whole sequences, its kind (window,
-    rotary embedding) from the model's LayerSpecs: one program when every layer's attention is of one kind
-    (`uniform`, `layer` unused), else a `lax.switch` over the kinds, one compiled branch each."""
+    """(p, x, layer) -> the attention half's addition of logical layer `layer` over whole sequences, with its kind's
+    rotary embedding and window (its LayerSpec). When the kinds differ, the family's attention half still runs as
+    one program for every layer: the rotary frequencies are data indexed by the layer's kind, and only the
+    attention itself switches between windows (`lax.switch` under the name KINDS_SCOPE), so the projections and
+    their collectives (tensor-parallel all-reduces, FSDP gathers) stay outside any conditional."""
 
     def __init__(self, block: Block, cfg: ModelConfig, constrain: Constrain, segment_ids_BxL: jax.Array | None,
                  positions: jax.Array | None):
         specs = layer_specs(cfg)
-        self.kinds = attention_kinds(specs)
+        self.block, self.positions, self.kinds = block, positions, attention_kinds(specs)
         self.uniform = len(self.kinds) == 1
-
-        def half(spec: LayerSpec) -> Callable:
-            def attend(q, k, v):
-                return constrain.causal_attention(q, k, v, cfg.attention, segment_ids_BxL, spec.window)
-            return lambda p, x: block.attention(p, x, spec, positions, attend)
-        self.branches = [half(kind) for kind in self.kinds]
         self.kind_of = [self.kinds.index(s.attention_kind) for s in specs]
+        self.windows = sorted({k.window for k in self.kinds})
+        self.window_of = [self.windows.index(s.window) for s in specs]
+        assert len({k.rope_dim for k in self.kinds}) == 1, self.kinds
+
+        def attend(window: int) -> Callable:
+            return lambda q, k, v: constrain.causal_attention(q, k, v, cfg.attention, segment_ids_BxL, window)
+        self.attend = [attend(w) for w in self.windows]
 
     def __call__(self, p: Params, x_BxLxD: jax.Array, layer: jax.Array | None) -> jax.Array:
         if self.uniform:
-            return self.branches[0](p, x_BxLxD)
-        return jax.lax.switch(jnp.asarray(self.kind_of, jnp.int32)[layer], self.branches, p, x_BxLxD)
+            kind = self.kinds[0]
+            return self.block.attention(p, x_BxLxD, rotation(kind.rope, kind.rope_dim, self.positions), self.attend[0])
+        kind = jnp.asarray(self.kind_of, jnp.int32)[layer]
+        rotate = rotation_by_kind([k.rope for k in self.kinds], self.kinds[0].rope_dim, self.positions, kind)
+        if len(self.windows) == 1:
+            return self.block.attention(p, x_BxLxD, rotate, self.attend[0])
+        window = jnp.asarray(self.window_of, jnp.int32)[layer]
+
+        def attend(q, k, v):
+            with jax.named_scope(KINDS_SCOPE):
+                return jax.lax.switch(window, self.attend, q, k, v)
+        return self.block.attention(p, x_BxLxD, rotate, attend)
 
 
 def layer_aux(x_BxLxD: jax.Array, stats: dict | None) -> tuple[jax.Array, LayerAux]:

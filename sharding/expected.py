@@ -41,6 +41,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import models
+from sharding import context as context_lib
 from sharding import schedule_buffers, schedules
 from sharding.slot_program import has_split_backward
 from sharding.specs import pins_weights, spec_axes
@@ -277,7 +278,9 @@ def tensor_activations(x: Layout) -> list[Expected]:
 
 def context_ring(x: Layout) -> list[Expected]:
     """Ring attention passes every layer's K and V blocks c-1 hops forward and their gradients c-1 hops back
-    (again where the backward recomputes attention: full remat and save_dots). In a pipeline's cells the blocks are
+    (again where the backward recomputes attention: full remat and save_dots); a sliding layer only the blocks its
+    window reaches (sharding/context.ring_steps: with c = 4 chunks of 8 positions and a window of 8, 2 of the 3).
+    In a pipeline's cells the blocks are
     all-gathered instead and their gradients reduce-scattered (sharding/context.py, _next_block), by every cell that
     runs a chunk's forward: the forward cell, and each backward cell (B and W for a split backward) that recomputes
     it, full remat again."""
@@ -295,8 +298,9 @@ def context_ring(x: Layout) -> list[Expected]:
         whole = 2 * context * cfg.n_layers * block / x.sizes["pipeline"]  # K and V of the stage's layers, gathered
         return [Expected("context K/V all-gather", "all_gather", "context", forwards * whole),
                 Expected("context K/V gradient reduce-scatter", "reduce_scatter", "context", backwards * whole)]
+    hops = sum(len(context_lib.ring_steps(context, cfg.seq_len, spec.window)) for spec in models.layer_specs(cfg))
     return [Expected("ring attention K/V blocks", "collective_permute", "context",
-                     ring_passes(cfg.remat) * 2 * (context - 1) * cfg.n_layers * block)]
+                     ring_passes(cfg.remat) * 2 * hops * block)]
 
 
 def ring_passes(remat: str) -> int:

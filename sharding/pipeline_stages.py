@@ -154,8 +154,8 @@ class Cells:
 
     def idle(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, _, ids = ops
-        log = self._no_log(chunk, x_in, tokens, ids)
-        return self.zeros(x_in), self.zeros(x_in), self.zeros(chunk), self.zeros(top), log
+        zeros = self.zeros(x_in), self.zeros(x_in), self.zeros(chunk), self.zeros(top)
+        return *zeros, self._no_log(chunk, x_in, tokens, ids)
 
     def fwd_first(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, _, ids = ops

@@ -83,3 +83,23 @@ def test_a_family_unknown_to_sharding_and_train_trains_and_pipelines():
     grads, losses, _ = grads_and_run(piped, 3)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     assert rel_norm(grads, ref_grads) < 1e-5
+
+
+def test_every_family_declares_one_layer_spec_per_layer_as_its_stack_holds_them():
+    """Each preset's LayerSpecs: one per layer; its expert layers the mixture's groups; a sliding layer's window
+    within the row; a family that declares none (the toy) gets causal layers. Gemma 3 27B: a global layer every
+    sixth (10 of 62), the others sliding over 1,024 positions, each kind its own rotary base."""
+    for family in models.FAMILIES.values():
+        for preset in family.presets:
+            cfg = models.from_dict({"preset": preset})
+            specs = models.layer_specs(cfg)
+            assert len(specs) == cfg.n_layers and all(isinstance(s, models.LayerSpec) for s in specs), preset
+            experts = family.parallel.expert_buffers(cfg)
+            assert sum(s.mlp == "experts" for s in specs) == (experts.layers if experts else 0), preset
+            assert all(0 < s.window or s.attention != "sliding" for s in specs), preset
+    assert models.layer_specs(ToyConfig()) == (models.LayerSpec(),) * 4 and models.uniform_attention(ToyConfig())
+    gemma = models.layer_specs(models.from_dict({"preset": "gemma3-27b"}))
+    assert [i for i, s in enumerate(gemma) if s.attention == "causal"] == list(range(5, 62, 6))
+    assert {s.window for s in gemma if s.attention == "sliding"} == {1024}
+    assert {(s.attention, s.rope) for s in gemma} == {("causal", models.Rope(1e6, "linear", 8.0)),
+                                                     ("sliding", models.Rope(1e4))}

@@ -42,6 +42,8 @@ def read_config(spec: str) -> dict[str, Any]:
 def context_length(hf: dict[str, Any]) -> int | None:
     """The positions config.json says the model takes (max_position_embeddings, or GPT-2's n_positions): the
     context a server of `--hf=DIR` decodes within. None when it says none."""
+    text = hf.get("text_config")  # a multimodal model's text tower (Gemma3ForConditionalGeneration)
+    hf = text if isinstance(text, dict) else hf
     value = hf.get("max_position_embeddings") or hf.get("n_positions")
     return int(value) if isinstance(value, int) and value > 0 else None
 

@@ -21,8 +21,8 @@ class ModelSection(Section):
     preset's value (models/*_config.py check them)."""
     KEY: ClassVar[str] = "model"
     preset: str = setting("tiny", "a preset of a family (it implies model.family); the fields below override it",
-                          allowed="a preset of models/gpt_config.py or models/llama_config.py")
-    family: str = setting(None, "gpt or llama without a preset: that family's defaults", kind=str)
+                          allowed="a preset of a family's models/<family>_config.py")
+    family: str = setting(None, "a family without a preset (models/<family>.py): that family's defaults", kind=str)
 
 
 def _config_type(cls: type, field: dataclasses.Field) -> type:

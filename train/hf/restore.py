@@ -78,6 +78,7 @@ def check_model(spec: str, cfg: models.ModelConfig, workdir: pathlib.Path | None
                           f"model.preset to one of {', '.join(family.presets)}")
     adapter = family.hf
     tensors = {adapter.rename(k): v for k, v in tensors.items()}
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(tuple(adapter.left_out))}
     theirs = hf_model.fields(spec, hf, family)
     differ = [f"model.{k}={getattr(cfg, k)!r} vs {v!r}" for k, v in theirs.items() if getattr(cfg, k) != v]
     if differ:
@@ -99,6 +100,17 @@ def check_model(spec: str, cfg: models.ModelConfig, workdir: pathlib.Path | None
                 (workdir / "tokenizer").mkdir(parents=True, exist_ok=True)
                 shutil.copy2(source / name, workdir / "tokenizer" / name)
     return tensors
+
+
+def left_out(spec: str) -> str:
+    """What HFDIR holds that its family does not import (a multimodal checkpoint's vision tower), as a phrase for
+    the run's log: '' when nothing; else e.g. '; the vision tower (439 tensors) left out'."""
+    hf, tensors = open_tensors(spec)
+    adapter = hf_model.family_of_hf(spec, hf).hf
+    names = [adapter.rename(k) for k in tensors]
+    counts = {what: sum(n.startswith(prefix) for n in names) for prefix, what in adapter.left_out.items()}
+    parts = [f"{what} ({n} tensors)" for what, n in counts.items() if n]
+    return f"; {' and '.join(parts)} left out" if parts else ""
 
 
 def load_params(spec: str, placed: Any) -> Any:

@@ -140,8 +140,8 @@ def _from_elsewhere(trainer: Trainer, t0: float) -> Start:
         return Start(trainer.init_state(), rng, 0, "initialized", False, time.perf_counter() - t0)
     if spec.startswith(hf_import.PREFIX):  # Hugging Face weights: params only, fresh optimizer, step 0
         state = _fresh_optimizer(trainer, placed_lib.from_hf(trainer.placed, spec).params)
-        return Start(state, rng, 0, f"Hugging Face weights of {spec[len(hf_import.PREFIX):]}", False,
-                     time.perf_counter() - t0)
+        return Start(state, rng, 0, f"Hugging Face weights of {spec[len(hf_import.PREFIX):]}"
+                     f"{hf_import.left_out(spec)}", False, time.perf_counter() - t0)
     source, step = checkpoint.open_source(spec)
     if params_only:
         got = checkpoint.restore_source(source, step, ckpt_format.params_target(trainer), True, spec)

@@ -19,8 +19,10 @@ from typing import Any
 import jax
 import numpy as np
 
+import models
 from mesh import chips, cost, placement
 from mesh import topology as topology_lib
+from models.stack import KINDS_SCOPE
 from sharding import slot_program
 from sharding.expected import expected_traffic
 from train.config import ConfigError
@@ -87,6 +89,29 @@ def weigh_branches(records: list[dict], slot_counts, slots: int) -> list[dict]:
             r = dict(r, count=r["count"] * float(share[outer["index"]]), exact=r.get("trips_known", True))
         out.append(r)
     return out
+
+
+def weigh_layer_kinds(records: list[dict], shares: list[float]) -> list[dict]:
+    """Records inside the switch between a model's attention windows (models/stack.KINDS_SCOPE, one branch per
+    window) counted as the layers really take it: mesh.hlo counts each branch on every layer, and branch i runs
+    in `shares[i]` of them (the layers of that window, models/layer_spec.py). The switch then leaves the record's
+    branch path, so an enclosing pipeline switch is weighed as usual (weigh_branches)."""
+    out = []
+    for r in records:
+        inner = (r.get("branch") or [None])[-1]
+        if (inner and KINDS_SCOPE in inner.get("op_name", "") and inner["index"] is not None
+                and inner["branches"] == len(shares)):
+            rest = r["branch"][:-1]
+            r = dict(r, count=r["count"] * shares[inner["index"]], branch=rest,
+                     exact=r.get("trips_known", True) and not rest)
+        out.append(r)
+    return out
+
+
+def window_shares(cfg) -> list[float]:
+    """Per distinct attention window (sorted, as models/stack.AttentionHalves switches), its share of the layers."""
+    windows = [s.window for s in models.layer_specs(cfg)]
+    return [windows.count(w) / len(windows) for w in sorted(set(windows))]
 
 
 def weigh_sends(records: list[dict], send_counts: dict, slots: int, devices: int) -> list[dict]:
@@ -199,7 +224,7 @@ def audit(trainer, report: dict, xla_log: str, topology: str, hosts: int, mfu: f
                                 {"schedule": pipe.schedule, "microbatches": pipe.microbatches,
                                  "virtual_stages": pipe.virtual_stages}
                                 if pipe else None)
-    records = report["collectives"]
+    records = weigh_layer_kinds(report["collectives"], window_shares(plan.model))
     if plan.pipeline:
         schedule = plan.pipeline.build()
         records = weigh_branches(records, slot_program.branch_slot_counts(schedule), schedule.num_slots)

@@ -70,6 +70,8 @@ def _plan(config) -> int:
           f"{len(fitting)} fit" + (f"; meshes {search.skipped_text(skipped)}" if skipped else ""))
     print(report.table(ranked, _TOP.value))
     print(report.breakdown(fitting[0], fitting[1] if len(fitting) > 1 else None))
+    if report.kv_cache(cfg):
+        print(report.kv_cache(cfg))
     if topo.step_overhead != 1.0:
         print(f"  (matmuls and memory-bound work include the calibrated step_overhead x{topo.step_overhead:g})")
     flag = flags.FLAGS[_CONFIG.name]

@@ -6,6 +6,8 @@ import pathlib
 import shlex
 from typing import Any, Mapping
 
+import models
+from models import paged
 from train.planner.candidate import Prediction
 
 # What the chosen layout sets (Candidate.overrides), so the user's own values for them are not repeated.
@@ -41,6 +43,18 @@ def run_line(config_file: str, overrides: Mapping[str, Any], best: Prediction, a
     workdir = f"--workdir=runs/{pathlib.Path(config_file.split(':', 1)[0]).stem}"
     words = ["python", "-m", "train", f"--config={config_file}", *own, *best.candidate.overrides(), workdir]
     return "run it: " + " ".join(shlex.quote(w) for w in words + ["--config.plan.auto=False"] * auto)
+
+
+def kv_cache(cfg: models.ModelConfig) -> str:
+    """The KV cache a served sequence of the model's seq_len holds (models/paged.cache_bytes), and what its sliding
+    layers save, or '' for a family that does not decode."""
+    if models.family_of(cfg).block is None:
+        return ""
+    kv = models.family_of(cfg).parallel.kv_heads(cfg)
+    held, whole = (paged.cache_bytes(cfg, cfg.seq_len, kv, windows) for windows in (True, False))
+    sliding = sum(1 for s in models.layer_specs(cfg) if s.window)
+    saved = f" ({sliding} sliding layers hold their window: {whole / 2 ** 20:,.1f} MiB without)" if sliding else ""
+    return f"serving: KV cache {held / 2 ** 20:,.1f} MiB per sequence of {cfg.seq_len:,} tokens{saved}"
 
 
 def _parts(by_part: dict[str, float]) -> str:

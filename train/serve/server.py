@@ -47,6 +47,9 @@ class Metrics:
         self.waiting = gauge("serve_waiting_requests", "Requests queued for a slot.")
         self.pages_used = gauge("serve_kv_pages_used", "KV-cache pages held by sequences.")
         self.pages_free = gauge("serve_kv_pages_free", "KV-cache pages free or holding an idle cached prefix.")
+        self.kind_used = gauge("serve_kv_pages_used_by_kind", "KV-cache pages held by sequences, by cache kind "
+                               "(causal, or sliding_<window>).", ("kind",))
+        self.kind_free = gauge("serve_kv_pages_free_by_kind", "KV-cache pages free or idle, by cache kind.", ("kind",))
         self.hit_rate = gauge("serve_prefix_cache_hit_rate", "Prefix-cache hits per full prompt page looked up.")
         counter = functools.partial(prom.Counter, registry=self.registry)
         self.tokens = counter("serve_generation_tokens", "Tokens generated.")  # exposed as ..._total
@@ -66,6 +69,10 @@ class Metrics:
         self.waiting.set(s["waiting"])
         self.pages_used.set(s["pages_used"])
         self.pages_free.set(s["pages_free"])
+        for key, value in s.items():
+            if key.startswith(("pages_used.", "pages_free.")):
+                gauge = self.kind_used if key.startswith("pages_used.") else self.kind_free
+                gauge.labels(kind=key.split(".", 1)[1]).set(value)
         self.hit_rate.set(s["prefix_hits"] / s["prefix_queries"] if s["prefix_queries"] else 0.0)
         for key, counter in (("tokens_generated", self.tokens), ("prefill_tokens", self.prompt_tokens)):
             counter.inc(max(0, s[key] - self._counted[key]))  # the engine counts; the counter follows it
