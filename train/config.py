@@ -151,14 +151,14 @@ def _check_experts(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str,
         return
     context = mesh_sizes.get("context", 1)
     replicas = math.prod(mesh_sizes[a] for a in rules.get("batch", ()) if a in mesh_sizes)
-    if context > 1 and (rows // replicas) % context:
-        raise ConfigError(f"mesh.context={context} with model.n_experts={model.n_experts}: the mixture splits each "
-                          f"device's {rows // replicas} rows over context; make them a multiple of {context} "
-                          f"({batch_setting})")
     if context > 1 and mesh_sizes.get("pipeline", 1) > 1 and models.contract.head_reads_ahead(model):
         raise ConfigError(f"model.mtp_loss_weight={model.mtp_loss_weight} with mesh.context={context} inside a "
                           f"pipeline: multi-token prediction reads the next positions' tokens, which a stage's "
                           f"context slice does not hold; set model.mtp_loss_weight=0 or mesh.context=1")
+    if context > 1 and (rows // replicas) % context:
+        raise ConfigError(f"mesh.context={context} with model.n_experts={model.n_experts}: the mixture splits each "
+                          f"device's {rows // replicas} rows over context; make them a multiple of {context} "
+                          f"({batch_setting})")
     if mesh_sizes.get("expert", 1) > 1 and ("expert" not in rules.get("batch", ())
                                             or rules.get("experts", ()) != ("expert",)):
         raise ConfigError("mesh.expert > 1 needs sharding rules batch -> (..., 'expert') and experts -> ('expert',), "
