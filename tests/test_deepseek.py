@@ -130,7 +130,7 @@ def _params_of(run):
 def trained(tmp_path_factory):
     """deepseek-v3-tiny trained 4 steps on expert=2 x tensor=2 x fsdp=2 (the layout above), a checkpoint every 2
     steps; then its last checkpoint removed and the run resumed from step 2 to 4 again: (run dir, export dir, the
-    params the uninterrupted run ended with)."""
+    params the uninterrupted run ended with, the resumed run's, its model config)."""
     root = tmp_path_factory.mktemp("deepseek_run")
     config = _config(**LAYOUTS[0])
     config.train.steps = 4
@@ -142,12 +142,11 @@ def trained(tmp_path_factory):
     cfg, params, step = export_hf.restore_params(root / "run", None)
     assert step == 4
     export_hf.write(root / "out", cfg, params, "float32", None)
-    return root / "run", root / "out", uninterrupted
+    return root / "run", root / "out", uninterrupted, params, cfg
 
 
 def test_a_resumed_run_continues_the_same_bias(trained):
-    run, _, uninterrupted = trained
-    resumed = _params_of(run)
+    _, _, uninterrupted, resumed, _ = trained
     assert np.abs(resumed["layers"][moe.BIAS]).max() > 0  # it moved: 1e-3 a step
     for where in ("layers", "mtp"):
         np.testing.assert_array_equal(resumed[where][moe.BIAS], uninterrupted[where][moe.BIAS])
@@ -157,7 +156,7 @@ def test_a_resumed_run_continues_the_same_bias(trained):
 def test_an_exported_run_greedy_decodes_as_train_sample_and_our_forward(trained):
     """train.sample decodes on the engine's latent cache (queries absorbed into the latent), transformers on its
     expanded keys and values, our full forward over the whole sequence: the same 16 tokens."""
-    run, out, _ = trained
+    run, out, _, params, cfg = trained
     prompt = list(TOKENS[0, :12])
     request = sample_lib.Request(prompt_tokens=",".join(map(str, prompt)), max_new=16, as_json=True)
     ours = json.loads(sample_lib.sample(run, None, request, None))["tokens"]
@@ -166,7 +165,6 @@ def test_an_exported_run_greedy_decodes_as_train_sample_and_our_forward(trained)
     with torch.no_grad():
         theirs = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert ours == theirs.numpy()[0, len(prompt):].tolist()
-    cfg, params, _ = export_hf.restore_params(run, None)
     full = np.asarray(jax.jit(lambda p, t: models.forward(p, t, cfg))(params, np.asarray([prompt + ours])))[0]
     assert ours == np.argmax(full, -1)[len(prompt) - 1:-1].tolist()
     config = json.loads((out / "config.json").read_text())

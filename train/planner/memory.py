@@ -106,11 +106,15 @@ def predict(cfg: models.ModelConfig, c: Candidate, global_batch: int, donated: b
     if p > 1:
         table = schedule_table(c.schedule, p, c.microbatches, c.virtual_stages)
         in_flight = int(max(schedules.max_in_flight(table)))
-        chunk_layers = cfg.n_layers // (p * c.virtual_stages)
+        # A dense prefix held outside the stack runs on the first stage with its chunk (models/deepseek.py).
+        prefix = models.moe.dense_prefix(cfg)
+        chunk_layers = (cfg.n_layers - prefix) // (p * c.virtual_stages) + prefix
         activations = in_flight * tokens * cfg.d_model * b / (t if sp else 1) + chunk_layers * layer
     else:
         activations = cfg.n_layers * layer
-    logits = 2 * tokens * cfg.vocab_size / t * 4  # float32 logits and their gradient
+    ahead = models.contract.head_reads_ahead(cfg)  # multi-token prediction: a block and a head per depth
+    activations += ahead * layer
+    logits = (1 + ahead) * 2 * tokens * cfg.vocab_size / t * 4  # float32 logits and their gradient
     slots, gradients = expert_buffer_bytes(cfg, c, global_batch)
     kept = 0.0 if c.remat == "full" else slots  # full remat keeps layer inputs only
     if c.remat == "none":
