@@ -261,3 +261,20 @@ def test_pipelines_and_context_refuse_what_does_not_split():
     config = _config(pipeline=2, context=2, data=2)
     with pytest.raises(ConfigError, match="multi-token prediction reads the next positions"):
         Trainer.build(config)
+
+
+def test_the_671b_sizes_and_its_latent_cache():
+    """DeepSeek-V3's published sizes (671B; 37B active with the embedding) from the parameters as built; the stack
+    pipelines cut is its 58 mixture layers; a token caches 61 x (512 + 64) bfloat16 numbers, 3.6x fewer bytes than the
+    same model with 8 grouped KV heads of 128."""
+    cfg = models.from_dict({"preset": "deepseek-v3-671b"})
+    abstract, _ = models.abstract_params(cfg)
+    assert models.param_count(cfg) == sum(math.prod(a.shape) for a in jax.tree.leaves(abstract))
+    without_mtp = dataclasses.replace(cfg, num_nextn_predict_layers=0)
+    assert round(models.param_count(without_mtp) / 1e9, 2) == 671.03
+    assert round((deepseek.matmul_params(cfg, active=True, with_mtp=False) + 129280 * 7168) / 1e9, 1) == 37.6
+    assert models.stack_length(cfg) == 58
+    per_token = models.paged.cache_bytes(cfg, 1, cfg.n_heads)
+    gqa = models.from_dict({"preset": "llama3-tiny", "d_model": 7168, "n_layers": 61, "n_heads": 128, "n_kv_heads": 8,
+                            "head_dim": 128, "compute_dtype": "bfloat16"})
+    assert per_token == 61 * 576 * 2 == 70272 and models.paged.cache_bytes(gqa, 1, 8) == 249856
