@@ -229,7 +229,9 @@ def test_collectives_in_switch_branches_name_their_branch():
     ar, perm = _only(recs, "all_reduce"), _only(recs, "collective_permute")
     # count stays the upper bound (every trip of the scan), so the records are not exact
     assert (ar["axes"], ar["count"], ar["exact"], ar["trips_known"]) == (["data"], 5, False, True)
-    assert ar["branch"] == [{"conditional": three_way[0], "index": 2, "branches": 3, "count": 5}]
+    assert ar["branch"] == [{"conditional": three_way[0], "index": 2, "branches": 3, "count": 5,
+                             "op_name": ar["branch"][0]["op_name"]}]
+    assert ar["branch"][0]["op_name"].endswith("/cond")  # JAX's name for the switch (the audit finds scopes in it)
     assert (perm["axes"], perm["count"], perm["exact"]) == (["tensor"], 5, False)
     assert [b["index"] for b in perm["branch"]] == [1, 0] and perm["branch"][0]["conditional"] == three_way[0]
     assert perm["branch"][1]["branches"] == 2 and perm["branch"][1]["count"] == 5
@@ -274,4 +276,5 @@ ENTRY %main (p: pred[], x: f32[8,4]) -> f32[8,4] {
 def test_predicate_conditional_true_branch_is_index_one():
     """lax.cond's index 0 is the false branch, so a predicate conditional's true branch is index 1."""
     ar = _only(collectives(PRED_STYLE, make_mesh(SIZES)), "all_reduce")
-    assert ar["branch"] == [{"conditional": "c", "index": 1, "branches": 2, "count": 1}] and not ar["exact"]
+    assert ar["branch"] == [{"conditional": "c", "index": 1, "branches": 2, "count": 1, "op_name": ""}]
+    assert not ar["exact"]
