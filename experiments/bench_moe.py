@@ -20,8 +20,8 @@ from mesh import (
     use_cpu_devices,
 )
 from train import cli
-from train.planner import audit
-from train.planner import compile_report as report
+from train.plan import audit
+from train.plan import compile_report as report
 from train.trainer import Trainer
 
 _PRESETS = flags.DEFINE_list("presets", ["moe-tiny"], "Mixture-of-experts presets, on experiments/tiny.py's settings.")

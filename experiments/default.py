@@ -3,7 +3,7 @@ devices in 3D as pipeline x data x tensor = 2 x 2 x 2 (interleaved 1F1B, 2 chunk
 
 Variants (`--config=experiments/default.py:NAME`) keep everything but the layout: `fsdp_tensor` (data x fsdp
 x tensor = 2 x 2 x 2, no pipeline), `data_parallel` (data=8)."""
-from train.config import base_config
+from train.config.experiment import base_config
 
 LAYOUTS = {
     "": dict(data=2, pipeline=2, tensor=2),

@@ -11,7 +11,7 @@ import time
 
 import models
 from mesh import topology as T
-from train.planner import report, search
+from train.plan import report, search
 
 SHAPES = {  # name: (d_model, layers, heads)
     "1.3B": (2048, 24, 16), "6.7B": (4096, 32, 32), "13B": (5120, 40, 40), "175B": (12288, 96, 96),

@@ -2,7 +2,7 @@
 
 Sizes are the nccl-tests S (bytes of the full buffer; see `bus_factor`), group size n, and the link a
 group's traffic crosses, with its bandwidth shared when several groups leave one host at once.
-Audit part (what a collective costs on a topology); train/planner/audit.py maps the parts of `--audit`.
+Audit part (what a collective costs on a topology); train/plan/audit.py maps the parts of `--audit`.
 """
 from __future__ import annotations
 

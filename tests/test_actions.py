@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import ROOT, run_python, tiny_config
-from train.config import ConfigError
+from train.config.experiment import ConfigError
 from train.loop import actions
 from train.loop import runner as loop
 
@@ -113,9 +113,9 @@ def test_train_functions_are_short_and_loop_functions_take_few_parameters():
 
 
 def test_train_subpackage_functions_are_short():
-    """The 50-line rule holds in train/'s subpackages (train/planner/...) too, not only its top level."""
+    """The 50-line rule holds in train/'s subpackages (train/plan/...) too, not only its top level."""
     folders = sorted({p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "train").rglob("*/*.py")})
-    assert "train/planner" in folders
+    assert "train/plan" in folders
     found = [(folder, f, n, lines) for folder in folders for f, n, lines, _ in _functions(folder)]
     assert len(found) > 30  # the walk sees the subpackages' functions
     long = [item for item in found if item[3] > 50]
@@ -128,8 +128,8 @@ def test_fault_injection_is_an_action_only_a_test_config_adds():
     import dataclasses
     import types
 
-    from train import sections
-    from train.config import base_config
+    from train.config import sections
+    from train.config.experiment import base_config
     from train.loop import builtin as loop_actions
     config = base_config()
     checkpoint_section = sections.CheckpointSection.from_config(config.checkpoint)

@@ -93,7 +93,7 @@ def test_preset_loss_chunk_drops_the_float32_logits_from_temporaries():
     """gpt2-125m, batch 8 on one device: the chunked loss no longer holds the [8, 1024, 50304] float32 logits
     and their gradient (1.65 GB each), so XLA's temporaries shrink by at least 1.5 GB."""
     from tests.helpers import tiny_config
-    from train.planner.compile_report import memory_per_device
+    from train.plan.compile_report import memory_per_device
     from train.trainer import Trainer
 
     def temp_bytes(chunk):

@@ -9,8 +9,8 @@ from sharding import expected as expected_lib
 from sharding import schedules, slot_program
 from sharding.expected import Expected
 from tests.helpers import run_python, tiny_config
-from train.planner import audit as audit_lib
-from train.planner import compile_report as report
+from train.plan import audit as audit_lib
+from train.plan import compile_report as report
 from train.trainer import Trainer
 
 LAYOUTS = {
@@ -130,7 +130,7 @@ import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 jax.config.update("jax_num_cpu_devices", 8)
 from mesh import make_mesh
-from train.planner import audit as audit_lib
+from train.plan import audit as audit_lib
 mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
 table = jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=NamedSharding(mesh, P("tensor", "fsdp")))
 tokens = jax.ShapeDtypeStruct((16, 64), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))

@@ -16,11 +16,11 @@ import models
 from checkpoint import safetensors_io
 from tests.forked import run_many
 from tests.helpers import ROOT, tiny_config
-from train import config as config_lib
 from train import exit_codes
-from train.data import prepare
+from train.config import experiment as config_lib
 from train.hf import export as hf_export
 from train.loop import goodput, metrics, phases
+from train.prepare import command as prepare
 from train.runtime.lock import WorkdirLock
 
 TINY = ["--config=experiments/tiny.py", "--config.mesh.data=8"]
@@ -141,7 +141,7 @@ def _chats(tmp):
     return tmp / "chat", tmp / "chat-mask"
 
 
-# Values a section's declaration refuses (train/sections.py): {override: the error line after it}.
+# Values a section's declaration refuses (train/config/sections.py): {override: the error line after it}.
 DECLARED = {"optimizer.b1=1.5": "use a decay in [0, 1)", "optimizer.b2=-0.1": "use a decay in [0, 1)",
             "optimizer.eps=-1": "must be a positive number",
             "optimizer.weight_decay=-1": "must be a number >= 0 (0 turns it off)",

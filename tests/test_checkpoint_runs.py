@@ -18,7 +18,7 @@ import pytest
 
 from tests.helpers import ROOT, last_step, losses, run_cli, start_cli, wait_for
 from train import exit_codes
-from train.data import prepare
+from train.prepare import command as prepare
 
 STEPS = 12
 # Half the tiny model's width and layers (4 still splits into 2 stages x 2 virtual stages): a warm run then

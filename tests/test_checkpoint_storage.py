@@ -14,7 +14,7 @@ import checkpoint
 from checkpoint.meta_handler import MetaHandler
 from mesh.errors import UserError
 from tests.helpers import tiny_config
-from train.config import resolve
+from train.config.experiment import resolve
 
 # 2 x 1.5 MiB of random float32 (incompressible): a checkpoint is about 3 MiB.
 TREE = {name: jax.random.normal(jax.random.key(seed), (384 << 10,)) for seed, name in enumerate("ab")}

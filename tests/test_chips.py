@@ -4,7 +4,7 @@ import pytest
 
 from experiments.tiny import get_config
 from mesh import chips
-from train.planner import audit
+from train.plan import audit
 from train.runtime import hardware
 
 # device_kind strings as JAX reports them, and the datasheet dense peak (TFLOP/s) per dtype.

@@ -12,8 +12,8 @@ from tests.helpers import STEPS, grads_and_run, reference_config, rel_norm, sing
 from tests.test_documents import _config as documents_config
 from tests.test_documents import _datadir
 from tests.test_moe import moe_config
-from train.planner import audit as audit_lib
-from train.planner import compile_report as report
+from train.plan import audit as audit_lib
+from train.plan import compile_report as report
 from train.trainer import Trainer
 
 # (mesh, sequence parallelism). Three axes at a time, so that one compiled program holds several pairs: context x

@@ -94,7 +94,7 @@ def test_default_experiment_variants():
     ("checkpoint.restore_params_only", True, "checkpoint.restore_params_only=True needs checkpoint.restore_from"),
 ])
 def test_fault_tolerance_settings_are_checked_by_resolve(key, value, fragment):
-    from train.config import resolve
+    from train.config.experiment import resolve
     config = tiny_config(data=8)
     section, name = key.split(".")
     config[section][name] = value
@@ -104,7 +104,7 @@ def test_fault_tolerance_settings_are_checked_by_resolve(key, value, fragment):
 
 
 def test_attention_resolves_per_platform_into_the_plan():
-    from train.config import resolve
+    from train.config.experiment import resolve
     config = tiny_config(data=8)
     assert resolve(config, 8).model.attention == "xla"  # auto on this CPU
     config.model.update(preset="gpt2-125m", seq_len=64)  # bfloat16, head dimension 64

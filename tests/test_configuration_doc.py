@@ -1,4 +1,5 @@
-"""The settings' declarations (train/sections.py, train/model_settings.py) are the one place a setting is written:
+"""The settings' declarations (train/config/sections.py, train/config/model_settings.py) are the one place a
+setting is written:
 docs/configuration.md is generated from them and must be current, the base config and the model.* keys come from
 them, their checks give the one-line errors, and the config.json of an older run still resolves."""
 import dataclasses
@@ -9,8 +10,9 @@ import pytest
 
 import models
 from tests.helpers import ROOT
-from train import config_reference, model_settings, sections
-from train.config import ConfigError, base_config, load_run_config, resolve
+from train.config import model_settings, sections
+from train.config import reference as config_reference
+from train.config.experiment import ConfigError, base_config, load_run_config, resolve
 
 
 def test_the_committed_reference_is_current(monkeypatch):

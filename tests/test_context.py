@@ -19,8 +19,8 @@ from tests.helpers import (
     tiny_config,
 )
 from train.loop import runner as loop
-from train.planner import audit as audit_lib
-from train.planner import compile_report as report
+from train.plan import audit as audit_lib
+from train.plan import compile_report as report
 from train.trainer import Trainer
 
 LAYOUTS = [  # (mesh, sequence parallelism); each runs on as many devices as its axes multiply to

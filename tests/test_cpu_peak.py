@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from mesh import topology as T
-from train.planner import calibrate
+from train.plan import calibrate
 from train.runtime import cpu_peak, hardware, probes
 
 RATES = {512: 3e10, 1024: 5e10, 2048: 2e10}  # the largest size ran in a busy moment

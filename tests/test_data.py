@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
 from mesh import make_mesh
-from train.config import ConfigError
+from train.config.experiment import ConfigError
 from train.data import datadir
 from train.data import loader as data_lib
 from train.data import order as order_lib
@@ -127,7 +127,7 @@ def test_mixture_shares_epochs_and_tokenizer_check(tmp_path):
 
 def test_datadir_sets_the_vocabulary_and_checks_every_id(tmp_path):
     from tests.helpers import tiny_config
-    from train.config import resolve
+    from train.config.experiment import resolve
     d = _datadir(tmp_path / "d", np.arange(3000) % 300)
     config = tiny_config("tokens")
     config.data.path = str(d)

@@ -12,7 +12,7 @@ import pytest
 import models
 from models import documents
 from tests.helpers import rel_norm, tiny_config
-from train.config import ConfigError, resolve
+from train.config.experiment import ConfigError, resolve
 from train.data import tokenizer
 from train.trainer import Trainer
 

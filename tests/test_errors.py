@@ -44,7 +44,7 @@ def raised_classes() -> dict[str, type]:
 
 def test_every_raised_error_class_is_a_user_error_or_a_documented_failure():
     classes = raised_classes()
-    expected = {"train.exit_codes.ConfigError", "mesh.topology.TopologyError", "train.export_hf.ExportError"}
+    expected = {"train.exit_codes.ConfigError", "mesh.topology.TopologyError", "train.export_hf.command.ExportError"}
     assert expected <= set(classes)
     wrong = [q for q, cls in sorted(classes.items()) if q not in NOT_USER_ERRORS and not issubclass(cls, UserError)]
     assert not wrong, f"raised for user input but not a UserError (mesh/errors.py): {wrong}"
@@ -56,7 +56,7 @@ def test_every_raised_error_class_is_a_user_error_or_a_documented_failure():
 
 def test_user_errors_keep_catching_as_value_errors():
     from checkpoint import IncompatibleCheckpoint, RestoreFromError
-    from train.config import ConfigError
+    from train.config.experiment import ConfigError
     for cls in (ConfigError, IncompatibleCheckpoint, RestoreFromError):
         assert issubclass(cls, UserError) and issubclass(cls, ValueError)
     assert exit_codes.status_of(ConfigError("x")) == exit_codes.USER_ERROR
@@ -67,7 +67,7 @@ def _run_tool(body: str, tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
     script = tmp_path / "tool.py"
     script.write_text(textwrap.dedent(f"""
         from train import cli
-        from train.config import ConfigError
+        from train.config.experiment import ConfigError
 
         def main(argv):
             {body}

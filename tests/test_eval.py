@@ -13,10 +13,11 @@ lm_eval = pytest.importorskip("lm_eval", reason="the `eval` extra (lm_eval) is n
 import checkpoint  # noqa: E402
 from checkpoint import format as ckpt_format  # noqa: E402
 from tests.helpers import ROOT, tiny_config  # noqa: E402
-from train import cli, export_hf  # noqa: E402
+from train import cli  # noqa: E402
 from train.data import tokenizer as tok_lib  # noqa: E402
 from train.eval import command  # noqa: E402
 from train.eval.options import Options  # noqa: E402
+from train.export_hf import command as export_hf  # noqa: E402
 from train.loop import saver  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 

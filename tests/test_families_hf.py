@@ -15,7 +15,7 @@ import models  # noqa: E402
 from checkpoint import safetensors_io  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.helpers import tiny_config  # noqa: E402
-from train import export_hf  # noqa: E402
+from train.export_hf import command as export_hf  # noqa: E402
 from train.hf import restore as hf_import  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 

@@ -17,8 +17,8 @@ from checkpoint import RestoreFromError, safetensors_io  # noqa: E402
 from models import lora  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.helpers import run_steps, tiny_config  # noqa: E402
-from train import config as config_lib  # noqa: E402
-from train import export_hf  # noqa: E402
+from train.config import experiment as config_lib  # noqa: E402
+from train.export_hf import command as export_hf  # noqa: E402
 from train.hf import restore as hf_import  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 

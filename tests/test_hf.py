@@ -15,7 +15,7 @@ import models  # noqa: E402
 from checkpoint import RestoreFromError, safetensors_io  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.helpers import run_cli, run_steps, tiny_config  # noqa: E402
-from train import export_hf  # noqa: E402
+from train.export_hf import command as export_hf  # noqa: E402
 from train.hf import restore as hf_import  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
@@ -141,7 +141,7 @@ def test_export_and_sampling_use_the_runs_tokenizer(exported, tmp_path):
     """A run on a DATADIR: its tokenizer.json and bos/eos ids (copied into the workdir at train start) reach the
     HF directory, where AutoTokenizer encodes as we do; train.sample encodes prompts and decodes with it."""
     from train.data import tokenizer as tok_lib
-    from train.generate import prompt as sample
+    from train.sample import prompt as sample
     cfg, params, _ = exported
     workdir = tmp_path / "run"
     workdir.mkdir()
@@ -176,7 +176,7 @@ def test_export_and_sampling_use_the_runs_tokenizer(exported, tmp_path):
 
 def test_an_hf_start_takes_the_shapes_from_config_json(hf_dir):
     """The preset alone names the family: config.json gives the shapes the preset's differ in."""
-    from train import config as config_lib
+    from train.config import experiment as config_lib
     config = tiny_config()
     config.model.update(preset="llama3-tiny", seq_len=24)
     config.checkpoint.restore_from = f"hf:{hf_dir}"

@@ -110,26 +110,22 @@ def test_imports_flow_downward():
     assert not wrong, "; ".join(wrong)
 
 
-# train/'s own parts, highest first: a part imports only parts below it. The entry points (`python -m train.X`)
-# stand on top; the exit statuses and the command line's error mapping at the bottom, where every part reads them.
+# train/'s own parts, highest first: a part imports only parts below it. The commands (`python -m train.X`, each a
+# package with a `__main__.py`) stand on top; the exit statuses and the command line's error mapping at the bottom,
+# where every part reads them.
 TRAIN_ORDER = (
-    "__main__", "launch", "plan", "prepare", "sample", "export_hf", "config_reference",  # entry points
+    "__main__", "launch", "prepare", "sample", "export_hf",  # commands that nothing imports
     "eval",        # lm-evaluation-harness on a placed model (its command too)
     "loop",        # the training loop: scheduler, actions, saver, resume
-    "planner",     # layout search, memory and time models
-    "generate",    # sampling with the KV cache
-    "serve",       # the serving engine: paged KV cache, continuous batching
+    "plan",        # layout search, memory and time models (the train.plan command too)
+    "serve",       # the serving engine: paged KV cache, continuous batching (its command too)
     "trainer",     # a placed model + optimizer, data and jitted steps
     "step",
     "placed",      # a model on a mesh with its params, no training
     "lora",        # a LoRA run's frozen base, read from its source
-    "hf",          # Hugging Face tensors and config.json
     "state",
-    "config",      # a config validated into a Plan
-    "hf_model",    # the model an hf: start takes from config.json
-    "model_settings",  # the model.* keys, from the families' config dataclasses
-    "sections",    # every other section's settings, declared once
-    "settings",    # how a setting is declared: default, allowed values, help
+    "config",      # settings declared once, the sections and model keys, a config validated into a Plan
+    "hf",          # Hugging Face config.json, tensors and directories
     "data",
     "runtime",
     "cli",

@@ -7,9 +7,9 @@ import pytest
 
 import models
 from tests.helpers import compiled_step, grads_and_run, rel_norm, run_cli, tiny_config
-from train import config as config_lib
-from train.planner import audit as audit_lib
-from train.planner import compile_report as report
+from train.config import experiment as config_lib
+from train.plan import audit as audit_lib
+from train.plan import compile_report as report
 from train.trainer import Trainer
 
 STEPS = 3

@@ -17,9 +17,9 @@ from models import lora  # noqa: E402
 from tests import test_hf  # noqa: E402
 from tests.helpers import losses  # noqa: E402
 from tests.test_hf import TOKENS, _hf_logits, _import_config  # noqa: E402
-from train import export_hf  # noqa: E402
+from train.export_hf import command as export_hf  # noqa: E402
 from train.loop import runner as loop  # noqa: E402
-from train.planner import candidate, memory  # noqa: E402
+from train.plan import candidate, memory  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
 STEPS = 3

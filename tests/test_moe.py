@@ -14,12 +14,12 @@ import models
 from mesh.errors import UserError
 from models import gpt, moe
 from tests.helpers import STEPS, compiled_step, grads_and_run, rel_norm, step_with_grads, tiny_config
-from train.config import resolve
+from train.config.experiment import resolve
 from train.loop import runner as loop
-from train.planner import audit as audit_lib
-from train.planner import compile_report as report
-from train.planner import memory as planner_memory
-from train.planner.candidate import Candidate, mesh_of
+from train.plan import audit as audit_lib
+from train.plan import compile_report as report
+from train.plan import memory as planner_memory
+from train.plan.candidate import Candidate, mesh_of
 from train.trainer import Trainer
 
 # Seed 5: the first batch's closest k-th / (k+1)-th router logits are 9e-4 apart at init (seed 0 has a pair

@@ -21,7 +21,7 @@ from tests.helpers import (
     single_device_run,
     tiny_config,
 )
-from train.config import resolve
+from train.config.experiment import resolve
 from train.trainer import Trainer
 
 LAYOUTS = [(("pipeline", 4), ("data", 2)),

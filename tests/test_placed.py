@@ -12,13 +12,13 @@ import models
 from checkpoint import format as ckpt_format
 from models import lora
 from tests.helpers import tiny_config
-from train import export_hf
 from train import placed as placed_lib
 from train import state as state_lib
 from train import step as step_lib
 from train.eval import load as eval_load
-from train.generate import sample as sample_lib
+from train.export_hf import command as export_hf
 from train.loop import resume, saver
+from train.sample import command as sample_lib
 from train.trainer import Trainer
 
 LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # jax.monitoring: once per program lowered

@@ -8,8 +8,8 @@ import pytest
 from experiments.tiny import get_config
 from mesh.layout import axis_sizes
 from tests.helpers import run_steps
-from train import config as run_config
-from train.planner import auto as planner_auto
+from train.config import experiment as run_config
+from train.plan import auto as planner_auto
 from train.trainer import Trainer
 
 

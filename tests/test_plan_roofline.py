@@ -11,8 +11,8 @@ import pytest
 import models
 from mesh import make_mesh
 from mesh import topology as T
-from train.planner import calibrate, memory, memory_bound, reference_step, search, timing
-from train.planner.candidate import Candidate, mesh_of
+from train.plan import calibrate, memory, memory_bound, reference_step, search, timing
+from train.plan.candidate import Candidate, mesh_of
 
 H100 = T.get_topology("dgx-h100", hosts=1)
 

@@ -1,6 +1,7 @@
 """The planner's search space: every microbatch count the schedules allow, the expert and context axes where they
 apply, layouts the model cannot divide skipped and counted, and plan.fixed pinning any searched dimension.
-Nothing is compiled: each planned layout is checked against the run's own validation (train.config.resolve)."""
+Nothing is compiled: each planned layout is checked against the run's own validation
+(train.config.experiment.resolve)."""
 import dataclasses
 
 import pytest
@@ -8,9 +9,9 @@ import pytest
 import models
 from mesh import topology as T
 from tests.helpers import tiny_config
-from train import config as run_config
-from train.planner import fixed as fixed_lib
-from train.planner import search
+from train.config import experiment as run_config
+from train.plan import fixed as fixed_lib
+from train.plan import search
 
 CPU8 = dataclasses.replace(T.get_topology("dgx-h100"), hosts=1, devices_per_host=8)
 

@@ -7,7 +7,7 @@ import pytest
 import models
 from experiments import kernel_profile, published_runs
 from experiments import plan_vs_measured as pvm
-from train import config as run_config
+from train.config import experiment as run_config
 
 
 def test_layouts_cover_every_kind_and_resolve():

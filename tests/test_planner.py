@@ -17,11 +17,11 @@ from mesh import placement as PL
 from mesh import topology as T
 from sharding import schedules
 from tests.helpers import run_cli, tiny_config
-from train.config import pin_layout_if_mesh_given
-from train.planner import audit as audit_lib
-from train.planner import compile_report as report_lib
-from train.planner import memory, search, timing
-from train.planner.candidate import Candidate, mesh_of
+from train.config.experiment import pin_layout_if_mesh_given
+from train.plan import audit as audit_lib
+from train.plan import compile_report as report_lib
+from train.plan import memory, search, timing
+from train.plan.candidate import Candidate, mesh_of
 from train.trainer import Trainer
 
 LAYOUTS = {  # name: (config builder, mesh, pipeline (schedule, microbatches, virtual stages))

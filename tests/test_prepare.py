@@ -11,11 +11,11 @@ import pytest
 from tokenizers import Tokenizer
 
 from tests.helpers import run_cli
-from train.data import prepare
 from train.data import tokenizer as tok_lib
 from train.data.corpus import CorpusError
-from train.data.prepare import PrepareError
 from train.data.tokenizer import TokenizerError
+from train.prepare import command as prepare
+from train.prepare.command import PrepareError
 
 TEXTS = [f"Text file {i}: the quick brown fox jumps over the lazy dog, {i * 'ünïcode '}\n" * (3 + i)
          for i in range(3)]

@@ -11,9 +11,9 @@ import zlib
 import numpy as np
 import pytest
 
-from train.data import prepare
 from train.data.corpus import CorpusError
-from train.data.prepare import PrepareError
+from train.prepare import command as prepare
+from train.prepare.command import PrepareError
 
 DOCS = [f"Document {i}: {'ünïcode and ' * (i % 3)}the quick brown fox jumps over the lazy dog.\nSecond line {i}."
         for i in range(12)]

@@ -12,9 +12,9 @@ import pytest
 
 import models
 from tests.helpers import tiny_config
-from train import config as config_lib
 from train import placed as placed_lib
-from train.config import ConfigError
+from train.config import experiment as config_lib
+from train.config.experiment import ConfigError
 from train.serve import replicas
 from train.serve.engine import Engine, Settings
 from train.serve.sampling import SamplingParams

@@ -244,7 +244,7 @@ def test_the_command_fails_in_one_line_before_loading():
 def test_a_hugging_face_directory_is_served_within_the_context_its_config_names(tmp_path):
     """`--hf=DIR` takes the model's context from config.json (max_position_embeddings), not from the preset the
     family's fields are laid over."""
-    from train.config import resolve
+    from train.config.experiment import resolve
     from train.serve import command
     cfg = models.from_dict({"preset": "llama3-tiny", "seq_len": 96})
     family = models.family_of(cfg)

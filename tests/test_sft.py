@@ -10,8 +10,9 @@ import pytest
 
 import models
 from tests.helpers import rel_norm, tiny_config
-from train.data import chat, prepare
+from train.data import chat
 from train.data import tokenizer as tok_lib
+from train.prepare import command as prepare
 from train.trainer import Trainer
 
 # A template in the style of the Hub's: BOS first, every turn closed by the tokenizer's eos_token (here an

@@ -65,7 +65,8 @@ def key_error_message(name: str, error: BaseException, argv: list[str]) -> str:
     lines = [line.strip().strip("'\"") for line in text.splitlines() if line.strip()]
     key = lines[0].strip("'\"") if lines else "?"
     hint = re.search(r'Did you mean "([^"]+)"', text)
-    suggestion = f'; did you mean "{hint.group(1)}"?' if hint else "; see train/config.py base_config for every key"
+    suggestion = (f'; did you mean "{hint.group(1)}"?' if hint
+                  else "; see train/config/experiment.py base_config for every key")
     return f'--{_override_arg(name, key, argv)}: no such setting "{key}"{suggestion}'
 
 
@@ -144,7 +145,7 @@ def _config_file_named(argv: list[str]) -> tuple[str, str]:
 
 def adopt_command_flags(main: Callable[..., Any]) -> None:
     """absl's --help lists only the main module's key flags: make key to it the flags of the module that defines
-    `main` (train/prepare.py runs train/data/prepare.py's) and the config flags defined here for it."""
+    `main` (train/prepare/command.py runs train/prepare/command.py's) and the config flags defined here for it."""
     command = flags.FLAGS.flags_by_module_dict().get(getattr(main, "__module__", ""), [])
     for flag in command + [flags.FLAGS[name] for name, _ in _CONFIG_FLAGS]:
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import models
 from models import lora
 from sharding import specs as sharding_specs
-from train.config import Plan
+from train.config.experiment import Plan
 
 State = dict[str, Any]
 

@@ -1,6 +1,6 @@
 """Hugging Face directories written from a run's params, through its family's adapter (models/hf.py: Llama as
 LlamaForCausalLM, GPT with GPT-2's options as GPT2LMHeadModel): config, generation_config, model.safetensors or
-shards with an index, and the run's tokenizer with its bos/eos ids if any. The command is train/export_hf.py."""
+shards with an index, and the run's tokenizer with its bos/eos ids if any. The command is train/export_hf/command.py."""
 from __future__ import annotations
 
 import dataclasses

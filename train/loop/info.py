@@ -8,7 +8,7 @@ from typing import Any, Mapping, Protocol
 
 import jax
 
-from train.config import Plan
+from train.config.experiment import Plan
 from train.loop.goodput import Goodput
 from train.loop.metrics import MetricsLog
 from train.loop.preemption import Agreement, StopSignals

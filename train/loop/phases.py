@@ -13,7 +13,7 @@ from typing import Any
 
 import ml_collections
 
-from train.config import ConfigError, apply_saved, base_config
+from train.config.experiment import ConfigError, apply_saved, base_config
 
 # A key equal to an entry, or under an entry ending in "." (a whole section).
 PHASE_SETTINGS = (

@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 import checkpoint
 from mesh.errors import UserError, probe_directory
 from train import exit_codes
-from train.config import ConfigError, Plan
+from train.config.experiment import ConfigError, Plan
 from train.data import loader as data_lib
 from train.loop import actions as actions_lib
 from train.loop import phases, preemption, resume
@@ -32,9 +32,9 @@ from train.loop.metrics import MetricsLog, check_wandb
 from train.loop.saver import Saver
 from train.loop.scheduler import Outcome, Scheduler
 from train.loop.watchdog import Watchdog
-from train.planner import audit as audit_lib
-from train.planner import auto as planner_auto
-from train.planner import compile_report as report_lib
+from train.plan import audit as audit_lib
+from train.plan import auto as planner_auto
+from train.plan import compile_report as report_lib
 from train.runtime import console, hardware, versions, xla_env
 from train.runtime.hardware import GiB
 from train.runtime.lock import WorkdirLock

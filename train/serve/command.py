@@ -14,7 +14,7 @@ from absl import app, flags, logging
 
 from mesh.layout import AXES
 from train import cli, exit_codes
-from train.config import ConfigError, base_config
+from train.config.experiment import ConfigError, base_config
 from train.runtime import extras
 
 FLAGS = flags.FLAGS
@@ -75,7 +75,7 @@ def load(path: pathlib.Path):
     import jax
 
     from train import placed as placed_lib
-    from train.config import resolve
+    from train.config.experiment import resolve
     from train.data import chat
     from train.data import tokenizer as tok_lib
     from train.serve import replicas
@@ -103,8 +103,8 @@ def load(path: pathlib.Path):
 
 def hf_serving_config(path: pathlib.Path, mesh: dict | None):
     """The config that serves a Hugging Face directory: its family's first preset with config.json's fields over
-    it (train/hf_model.py, at resolve), and the context config.json says the model takes, not the preset's."""
-    from train import hf_model
+    it (train/hf/model.py, at resolve), and the context config.json says the model takes, not the preset's."""
+    from train.hf import model as hf_model
     spec = hf_model.PREFIX + str(path)
     config = base_config()
     config.checkpoint.restore_from = spec

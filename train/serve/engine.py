@@ -19,8 +19,8 @@ import models
 from models import paged
 from sharding import experts as experts_lib
 from sharding import specs as sharding_specs
+from train.config.sections import ServeSection
 from train.placed import Placed
-from train.sections import ServeSection
 from train.serve.detokenize import Detokenizer
 from train.serve.pages import Pages
 from train.serve.sampling import SamplingParams, sample  # noqa: F401  (SamplingParams: the engine's API)
@@ -30,7 +30,7 @@ MAX_LOGPROBS = 8  # the most top-N log-probabilities a request may ask for (comp
 CPU_SEQS_OF_PAGES = 1  # on CPU (no memory statistics) the pool holds every slot's longest sequence this many times
 
 
-Settings = ServeSection  # serve.* (train/sections.py)
+Settings = ServeSection  # serve.* (train/config/sections.py)
 
 
 @dataclasses.dataclass

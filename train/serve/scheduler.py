@@ -7,7 +7,7 @@ import collections
 import dataclasses
 from typing import Any, Hashable
 
-from train.sections import ServeSection
+from train.config.sections import ServeSection
 from train.serve.pages import Pages
 from train.serve.sampling import SamplingParams
 

@@ -1,0 +1,83 @@
+"""`plan.auto=True`: before the run is resolved, replace the mesh sizes and the layout knobs with the planner's
+best fitting candidate for the devices at hand (links from plan.topology, default the fitted `local` file;
+memory and peak from the devices themselves, train/runtime/hardware.py), keeping plan.fixed."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import ml_collections
+
+import models
+from mesh import chips
+from mesh import topology as topology_lib
+from train.config import experiment as config_lib
+from train.plan import report, search
+from train.plan.candidate import Prediction
+from train.runtime import hardware
+
+
+def devices_topology(config: ml_collections.ConfigDict, num_devices: int, dtype: str) -> topology_lib.Topology:
+    try:
+        topo = topology_lib.get_topology(config.plan.topology or "local")
+    except ValueError as e:
+        raise search.PlanError(f"plan.topology: {e}") from None
+    hosts = jax.process_count()
+    memory = hardware.memory_per_device() or topo.device_memory_gb * 1e9
+    peak = dict(topo.peak_tflops)
+    peak.setdefault(dtype, hardware.peak_flops_per_device(dtype) / 1e12)
+    intra = topo.intra if not topo.intra.dims else dataclasses.replace(topo.intra, dims=())
+    hbm = topo.hbm_gbps or chips.memory_gbps(jax.devices()[0].device_kind) or 0.0  # a CPU's: from --calibrate
+    return dataclasses.replace(topo, hosts=hosts, devices_per_host=num_devices // hosts, intra=intra,
+                               device_memory_gb=memory / 1e9, peak_tflops=peak, hbm_gbps=hbm)
+
+
+def choose(config: ml_collections.ConfigDict, num_devices: int) -> list[Prediction]:
+    cfg = models.from_dict(config.model.to_dict())
+    topo = devices_topology(config, num_devices, cfg.compute_dtype)
+    fixed = search.parse_fixed(config.plan.fixed, num_devices)
+    donated = jax.devices()[0].platform != "cpu"  # the step donates its state only on accelerators
+    ranked = search.search(cfg, int(config.train.global_batch_size), topo, fixed, donated=donated)
+    search.check_fits(ranked, topo)
+    return [p for p in ranked if p.fits]
+
+
+def with_layout(config: ml_collections.ConfigDict, choice: dict) -> ml_collections.ConfigDict:
+    """A copy of `config` set to a chosen layout (a candidate's as_json: mesh sizes and the layout knobs)."""
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.mesh.update(choice["mesh"])
+    config.sharding.strategy = "fsdp_tensor"
+    config.sharding.shard_opt_state = choice["shard_opt_state"]
+    config.model.remat = choice["remat"]
+    config.train.grad_accum_steps = choice["grad_accum_steps"]
+    if choice["mesh"]["pipeline"] > 1:
+        config.pipeline.update(schedule=choice["schedule"], microbatches=choice["microbatches"],
+                               virtual_stages=choice["virtual_stages"])
+    return config
+
+
+def apply(config: ml_collections.ConfigDict, num_devices: int,
+          previous: dict | None = None) -> tuple[ml_collections.ConfigDict, dict | None]:
+    """(`config` itself, None) when plan.auto is off, else (a copy running the planner's choice, the record of
+    the choice and the runner-up for config.json), printed. `previous`, the config.json of the run being
+    continued: its choice is kept when the devices and plan.fixed are the same, so a requeued run resumes on
+    the layout it saved (a re-measured CPU peak could otherwise flip two near-equal candidates)."""
+    if not config.get("plan", {}).get("auto", False):
+        return config, None
+    config_lib.check_settings(config)  # the user's own values first: the planner's choice replaces some of them
+    record = (previous or {}).get("plan")
+    if record and record["devices"] == num_devices and record["fixed"] == config.plan.fixed:
+        if jax.process_index() == 0:
+            print(f"plan.auto: {report.mesh_text(record['chosen']['mesh'])}, the layout this run chose before",
+                  flush=True)
+        return with_layout(config, record["chosen"]), record
+    fitting = choose(config, num_devices)
+    runner_up = fitting[1] if len(fitting) > 1 else None
+    if jax.process_index() == 0:
+        for label, p in (("plan.auto", fitting[0]), ("plan.auto runner-up", runner_up)):
+            if p is not None:
+                print(f"{label}: {report.mesh_text(p.candidate.sizes)} | {report.knobs(p)}, predicted "
+                      f"{p.step_time_s:.4g} s/step, {p.memory['total'] / 1e9:.3g} GB/device", flush=True)
+    record = {"devices": num_devices, "fixed": config.plan.fixed, "chosen": fitting[0].as_json(),
+              "runner_up": runner_up.as_json() if runner_up else None}
+    return with_layout(config, record["chosen"]), record
