@@ -1,6 +1,6 @@
 """docs/configuration.md, written from the settings' declarations (train/config/sections.py,
-train/config/model_settings.py): `python -m train.config` regenerates it; tests/test_configuration_doc.py fails when
-it is stale."""
+train/config/model_settings.py): `python -m train.config` regenerates it; tests/train/test_configuration_doc.py
+fails when it is stale."""
 from __future__ import annotations
 
 import pathlib

@@ -1,6 +1,6 @@
 """The production train step of six built-in layouts lowers to the same StableHLO text as the one recorded in
 tests/fixtures/step_text.json: refactors of the code around the step may not change what a user runs. The
-text depends on the JAX version, so a record is kept per version; `python -m tests.test_step_text` prints
+text depends on the JAX version, so a record is kept per version; `python -m tests.sharding.test_step_text` prints
 the hashes of the installed one to add to the file after a JAX upgrade (never after a refactor of ours; only
 after a deliberate change of a model's program, named in its commit)."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from tests.helpers import tiny_config
 from train.trainer import Trainer
 
-FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "step_text.json"
+FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "step_text.json"
 LAYOUTS = {  # name -> (mesh, other settings)
     "data8": ({"data": 8}, {}),
     "fsdp4_tensor2": ({"fsdp": 4, "tensor": 2}, {"sharding.shard_opt_state": True}),
@@ -46,7 +46,7 @@ def recorded() -> dict[str, str]:
 def test_production_step_lowers_to_the_recorded_text(name):
     expected = recorded()
     if name not in expected:
-        pytest.skip(f"no step text recorded for jax {jax.__version__}: run python -m tests.test_step_text")
+        pytest.skip(f"no step text recorded for jax {jax.__version__}: run python -m tests.sharding.test_step_text")
     assert step_text_hash(name) == expected[name]
 
 

@@ -1,5 +1,5 @@
 """train.launch's restart rules (train/runtime/elastic.py) and the JobSet manifest that gives a cluster the same
-rules; the restart itself runs in tests/test_multiprocess.py (a lost process relaunched on one)."""
+rules; the restart itself runs in tests/train/test_multiprocess.py (a lost process relaunched on one)."""
 import json
 import os
 import subprocess

@@ -14,9 +14,9 @@ transformers = pytest.importorskip("transformers", reason="the `hf` extra (trans
 import checkpoint  # noqa: E402
 import models  # noqa: E402
 from models import lora  # noqa: E402
-from tests import test_hf  # noqa: E402
 from tests.helpers import losses  # noqa: E402
-from tests.test_hf import TOKENS, _hf_logits, _import_config  # noqa: E402
+from tests.models import test_hf  # noqa: E402
+from tests.models.test_hf import TOKENS, _hf_logits, _import_config  # noqa: E402
 from train.export_hf import command as export_hf  # noqa: E402
 from train.loop import runner as loop  # noqa: E402
 from train.plan import candidate, memory  # noqa: E402

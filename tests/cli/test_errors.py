@@ -10,7 +10,7 @@ import textwrap
 from mesh.errors import UserError
 from train import exit_codes
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("mesh", "models", "sharding", "train", "checkpoint", "experiments")
 # Raised exception classes that are not a user's mistake, each with the status it ends a run with.
 NOT_USER_ERRORS = {

@@ -9,17 +9,17 @@ import pytest
 
 from sharding import pipeline as pipeline_lib
 from tests.helpers import STEPS, grads_and_run, reference_config, rel_norm, single_device_reference, step_with_grads
-from tests.test_documents import _config as documents_config
-from tests.test_documents import _datadir
-from tests.test_moe import moe_config
+from tests.models.test_documents import _config as documents_config
+from tests.models.test_documents import _datadir
+from tests.models.test_moe import moe_config
 from train.plan import audit as audit_lib
 from train.plan import compile_report as report
 from train.trainer import Trainer
 
 # (mesh, sequence parallelism). Three axes at a time, so that one compiled program holds several pairs: context x
 # fsdp, context x tensor + sequence parallelism, tensor + sequence parallelism x fsdp, and sequence parallelism
-# and context inside a pipeline (context x data and tensor + sequence parallelism x data: tests/test_context.py's
-# layouts; pipeline x data and tensor: tests/test_pipeline.py's).
+# and context inside a pipeline (context x data and tensor + sequence parallelism x data:
+# tests/sharding/test_context.py's layouts; pipeline x data and tensor: tests/sharding/test_pipeline.py's).
 DENSE = [
     ({"fsdp": 2, "context": 2, "tensor": 2}, True),
     ({"pipeline": 2, "context": 2, "tensor": 2}, True),

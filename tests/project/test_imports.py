@@ -3,7 +3,7 @@ and imports flow downward only (shared/CONVENTIONS.md: train -> checkpoint, shar
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("mesh", "models", "sharding", "train", "checkpoint", "experiments")
 
 

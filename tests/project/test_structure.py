@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("mesh", "models", "sharding", "train", "checkpoint", "experiments")
 SKIPPED = {".venv", "venv", "build", "dist", "__pycache__", ".cache"}  # environments and build outputs
 MAX_LINES = 50

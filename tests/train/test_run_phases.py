@@ -1,7 +1,7 @@
 """A run's workdir across phases, through `python -m train`: a second run on a workdir in use stops at once
 naming the holder while the first finishes untouched; `--workdir=DIR` alone continues with every override the
 run had, to the same losses; an allowed change is recorded in config.json's history (a forbidden one is refused:
-tests/test_bad_inputs.py)."""
+tests/cli/test_bad_inputs.py)."""
 import json
 import re
 import shutil
@@ -44,4 +44,4 @@ def test_one_run_per_workdir_then_resume_by_workdir_alone(tmp_path):
     saved = json.loads((workdir / "config.json").read_text())
     assert [h["changes"] for h in saved["history"]] == [{"train.steps": [6, 7]}]
     assert saved["config_file"] == "experiments/tiny.py" and saved["config"]["model"]["d_model"] == 64
-    assert sorted(losses(workdir)) == list(range(1, 8))  # a forbidden change: tests/test_bad_inputs.py
+    assert sorted(losses(workdir)) == list(range(1, 8))  # a forbidden change: tests/cli/test_bad_inputs.py

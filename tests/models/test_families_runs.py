@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch", reason="the `hf` extra (transformers, torch
 import checkpoint  # noqa: E402
 import models  # noqa: E402
 from models import lora  # noqa: E402
-from tests import test_families_hf as families  # noqa: E402
 from tests.helpers import losses, tiny_config  # noqa: E402
+from tests.models import test_families_hf as families  # noqa: E402
 from train.export_hf import command as export_hf  # noqa: E402
 from train.loop import runner as loop  # noqa: E402
 from train.sample import command as sample_lib  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 
 from tests import helpers, slurm_cluster
 from tests.helpers import ROOT, run_cli
-from tests.test_multiprocess import TRAIN, committed
+from tests.train.test_multiprocess import TRAIN, committed
 
 STEPS, HEARTBEAT_S = 20, 5  # steps enough that the preemption comes before the last
 # --signal=USR1@45 under --time=1: SLURM's timer, which runs every 30 s, sends it 15 to 45 s after the start.
