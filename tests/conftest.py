@@ -4,6 +4,9 @@ import os
 import pathlib
 
 CACHE_DIR = pathlib.Path(__file__).resolve().parents[1] / ".cache" / "jax-tests"
+# The measured CPU peak (train/runtime/cpu_peak.py) of the suite's own, shared by its processes: a test never reads
+# or writes the user's ~/.cache/spmdtrain.
+os.environ["SPMDTRAIN_CACHE_DIR"] = str(CACHE_DIR.parent / "spmdtrain-tests")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
 # Every compile is cached, however short: a training subprocess then loads its small programs (init, eval,

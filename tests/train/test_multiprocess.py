@@ -77,6 +77,8 @@ def test_two_processes_match_one_and_a_preemption_stops_both_at_one_step(tmp_pat
     assert sorted(helpers.losses(workdir)) == list(range(1, step + 1))  # only process 0 writes metrics
     records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert all(len(r["host_step_time_s"]) == 2 for r in records if "loss" in r)  # per-host step times
+    one = [json.loads(l) for l in (single / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["mfu"] < 1 for r in records + one if "loss" in r)  # the measured peak in one process and two
 
 
 def test_one_process_checkpoint_continues_in_two_and_a_lost_process_relaunches_on_one(tmp_path, single):

@@ -177,6 +177,7 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
     the history of the run's phases: phase["changes"] is this one's; phase["plan"]: plan.auto's choice and
     runner-up)."""
     plan, is_main = trainer.plan, jax.process_index() == 0
+    peak = hardware.peak_record(plan.model.compute_dtype, options.peak_tflops)  # a CPU's measured before compiling
     t0 = time.perf_counter()
     audit = options.audit
     compiled, xla_log = audit_lib.compile_logged(trainer.compile) if audit else (trainer.compile(), "")
@@ -196,7 +197,7 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
     resolved = {"config": trainer.config.to_dict(), "model": vars(plan.model) | {"param_count": rep["param_count"]},
                 "mesh": rep["mesh"], "versions": versions.environment(),
                 "runtime_defaults": dict(xla_env.APPLIED),  # GPU XLA flags / memory fraction set for the user
-                "peak": hardware.peak_record(plan.model.compute_dtype, options.peak_tflops)}  # what MFU divides by
+                "peak": peak}  # what MFU divides by
     if phase["plan"]:
         resolved["plan"] = phase["plan"]
     if is_main and not options.compile_only:  # a what-if compile leaves the run's own config.json alone

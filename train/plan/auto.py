@@ -14,7 +14,7 @@ from mesh import topology as topology_lib
 from train.config import experiment as config_lib
 from train.plan import report, search
 from train.plan.candidate import Prediction
-from train.runtime import hardware
+from train.runtime import cpu_peak, hardware
 
 
 def devices_topology(config: ml_collections.ConfigDict, num_devices: int, dtype: str) -> topology_lib.Topology:
@@ -25,6 +25,8 @@ def devices_topology(config: ml_collections.ConfigDict, num_devices: int, dtype:
     hosts = jax.process_count()
     memory = hardware.memory_per_device() or topo.device_memory_gb * 1e9
     peak = dict(topo.peak_tflops)
+    if hardware.peak_is_measured():  # a CPU: the one measured peak MFU divides by, not a calibration's copy of it
+        peak[dtype] = hardware.peak_flops_per_device(dtype) / 1e12
     peak.setdefault(dtype, hardware.peak_flops_per_device(dtype) / 1e12)
     intra = topo.intra if not topo.intra.dims else dataclasses.replace(topo.intra, dims=())
     hbm = topo.hbm_gbps or chips.memory_gbps(jax.devices()[0].device_kind) or 0.0  # a CPU's: from --calibrate
@@ -74,6 +76,9 @@ def apply(config: ml_collections.ConfigDict, num_devices: int,
     fitting = choose(config, num_devices)
     runner_up = fitting[1] if len(fitting) > 1 else None
     if jax.process_index() == 0:
+        if hardware.peak_is_measured():
+            print(f"plan.auto peak: {hardware.peak_flops_per_device('float32') / 1e12:.4g} TFLOP/s per device, "
+                  f"{cpu_peak.describe(cpu_peak.record())}", flush=True)
         for label, p in (("plan.auto", fitting[0]), ("plan.auto runner-up", runner_up)):
             if p is not None:
                 print(f"{label}: {report.mesh_text(p.candidate.sizes)} | {report.knobs(p)}, predicted "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import pathlib
 
 import jax
@@ -37,11 +38,11 @@ def measure(topology: str, dtype: str) -> topology_lib.Topology:
     if dtype not in peaks:
         if not shared:
             raise PlanError(f"--topology={topology}: no peak_tflops for {dtype}; add the datasheet figure first")
-        # A CPU has no datasheet peak: the one measured peak MFU uses too (raised if this sweep's sizes the peak is
-        # measured at beat it; smaller matmuls take too few microseconds to time), as each virtual device's share;
-        # the efficiency curve is a fraction of the whole machine's (the sweep's rates are every device's sum).
+        # A CPU has no datasheet peak: the one measured peak MFU uses too (checked against this sweep's best at the
+        # sizes the peak is measured at; smaller matmuls take too few microseconds to time), as each virtual device's
+        # share; the efficiency curve is a fraction of the whole machine's (the sweep's rates are every device's sum).
         best = max(f for n, f in measured if n >= min(cpu_peak.SIZES))
-        peaks[dtype] = cpu_peak.per_device(best / machine) / 1e12
+        peaks[dtype] = cpu_peak.check(best)["flops"] / machine / 1e12
     # Four significant digits, never 0: a CPU's small matmuls against a GPU topology's peak are 1e-4 or less.
     curve = [[float(n), max(float(f"{f / (peaks[dtype] * 1e12 * machine):.4g}"), 1e-9)] for n, f in measured]
     # Virtual CPU devices share the machine's memory bus: all of them read at once and each gets its share.
@@ -77,8 +78,24 @@ def save(topo: topology_lib.Topology, out: pathlib.Path, command: str, cfg: mode
     """Write the calibrated `topo` to `out` with what it was measured on (machine, date, command, reference)."""
     provenance = {"command": command, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                   "date": datetime.date.today().isoformat(),
-                  "step_overhead_reference": reference_step.describe(cfg, global_batch)}
+                  "step_overhead_reference": reference_step.describe(cfg, global_batch),
+                  "peak": {cfg.compute_dtype: peak_source(topo.name, cfg.compute_dtype, measured=topo.shared_host)}}
     try:
         topology_lib.save_topology(topo, out, provenance=provenance)
     except OSError as e:
         raise PlanError(f"--calibrate={out}: cannot write there ({e.strerror}); choose a writable file") from None
+
+
+def peak_source(topology: str, dtype: str, measured: bool = False) -> str:
+    """Where a topology's `dtype` peak comes from: this machine's measured CPU peak (`measured`), a calibrated
+    file's record of it, or the datasheet (mesh/chips.py) behind a preset."""
+    if measured:
+        return "this machine's measured CPU peak, " + cpu_peak.describe(cpu_peak.record())
+    path = pathlib.Path(topology).expanduser()
+    if path.suffix == ".json" and path.is_file():
+        try:
+            source = json.loads(path.read_text()).get("provenance", {}).get("peak", {}).get(dtype)
+        except (OSError, ValueError, AttributeError):
+            source = None
+        return f"{path.name}: {source}" if source else f"{path.name} (no record of where its peak came from)"
+    return f"the {topology} preset's datasheet figure (mesh/chips.py)"

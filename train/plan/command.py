@@ -1,7 +1,7 @@
 """`python -m train.plan --config=FILE --topology=NAME|FILE --hosts=N`: rank every layout of the config's model
 on a cluster by predicted step time, analytically (nothing is compiled); `--calibrate=FILE` measures this
 machine (its matmul efficiency, memory bandwidth, and the config's model's step against the roofline) into a user
-topology file."""
+topology file; `--measure_peak` measures this machine's CPU peak again (the figure MFU and calibrations divide by)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +9,7 @@ import json
 import math
 import pathlib
 
+import jax
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -18,6 +19,7 @@ from mesh import topology as topology_lib
 from mesh.errors import check_writable
 from train import cli, exit_codes
 from train.plan import calibrate, report, search
+from train.runtime import cpu_peak
 
 _CONFIG = cli.config_file("config", "experiments/default.py", "Experiment config file.")
 _TOPOLOGY = flags.DEFINE_string("topology", "dgx-h100", "Cluster: a preset name or a topology JSON file.")
@@ -28,6 +30,8 @@ _JSON = flags.DEFINE_string("json", "", "Write the ranked candidates to this JSO
 _CALIBRATE = flags.DEFINE_string("calibrate", "",
                                   "Measure this machine (matmul efficiency, memory bandwidth, a step of the "
                                   "--config model) and write --topology plus them to FILE.")
+_MEASURE_PEAK = flags.DEFINE_boolean("measure_peak", False, "Measure this machine's CPU peak again (cached for MFU "
+                                     "and --calibrate), print it and exit.")
 _MTBF = flags.DEFINE_float("mtbf_hours", 0.0, "Mean time between failures of one device or host (0: no cadence).")
 _SCOPE = flags.DEFINE_enum("mtbf_scope", "device", ["device", "host"], "What --mtbf_hours describes.")
 _RESTART = flags.DEFINE_float("restart_s", 300.0,
@@ -68,6 +72,9 @@ def _plan(config) -> int:
     print(f"{models.param_count(cfg) / 1e9:,.2f}B parameters, global batch {batch} x {cfg.seq_len} tokens, on "
           f"{topo.num_devices} devices of {topo.name} ({topo.hosts} hosts); {len(ranked)} candidates, "
           f"{len(fitting)} fit" + (f"; meshes {search.skipped_text(skipped)}" if skipped else ""))
+    dtype = cfg.compute_dtype
+    print(f"  peak {dtype}: {topo.peak_tflops.get(dtype, 0.0):.4g} TFLOP/s per device, from "
+          f"{calibrate.peak_source(_TOPOLOGY.value, dtype)}")
     print(report.table(ranked, _TOP.value))
     print(report.breakdown(fitting[0], fitting[1] if len(fitting) > 1 else None))
     if topo.step_overhead != 1.0:
@@ -110,9 +117,17 @@ def _cadence(config, best, topo) -> None:
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if _MEASURE_PEAK.value:
+        if jax.devices()[0].platform != "cpu":
+            raise search.PlanError(f"--measure_peak: this machine's devices are {jax.devices()[0].platform}, whose "
+                                   "peak is the datasheet's (mesh/chips.py); the flag measures a CPU")
+        entry = cpu_peak.record("asked for: python -m train.plan --measure_peak")
+        print(f"CPU peak {entry['flops']:.4g} float32 FLOP/s for the machine, {cpu_peak.describe(entry)}")
+        return exit_codes.OK
     if _CALIBRATE.value:
         cfg = models.from_dict(_CONFIG.value.model.to_dict())
         path = calibrate.write(_TOPOLOGY.value, _CALIBRATE.value, cfg, int(_CONFIG.value.train.global_batch_size))
-        print(f"wrote {path}")
+        print(f"wrote {path}; its {cfg.compute_dtype} peak is from "
+              f"{calibrate.peak_source(str(path), cfg.compute_dtype)}")
         return exit_codes.OK
     return _plan(_CONFIG.value)  # a user's mistake raises a UserError: cli.run prints it and exits 2

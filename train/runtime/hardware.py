@@ -46,15 +46,21 @@ def peak_record(compute_dtype: str, override_tflops: float = 0.0) -> dict:
             f"{jax.local_device_count()} local devices", **cpu_peak.record()}
 
 
+_CHECKED: list[float] = []  # the machine's measured peak once a run's rate has checked it, in this process
+
+
 def mfu(flops_per_step: float, seconds: float, peak: float, measured: bool) -> float:
     """Model FLOPs utilization against `peak` (FLOP/s of all devices; 0: unknown). When the peak is the measured
-    CPU one (`measured`), a step faster than it proves the machine faster than it was measured: the peak is
-    re-measured and raised (to at least the step's rate), so MFU stays at or below 100%."""
+    CPU one (`measured`), the first rate a process sees checks it (cpu_peak.check: measured again when the rate
+    shows it off by an order of magnitude, or beats it), and the checked figure is used from then on."""
     if not peak or not seconds:
         return 0.0
     rate = flops_per_step / seconds
-    if rate > peak and measured:
-        peak = max(peak, cpu_peak.per_device(rate / jax.device_count()) * jax.device_count())
+    if measured:
+        local, total = max(jax.local_device_count(), 1), jax.device_count()
+        if not _CHECKED:
+            _CHECKED.append(cpu_peak.check(rate * local / total)["flops"])  # this machine's share of the rate
+        peak = _CHECKED[0] / local * total
     return rate / peak
 
 
