@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
+from mesh.numbers import ceil_div
 from models import paged
 from sharding import experts as experts_lib
 from sharding import specs as sharding_specs
@@ -60,7 +61,7 @@ def buckets(s: Settings, ways: int = 1) -> list[int]:
     most = min(s.max_batch_tokens, s.max_num_seqs * s.prefill_chunk)
     least = min(s.min_step_tokens, most)
     counts = [n for n in (least * 2 ** i for i in range(32)) if n < most] + [most]
-    return sorted({-(-n // ways) * ways for n in counts})
+    return sorted({ceil_div(n, ways) * ways for n in counts})
 
 
 def page_bytes(cfg: models.ModelConfig, kv_heads: int, page_size: int) -> int:
@@ -106,7 +107,7 @@ class Engine:
         kv_heads = family.parallel.kv_heads(cfg)
         ps = settings.page_size
         context = max_context or paged.max_context(cfg)
-        self.pages_per_seq = -(-context // ps)
+        self.pages_per_seq = ceil_div(context, ps)
         self.table_width = paged.table_width(self.pages_per_seq, ps)
         self.weights = self._unstacked(placed)  # before the pool is sized from the memory left
         self.num_pages = pool_pages(placed, settings, kv_heads, self.pages_per_seq)

@@ -7,6 +7,7 @@ import collections
 import dataclasses
 from typing import Any, Hashable
 
+from mesh.numbers import ceil_div
 from train.config.sections import ServeSection
 from train.serve.pages import Pages
 from train.serve.sampling import SamplingParams
@@ -93,7 +94,7 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, upto: int) -> bool:
         """Pages for positions < `upto`, without preempting anyone; False (nothing taken) if short."""
-        need = -(-upto // self.page_size) - len(seq.pages)
+        need = ceil_div(upto, self.page_size) - len(seq.pages)
         if need > self.pages.available():
             return False
         seq.pages += [self.pages.allocate() for _ in range(need)]
