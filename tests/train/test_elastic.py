@@ -1,4 +1,4 @@
-"""train.launch's restart rules (train/runtime/elastic.py) and the JobSet manifest that gives a cluster the same
+"""train.launch's restart rules (train/launch/elastic.py) and the JobSet manifest that gives a cluster the same
 rules; the restart itself runs in tests/train/test_multiprocess.py (a lost process relaunched on one)."""
 import json
 import os
@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers import ROOT
 from train import exit_codes
-from train.runtime import elastic, jobset
+from train.launch import elastic, jobset
 
 ARGS = ("--config=experiments/tiny.py", "--workdir=/w")
 
@@ -27,6 +27,10 @@ def test_restart_rules():
         assert policy.next(first, final, lost=False, stopping=False) is None
     assert policy.next(first, exit_codes.REQUEUE, lost=False, stopping=False) is not None  # preempted: requeue
     assert policy.next(first, exit_codes.REQUEUE, lost=False, stopping=True) is None  # unless the user stopped it
+    laid_out = elastic.Launch(2, (*ARGS, "--config.mesh.data=2", "--config.train.grad_accum_steps=2",
+                                  "--config.plan.fixed=tensor:2", "--config.train.steps=9"))
+    assert policy.next(laid_out, 137, lost=True, stopping=False).args == (  # the layout of the devices lost goes
+        *ARGS, "--config.plan.fixed=tensor:2", "--config.train.steps=9", elastic.REPLAN)
 
 
 def test_jobset_manifest_runs_the_arguments_under_the_same_rules():

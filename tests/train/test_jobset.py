@@ -7,7 +7,8 @@ import re
 import pytest
 
 from tests.helpers import ROOT, run_cli
-from train.runtime import distributed, elastic, jobset
+from train.launch import elastic, jobset
+from train.runtime import distributed
 
 jsonschema = pytest.importorskip("jsonschema")
 SCHEMA = json.loads((ROOT / "tests" / "fixtures" / "jobset" / "jobset-v1alpha2.schema.json").read_text())

@@ -10,7 +10,7 @@ SIGTERM/SIGINT are forwarded to every process.
 The first process to fail stops the others (a stopped one, SIGSTOP, is woken to receive the SIGTERM) and its
 status becomes the launch's; a process that exits with the requeue status (75, after a coordinated
 preemption save) is not a failure: the launcher waits for the others to finish their save and passes 75 on.
-With --max_restarts the launch is started again after a failure (train/runtime/elastic.py says which statuses
+With --max_restarts the launch is started again after a failure (train/launch/elastic.py says which statuses
 and how), from the run's last checkpoint; after a lost process (one killed by a signal) on one process fewer,
 down to --min_processes, with the layout chosen again by the planner for the devices left.
 """
@@ -27,7 +27,8 @@ import time
 from absl import app, flags
 
 from train.exit_codes import REQUEUE
-from train.runtime import elastic, jobset, lock
+from train.launch import elastic, jobset
+from train.runtime import lock
 from train.runtime.forward import Errors, forward
 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.")

@@ -1,13 +1,13 @@
 """`python -m train.launch --emit=jobset`: a Kubernetes JobSet manifest (jobset.x-k8s.io) running the training
 arguments as one indexed Job of N pods, one process each, joined through the first pod's stable DNS name. The
 cluster restarts it under the launcher's rules: any failure restarts the whole set (up to --max_restarts) and
-the run resumes from its checkpoint, except the statuses a restart cannot help (train/runtime/elastic.FINAL),
+the run resumes from its checkpoint, except the statuses a restart cannot help (train/launch/elastic.FINAL),
 which end it through the Job's pod failure policy."""
 from __future__ import annotations
 
 import json
 
-from train.runtime import elastic
+from train.launch import elastic
 
 NAME, JOB, PORT = "spmdtrain", "workers", 8476
 

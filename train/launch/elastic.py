@@ -1,18 +1,26 @@
-"""The restart policy of `train.launch --max_restarts=N [--min_processes=M]`: which failed launches start again,
-after how long, and on how many processes. After a lost process (one killed by a signal, as when its node goes)
-the launch restarts on one process fewer, down to M, with `--config.plan.auto=True` so the planner lays the run
-out on the devices left. The global batch is a setting, kept as it is, and the batch of step s is a function of
-(seed, s) alone, so the restarted run neither skips nor repeats an example."""
+"""The restart policy of `train.launch --max_restarts=N [--min_processes=M]`: which failed launches start again, after
+how long, and on how many processes. After a lost process (one killed by a signal, as when its node goes) the launch
+restarts on one process fewer, down to M, with `--config.plan.auto=True` so the planner lays the run out on the
+devices left (the layout flags given for the devices that are gone are dropped; plan.fixed stays). The global batch
+is a setting, kept as it is, and the batch of step s is a function of (seed, s) alone, so the restarted run neither
+skips nor repeats an example."""
 from __future__ import annotations
 
 import dataclasses
 
 from train import exit_codes
+from train.plan.report import LAYOUT_KEYS
 
 # Statuses a restart cannot help: done; a user error (fix it first); numbers that are not finite (a replay
 # repeats them); no restorable checkpoint (a restart would begin again at step 0).
 FINAL = (exit_codes.OK, exit_codes.USER_ERROR, exit_codes.NON_FINITE, exit_codes.NO_CHECKPOINT)
 REPLAN = "--config.plan.auto=True"
+
+
+def replanned(args: tuple[str, ...]) -> tuple[str, ...]:
+    """`args` without the flags that set the layout (what plan.auto chooses), which described the devices lost."""
+    keys = tuple(f"--config.{k}" for k in LAYOUT_KEYS if k != "plan.") + ("--config.plan.auto=",)
+    return tuple(a for a in args if not a.startswith(keys))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +43,7 @@ class Policy:
         if stopping or status in FINAL or launch.restarts >= self.max_restarts:
             return None
         fewer = lost and launch.processes > self.min_processes
-        args = (*launch.args, REPLAN) if fewer and REPLAN not in launch.args else launch.args
+        args = (*replanned(launch.args), REPLAN) if fewer else launch.args
         return Launch(launch.processes - fewer, args, launch.restarts + 1)
 
     def delay_s(self, launch: Launch) -> float:
