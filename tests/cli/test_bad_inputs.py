@@ -6,6 +6,8 @@ import json
 import os
 import re
 import shutil
+import socket
+import stat
 import struct
 
 import jax
@@ -18,9 +20,11 @@ from tests.forked import run_many
 from tests.helpers import ROOT, tiny_config
 from train import exit_codes
 from train.config import experiment as config_lib
+from train.eval import results
 from train.hf import export as hf_export
 from train.loop import goodput, metrics, phases
 from train.prepare import command as prepare
+from train.runtime import hardware
 from train.runtime.lock import WorkdirLock
 
 TINY = ["--config=experiments/tiny.py", "--config.mesh.data=8"]
@@ -198,6 +202,117 @@ def _declared(tmp):
     return rows
 
 
+def _full_device(tmp):
+    """A character device like /dev/full (writes fail with ENOSPC), made here, never /dev itself; None where the
+    test may not make device nodes."""
+    node = tmp / "full"
+    try:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 7))
+    except OSError:
+        return None
+    return node
+
+
+def _run_of(tmp, name: str, config_json: str):
+    """A copy of the fixture run (config.json and checkpoint 3) whose config.json holds `config_json`."""
+    run = tmp / name
+    shutil.copytree(ROOT / "tests" / "fixtures" / "checkpoint_604b7c2", run)
+    if config_json:
+        (run / "config.json").write_text(config_json)
+    return run
+
+
+def _llama_hf(tmp):
+    """A Hugging Face directory of a Llama (LlamaForCausalLM): only its config.json is read before the error."""
+    cfg, _ = _export_inputs()
+    hf = tmp / "llama-hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(models.family_of(cfg).hf.hf_config(cfg, "float32", None, None)))
+    return hf
+
+
+def _user_path(tmp, port: int, full):
+    """The command-line rows of a new user's path that once failed otherwise: {name: (module, args, the error line
+    as a regex, paths that must not exist afterwards, the file stdout goes to or None)}."""
+    W, t, listed = tmp / "W", re.escape, _run_of(tmp, "listed", "[]")
+    (tmp / "raises.py").write_text("def get_config(variant=''):\n    raise RuntimeError('no config today')\n")
+    rows = {
+        "a coordinator that accepts and never answers": ("train", [
+            *TINY, f"--workdir={W}", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", "--process_id=1",
+            "--init_timeout_s=1"], t(f"--coordinator_address='127.0.0.1:{port}': a server there accepts connections "
+                                     "but did not answer as JAX's coordinator within --init_timeout_s=1; give process "
+                                     "0's address and port"), [W], None),
+        "gpt3-1.3b on data=8": ("train", ["--config=experiments/default.py:data_parallel",
+                                          "--config.model.preset=gpt3-1.3b", f"--workdir={W}"],
+                                r"the step needs about 31.61 GiB per device \(the planner's memory model\) but a "
+                                r"device has [\d.]+ GiB; shard more .*", [W], None),
+        "sample on a config.json of []": ("train.sample", [f"--workdir={listed}", "--prompt=a"],
+                                          t(f"--workdir={listed}: {listed}/config.json is not a run's config.json (no "
+                                            "'config' entry of sections); move it away or choose another --workdir"),
+                                          [], None),
+        "serve on a config.json of []": ("train.serve", [f"--workdir={listed}", "--port=0"],
+                                         rf"--workdir={t(str(listed))}: .* is not a run's config.json .*", [], None),
+        "a missing config file with overrides": ("train", ["--config=experiments/nonexistent.py",
+                                                           "--config.train.steps=5", f"--workdir={W}"],
+                                                 t("--config=experiments/nonexistent.py: no such config file; give an "
+                                                   "experiment file such as experiments/default.py"), [W], None),
+        "a config file that raises": ("train", [f"--config={tmp / 'raises.py'}", f"--workdir={W}"],
+                                      t(f"--config={tmp / 'raises.py'}: its get_config() raised RuntimeError: no "
+                                        "config today"), [W], None),
+        "bench_moe on a dense preset": ("experiments.bench_moe", ["--presets=tiny"],
+                                        r"--presets=tiny: tiny: not a mixture-of-experts preset; use some of .*", [],
+                                        None),
+        "plan_table --bogus": ("experiments.plan_table", ["--bogus"], t("unrecognized arguments: --bogus"), [], None),
+        "data.cache_dir under /proc": ("train", [*TINY, "--config.data.cache_dir=/proc/spmdtrain-cache",
+                                                 f"--workdir={W}"],
+                                       t("data.cache_dir=/proc/spmdtrain-cache: cannot write there (/proc is not a "
+                                         "writable directory); choose a writable path"), [W], None),
+        "grad_accum_steps the planner would replace": ("train", ["--config=experiments/tiny.py",
+                                                                 "--config.train.grad_accum_steps=2", f"--workdir={W}"],
+                                                       r"train.grad_accum_steps=2: plan.auto=True would replace it "
+                                                       r"with 1 \(its layout .*\); pin it with "
+                                                       r"plan.fixed=grad_accum_steps:2, or drop the setting", [W],
+                                                       None),
+        "an unknown schedule under plan.fixed=pipeline:2": ("train", ["--config=experiments/tiny.py",
+                                                                      "--config.pipeline.schedule=zb_x",
+                                                                      "--config.plan.fixed=pipeline:2",
+                                                                      f"--workdir={W}"],
+                                                            t("pipeline.schedule='zb_x': did you mean 'zb_v'? use one "
+                                                              "of gpipe, 1f1b, interleaved, zb_h1, zb_v"), [W], None),
+        "a qwen3 preset over a Llama directory": ("train", [*TINY, "--config.model.preset=qwen3-tiny",
+                                                            f"--config.checkpoint.restore_from=hf:{_llama_hf(tmp)}",
+                                                            f"--workdir={W}"],
+                                                  r"checkpoint.restore_from='hf:.*': config.json has architectures "
+                                                  r"\['LlamaForCausalLM'\] but model.preset='qwen3-tiny' is a "
+                                                  r"Qwen3ForCausalLM; set model.preset to one of llama3-tiny, .*", [W],
+                                                  None),
+        "a mixture preset without experts": ("train", [*TINY, "--config.model.preset=mixtral-tiny",
+                                                       "--config.model.n_experts=0", f"--workdir={W}"],
+                                             t("model.n_experts=0: model.preset='mixtral-tiny' is a mixture of "
+                                               "experts; choose a dense preset rather than removing its experts"), [W],
+                                             None),
+        "a misspelled preset": ("train", [*TINY, "--config.model.preset=lama3-tiny", f"--workdir={W}"],
+                                r"model.preset='lama3-tiny': unknown preset; did you mean 'llama3-tiny'\? use one "
+                                r"of .*",
+                                [W], None),
+    }
+    if full is not None:
+        sample = _run_of(tmp, "sample-run", "")
+        rows |= {
+            "eval --json on a device": ("train.eval", [f"--workdir={sample}", "--tasks=x", f"--json={full}"],
+                                        t(f"--json={full}: exists and is not a regular file; give a path to a file"),
+                                        [], None),
+            "plan's output to a full device": ("train.plan", ["--config=experiments/tiny.py"],
+                                               t("the output cannot be written to stdout (No space left on device); "
+                                                 "redirect it to a writable file"), [], full),
+            "sample's output to a full device": ("train.sample", [f"--workdir={sample}", "--prompt=a",
+                                                                  "--max_new_tokens=2", "--num_cpu_devices=1"],
+                                                 t("the output cannot be written to stdout (No space left on device); "
+                                                   "redirect it to a writable file"), [], full),
+        }
+    return rows
+
+
 def _cases(tmp):
     """{name: (module, args, the error line as a regex, paths that must not exist afterwards)}."""
     bad, hf, trained = _datadirs(tmp), _hf_truncated(tmp), _run_without_step_99(tmp)
@@ -278,6 +393,14 @@ def _cases(tmp):
                                            "optimizer.warmup_steps"), [W]),
         "export_hf unwritable --out": ("train.export_hf", [f"--workdir={trained}", f"--out={blocked}"],
                                        rf"--out={t(str(blocked))}: cannot write there .*", [blocked]),
+        "export_hf into a folder of files": ("train.export_hf", [f"--workdir={trained}", f"--out={mine}"],
+                                             t(f"--out={mine} exists and is not empty; give a new directory, or pass "
+                                               f"--overwrite to replace an earlier export"), []),
+        "export_hf --overwrite over a user's folder": ("train.export_hf", [f"--workdir={trained}", f"--out={mine}",
+                                                                           "--overwrite"],
+                                                       t(f"--out={mine} holds files an export does not write "
+                                                         f"(notes.txt), so --overwrite does not replace it; give a new "
+                                                         f"directory"), []),
         "export_hf --max_shard_gb=-1": ("train.export_hf", [f"--workdir={trained}", f"--out={tmp / 'hf-out'}",
                                                             "--max_shard_gb=-1"],
                                         t("--max_shard_gb=-1.0: must be > 0 (the most GB one safetensors file "
@@ -369,7 +492,7 @@ def _cases(tmp):
         "eval unwritable --json": ("train.eval", [f"--workdir={trained}", "--tasks=x", f"--json={blocked}"],
                                    rf"--json={t(str(blocked))}: cannot write there .*", [blocked]),
         "eval --json a directory": ("train.eval", [f"--workdir={trained}", "--tasks=x", f"--json={tmp}"],
-                                    rf"--json={t(str(tmp))}: exists and is not a file; choose another path", []),
+                                    rf"--json={t(str(tmp))}: exists and is a directory; give a path to a file", []),
         **{f"{module} {arg}": (f"experiments.{module}", [arg], line, []) for module, arg, line in EXPERIMENTS},
         "a held-out split shorter than a row": ("train", [*TINY, f"--config.data.path={tmp / 'small'}",
                                                          "--config.data.eval_percent=1",
@@ -433,17 +556,22 @@ def _cases(tmp):
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad")
-    cases = _cases(tmp)
+    full = _full_device(tmp)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel's backlog) and never answers
+    cases = {name: (*case, None) for name, case in _cases(tmp).items()}
+    cases |= _user_path(tmp, silent.getsockname()[1], full)
     (tmp / "busy").mkdir()
-    with WorkdirLock(tmp / "busy") as held:
+    with silent, WorkdirLock(tmp / "busy") as held:
         held.acquire(print)
-        results = run_many([(module, args) for module, args, _, _ in cases.values()])
+        results = run_many([(module, args, stdout) for module, args, _, _, stdout in cases.values()])
+    if full is not None:
+        assert stat.S_ISCHR(full.stat().st_mode)  # written to, never replaced
     return {name: (case, result) for (name, case), result in zip(cases.items(), results)}
 
 
 def test_every_bad_input_is_one_line_exit_2_and_writes_nothing(outcomes):
     failures = []
-    for name, ((_module, _args, pattern, absent), (status, _out, err)) in outcomes.items():
+    for name, ((_module, _args, pattern, absent, _stdout), (status, _out, err)) in outcomes.items():
         line = err.strip()
         ok = status == exit_codes.USER_ERROR and re.fullmatch(f"error: {pattern}", line) is not None
         left = [str(p) for p in absent if p.exists()]
@@ -470,7 +598,11 @@ def test_export_keeps_a_users_out_tmp_and_leaves_nothing_when_writing_fails(tmp_
     hf_export.write(tmp_path / "hf", cfg, params, "float32")
     assert (tmp_path / "hf.tmp" / "mine.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "hf.tmp"]
-    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and not hf_export.foreign_files(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    hf_export.write(tmp_path / "hf", cfg, params, "float32")  # --overwrite: an earlier export replaced whole
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "hf.tmp"]
 
     def full(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -514,3 +646,38 @@ def test_wandb_without_a_key_or_with_a_bad_mode_is_one_line_before_any_work(env,
     with pytest.raises(exit_codes.ConfigError) as raised:
         metrics.check_wandb()
     assert str(raised.value) == line
+
+
+def test_host_memory_counts_only_the_address_space_ulimit_leaves(monkeypatch):
+    """Under `ulimit -v` an allocation past the limit aborts the process inside XLA: the memory checks must see
+    the limit, less what the process has mapped already."""
+    mapped = hardware._mapped_bytes()
+    assert mapped > 0
+    monkeypatch.setattr(hardware.resource, "getrlimit", lambda _: (mapped + (3 << 30), hardware.resource.RLIM_INFINITY))
+    assert hardware.host_memory() == pytest.approx(3 << 30, rel=0.05)
+
+
+def test_prepare_onto_a_full_disk_stops_before_tokenizing(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text("text " * 1000)
+    monkeypatch.setattr(prepare.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1 << 30, 1 << 30, 100))
+    monkeypatch.setattr(prepare, "_write", lambda *a: pytest.fail("tokenized onto a full disk"))
+    with pytest.raises(prepare.PrepareError, match=r"--out=.*/D: 0.0 MB free there, and the tokens of 0.0 MB of "
+                                                   r"input need 0.0 MB or more; free space there or choose"):
+        prepare.prepare([str(tmp_path / "a.txt")], str(tmp_path / "D"), "bytes")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
+def test_eval_results_keep_a_symlink_and_never_replace_a_device(tmp_path):
+    real = tmp_path / "real.json"
+    real.write_text("old")
+    (tmp_path / "link.json").symlink_to(real)
+    results.write(tmp_path / "link.json", {"a": 1})
+    assert (tmp_path / "link.json").is_symlink() and json.loads(real.read_text()) == {"a": 1}
+    null = tmp_path / "null"
+    try:
+        os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # like /dev/null
+    except OSError:
+        pytest.skip("no device nodes here")
+    results.write(null, {"a": 1})
+    assert stat.S_ISCHR(null.stat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "null", "real.json"]

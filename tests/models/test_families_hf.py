@@ -15,7 +15,7 @@ import models  # noqa: E402
 from checkpoint import safetensors_io  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.helpers import tiny_config  # noqa: E402
-from train.export_hf import command as export_hf  # noqa: E402
+from train.hf import export as hf_export  # noqa: E402
 from train.hf import restore as hf_import  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
@@ -71,7 +71,7 @@ def qwen3_exported(tmp_path_factory):
     for key in ("q_norm", "k_norm"):
         params["layers"][key] = rng.uniform(0.5, 1.5, params["layers"][key].shape).astype(np.float32)
     out = tmp_path_factory.mktemp("export") / "out"
-    export_hf.write(out, cfg, params, "float32", None)
+    hf_export.write(out, cfg, params, "float32", None)
     return cfg, params, out
 
 
@@ -140,7 +140,7 @@ def test_mixture_imports_with_transformers_logits_and_exports_the_same_tensors(m
     params = hf_import.load_params(f"hf:{path}", trainer)
     ours = jax.jit(lambda p, t: models.forward(p, t, cfg))(params, TOKENS)
     np.testing.assert_allclose(np.asarray(ours), _hf_logits(path), atol=1e-4, rtol=0)
-    export_hf.write(tmp_path / "out", cfg, jax.tree.map(np.asarray, jax.device_get(params)), "float32", None)
+    hf_export.write(tmp_path / "out", cfg, jax.tree.map(np.asarray, jax.device_get(params)), "float32", None)
     theirs = safetensors_io.open_tensors(path / "model.safetensors")
     back = safetensors_io.open_tensors(tmp_path / "out" / "model.safetensors")
     assert sorted(back) == sorted(theirs)

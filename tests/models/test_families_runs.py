@@ -17,6 +17,7 @@ from models import lora  # noqa: E402
 from tests.helpers import losses, tiny_config  # noqa: E402
 from tests.models import test_families_hf as families  # noqa: E402
 from train.export_hf import command as export_hf  # noqa: E402
+from train.hf import export as hf_export  # noqa: E402
 from train.loop import runner as loop  # noqa: E402
 from train.sample import command as sample_lib  # noqa: E402
 
@@ -51,8 +52,8 @@ def trained(request, tmp_path_factory):
     assert step == STEPS
     trained_logits = np.asarray(jax.jit(lambda p, t: models.forward(p, t, cfg))(params, families.TOKENS))
     if lora.enabled(cfg):
-        cfg, params = export_hf.merged(cfg, params)
-    export_hf.write(root / "out", cfg, params, "float32", None)
+        cfg, params = hf_export.merged(cfg, params)
+    hf_export.write(root / "out", cfg, params, "float32", None)
     return kind, base, root / "run", root / "out", trained_logits
 
 

@@ -19,6 +19,7 @@ from tests import helpers  # noqa: E402
 from tests.helpers import run_steps, tiny_config  # noqa: E402
 from train.config import experiment as config_lib  # noqa: E402
 from train.export_hf import command as export_hf  # noqa: E402
+from train.hf import export as hf_export  # noqa: E402
 from train.hf import restore as hf_import  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
@@ -71,7 +72,7 @@ def test_import_gives_transformers_logits_and_exports_the_same_tensors(gpt2_dir,
     ours = np.asarray(jax.jit(lambda p, t: models.forward(p, t, cfg))(params, TOKENS))
     np.testing.assert_allclose(ours[..., :VOCAB], _hf_logits(gpt2_dir), atol=1e-4, rtol=0)
     assert np.all(ours[..., VOCAB:] == -np.inf)
-    export_hf.write(tmp_path / "out", cfg, jax.tree.map(np.asarray, jax.device_get(params)), "float32", None)
+    hf_export.write(tmp_path / "out", cfg, jax.tree.map(np.asarray, jax.device_get(params)), "float32", None)
     theirs = safetensors_io.open_tensors(gpt2_dir / "model.safetensors")
     back = safetensors_io.open_tensors(tmp_path / "out" / "model.safetensors")
     assert set(back) == {k for k in theirs if k != "lm_head.weight"}
@@ -89,7 +90,7 @@ def exported(tmp_path_factory):
     _, state = run_steps(trainer, 2)
     params = jax.tree.map(np.asarray, jax.device_get(state["params"]))
     out = tmp_path_factory.mktemp("export") / "out"
-    export_hf.write(out, trainer.plan.model, params, "float32", None)
+    hf_export.write(out, trainer.plan.model, params, "float32", None)
     return trainer.plan.model, params, out
 
 
@@ -112,7 +113,7 @@ def test_lora_merges_over_the_biases(exported):
                                 **GPT2_OPTIONS, "lora_rank": 2, "lora_targets": "q,v,o,mlp"})
     with_adapters = jax.tree.map(np.asarray, models.init_params(adapted, 1))
     with_adapters["layers"][lora.KEY] = jax.tree.map(lambda x: x + 0.05, with_adapters["layers"][lora.KEY])
-    base_cfg, merged = export_hf.merged(adapted, with_adapters)
+    base_cfg, merged = hf_export.merged(adapted, with_adapters)
     both = jax.jit(lambda m, a: (models.forward(m, TOKENS, base_cfg), models.forward(a, TOKENS, adapted)))
     ours, theirs = both(merged, with_adapters)
     assert np.abs(np.asarray(ours) - np.asarray(models.forward(params, TOKENS, cfg))).max() > 1e-2  # adapted

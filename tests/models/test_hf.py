@@ -15,7 +15,7 @@ import models  # noqa: E402
 from checkpoint import RestoreFromError, safetensors_io  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.helpers import run_cli, run_steps, tiny_config  # noqa: E402
-from train.export_hf import command as export_hf  # noqa: E402
+from train.hf import export as hf_export  # noqa: E402
 from train.hf import restore as hf_import  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
@@ -70,7 +70,7 @@ def exported(tmp_path_factory):
     _, state = run_steps(trainer, 2)
     params = jax.tree.map(np.asarray, jax.device_get(state["params"]))
     out = tmp_path_factory.mktemp("export") / "out"
-    export_hf.write(out, trainer.plan.model, params, "float32", None)
+    hf_export.write(out, trainer.plan.model, params, "float32", None)
     return trainer.plan.model, params, out
 
 
@@ -153,7 +153,7 @@ def test_export_and_sampling_use_the_runs_tokenizer(exported, tmp_path):
     codec = tok_lib.load_run_codec(workdir)
     assert (codec.eos_id, codec.bos_id, codec.from_run) == (eos, bos, True)
     out = tmp_path / "hf"
-    export_hf.write(out, cfg, params, "float32", codec)
+    hf_export.write(out, cfg, params, "float32", codec)
     for name in ("config.json", "generation_config.json"):
         ids = json.loads((out / name).read_text())
         assert (ids["eos_token_id"], ids["bos_token_id"]) == (eos, bos)

@@ -216,7 +216,9 @@ def test_plan_cli_run_it_line_trains_the_planned_layout(tmp_path):
     line = next(l for l in done.stdout.splitlines() if l.startswith("run it: "))
     words = shlex.split(line[len("run it: "):])
     assert words[:4] == ["python", "-m", "train", "--config=experiments/tiny.py"]
-    assert "--config.model.preset=llama3-tiny" in words and "--workdir=runs/tiny" in words
+    assert "--config.model.preset=llama3-tiny" in words
+    assert any(w.startswith("--workdir=runs/tiny-planned") for w in words)  # a fresh workdir, never make train's
+    assert "peak float32: 19.5 TFLOP/s per device, from the dgx-a100 preset's datasheet figure" in done.stdout
     run = tmp_path / "run"
     trained = run_cli(*words[3:], f"--workdir={run}", "--config.train.steps=2", "--config.optimizer.warmup_steps=1")
     assert trained.returncode == 0, trained.stderr[-2000:]

@@ -57,6 +57,10 @@ def test_every_imported_package_is_declared_and_make_test_installs_the_extras():
     make_test = re.search(r"pip install --quiet -e '\.\[([^\]]*hf[^\]]*)\]'", (ROOT / "Makefile").read_text())
     assert make_test and set(make_test.group(1).split(",")) >= {"test", "parquet", "plots", "wandb", "data", "hf"}
     assert set(extras.EXTRAS.values()) <= set(declared.values())
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    [everything] = optional["all"]  # every feature, for `pip install 'spmdtrain[all]'`
+    assert set(everything[everything.index("[") + 1:-1].split(",")) == set(optional) - {"all", "hf", "test", "cuda",
+                                                                                         "cuda12"}
 
 
 @pytest.fixture

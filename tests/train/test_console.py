@@ -2,11 +2,13 @@
 (train/runtime/console.py), a fatal native message becomes one line, and train.launch prints an error once.
 No training: one small subprocess."""
 import io
+import re
 import subprocess
 import sys
 import textwrap
 
 from tests.helpers import ROOT
+from train.runtime import progress
 from train.runtime.console import Relay
 from train.runtime.forward import Errors, forward
 
@@ -93,3 +95,18 @@ def test_a_collective_failed_by_a_lost_peer_is_one_line_not_a_traceback():
     assert peer_failure(lost).startswith("a collective with the run's other processes failed (INTERNAL: Gloo")
     assert peer_failure(JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")) == ""
     assert peer_failure(RuntimeError("gloo")) == ""
+
+
+def test_a_progress_line_says_done_of_total_and_the_time_left(capsys):
+    line = progress.ProgressLine("eval: scoring", 40, "requests", every_s=0.0, quiet_s=0.0)
+    line.advance(10)
+    assert re.fullmatch(r"\reval: scoring: 10/40 requests \(25%\), [\d,.]+ requests/s, ETA \d+s   ",
+                        capsys.readouterr().err)
+    line.advance(30)
+    line.close()
+    last = capsys.readouterr().err.split("\r")[-1]  # each update rewrites the line; the last one ends it
+    assert re.fullmatch(r"eval: scoring: 40/40 requests \(100%\), [\d,.]+ requests/s, done in \d+s   \n", last)
+    quiet = progress.ProgressLine("eval: scoring", 40, "requests")  # the first seconds print nothing
+    quiet.advance(40)
+    quiet.close()
+    assert capsys.readouterr().err == ""

@@ -17,7 +17,7 @@ from train import cli  # noqa: E402
 from train.data import tokenizer as tok_lib  # noqa: E402
 from train.eval import command  # noqa: E402
 from train.eval.options import Options  # noqa: E402
-from train.export_hf import command as export_hf  # noqa: E402
+from train.hf import export as hf_export  # noqa: E402
 from train.loop import saver  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
@@ -59,7 +59,7 @@ def run(tmp_path_factory):
     (workdir / "config.json").write_text(json.dumps({"config": saver.recorded_config(trainer)}))
     export = workdir.parent / "hf"
     params = jax.tree.map(np.asarray, jax.device_get(state["params"]))
-    export_hf.write(export, trainer.plan.model, params, "float32", tok_lib.load_run_codec(workdir))
+    hf_export.write(export, trainer.plan.model, params, "float32", tok_lib.load_run_codec(workdir))
     return workdir, export
 
 

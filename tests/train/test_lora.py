@@ -18,6 +18,7 @@ from tests.helpers import losses  # noqa: E402
 from tests.models import test_hf  # noqa: E402
 from tests.models.test_hf import TOKENS, _hf_logits, _import_config  # noqa: E402
 from train.export_hf import command as export_hf  # noqa: E402
+from train.hf import export as hf_export  # noqa: E402
 from train.loop import runner as loop  # noqa: E402
 from train.plan import candidate, memory  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
@@ -96,8 +97,8 @@ def test_merged_export_gives_the_adapted_logits_in_transformers(run, restored, b
         export_hf._check_exportable(run, export_hf.run_model(run)[1], False)
     cfg, params = restored
     adapted = np.asarray(_logits(params, cfg))
-    base_cfg, merged = export_hf.merged(cfg, params)
-    export_hf.write(tmp_path / "out", base_cfg, merged, "float32", None)
+    base_cfg, merged = hf_export.merged(cfg, params)
+    hf_export.write(tmp_path / "out", base_cfg, merged, "float32", None)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_hidden_layers"] == cfg.n_layers
     assert np.abs(adapted - _hf_logits(base_model)).max() > 1e-2  # the adapters changed the model
     np.testing.assert_allclose(_hf_logits(tmp_path / "out"), adapted, atol=1e-4, rtol=0)

@@ -17,6 +17,7 @@ from train import state as state_lib
 from train import step as step_lib
 from train.eval import load as eval_load
 from train.export_hf import command as export_hf
+from train.hf import export as hf_export
 from train.loop import resume, saver
 from train.sample import command as sample_lib
 from train.trainer import Trainer
@@ -129,7 +130,7 @@ def hf_dir(run, tmp_path_factory):
     """The run's saved params written as a Hugging Face directory by train.export_hf."""
     workdir, trainer, saved = run
     out = tmp_path_factory.mktemp("placed_hf") / "hf"
-    export_hf.write(out, trainer.plan.model, saved, "float32")
+    hf_export.write(out, trainer.plan.model, saved, "float32")
     return out
 
 

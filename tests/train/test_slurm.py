@@ -8,6 +8,7 @@ import os
 import pathlib
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -183,3 +184,39 @@ def test_signal_usr1_before_the_time_limit_saves_and_training_goes_on(slurm, war
     after_s = (workdir / "checkpoints" / str(saved)).stat().st_mtime - started
     assert 60 - WARN_S - 5 < after_s < 60, after_s  # before the limit, not before the warning was due
     print(f"\nUSR1@{WARN_S} with --time=1: saved step {saved} {after_s:.0f}s after the start")
+
+
+def _script(tmp_path, *args: str, srun_status: int = 0, **env: str):
+    """train.sbatch run by bash outside SLURM: srun is a stub that exits `srun_status`, scontrol one that says it
+    would requeue; (exit status, stdout, stderr)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in (("srun", f"exit {srun_status}"), ("scontrol", 'echo "requeued $*"')):
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    base = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "7",
+            "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(ROOT / "experiments" / "slurm" / "train.sbatch"), *args],
+                          env={k: v for k, v in {**base, **env}.items() if v is not None}, capture_output=True,
+                          text=True, timeout=30)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("args,env,line", [
+    ((), {}, "error: usage: sbatch experiments/slurm/train.sbatch CONFIG WORKDIR [train flags...]"),
+    (("c.py", "w"), {"SLURM_SUBMIT_DIR": None}, "error: SLURM_SUBMIT_DIR is not set: submit the script with sbatch "
+                                                "from the project's directory (the tasks run from there)"),
+    (("c.py", "w"), {"MAX_RESTARTS": "abc"}, "error: MAX_RESTARTS=abc: give a whole number >= 0 (how many times a "
+                                             "failed job is requeued)"),
+    (("c.py", "w"), {"PYTHON": "/no/such/python"}, "error: PYTHON=/no/such/python: no such interpreter in "
+                                                   f"{ROOT}; run make install there, or set PYTHON"),
+], ids=["no arguments", "no SLURM_SUBMIT_DIR", "MAX_RESTARTS=abc", "no interpreter"])
+def test_the_script_checks_how_it_was_started(tmp_path, args, env, line):
+    status, out, err = _script(tmp_path, *args, **env)
+    assert (status, err.strip(), out) == (2, line, "")
+
+
+@pytest.mark.parametrize("status,requeued", [(2, False), (127, False), (126, False), (1, True), (75, True)])
+def test_the_script_requeues_only_what_a_restart_can_help(tmp_path, status, requeued):
+    code, out, _ = _script(tmp_path, "c.py", "w", srun_status=status)
+    assert code == status and ("requeued requeue 7" in out) == requeued

@@ -3,6 +3,8 @@ import json
 import math
 import os
 
+import pytest
+
 from tests.helpers import ROOT, run_cli
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu"}
@@ -42,6 +44,10 @@ def test_training_run_learns_and_writes_its_outputs(tmp_path):
     assert chosen.split(": ", 1)[1].split(" | ")[0] == " x ".join(f"{a}={s}" for a, s in mesh.items() if s > 1)
     planned = json.loads((workdir / "config.json").read_text())["plan"]
     assert planned["devices"] == 8 and planned["chosen"]["mesh"] == mesh and planned["runner_up"]["fits"]
+    # The run prints the planner's step time for its own layout beside the measured one: plan.auto's figure.
+    predicted = json.loads((workdir / "compile_report.json").read_text())["predicted_step_s"]
+    assert predicted == pytest.approx(planned["chosen"]["step_time_s"], rel=1e-6)
+    assert f"the planner predicts {predicted:.3g} s/step" in result.stdout
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]

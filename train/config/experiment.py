@@ -114,6 +114,7 @@ def check_settings(config: ml_collections.ConfigDict) -> None:
     """Every declared check of every section (train/config/sections.py), then the checks across settings."""
     for section in sections.SECTIONS:
         section.check(config[section.KEY])
+    model_settings.check(config.model)
     sharding_rules.check_strategy(config.sharding.strategy)  # registered at run time, so no declared choices
     ck = config.checkpoint
     local_dir, every = ck.local_dir, ck.local_every_steps
@@ -284,17 +285,30 @@ def pin_layout_if_mesh_given(config: ml_collections.ConfigDict, overrides: dict[
         config.plan.auto = False
 
 
-def load_run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
-    """A finished run's config, read back from the config.json its training wrote (for export and sampling)."""
+def read_run_json(workdir: pathlib.Path) -> dict[str, Any] | None:
+    """The config.json a run's training wrote ({"config": {...}, ...}), or None when there is none; a file that is
+    not one (damaged, or some other JSON) is a one-line error."""
     path = workdir / "config.json"
     if not path.is_file():
-        raise ConfigError(f"--workdir={workdir}: no config.json there; give the directory of a training run")
+        return None
     try:
-        saved = json.loads(path.read_text())["config"]
-    except (ValueError, KeyError):
-        raise ConfigError(f"--workdir={workdir}: {path} is not a run's config.json (no 'config' entry)") from None
+        saved = json.loads(path.read_text())
+        if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict) or not all(
+                isinstance(v, dict) for v in saved["config"].values()):
+            raise ValueError
+    except (OSError, ValueError):
+        raise ConfigError(f"--workdir={workdir}: {path} is not a run's config.json (no 'config' entry of "
+                          f"sections); move it away or choose another --workdir") from None
+    return saved
+
+
+def load_run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
+    """A finished run's config, read back from the config.json its training wrote (for export and sampling)."""
+    saved = read_run_json(workdir)
+    if saved is None:
+        raise ConfigError(f"--workdir={workdir}: no config.json there; give the directory of a training run")
     config = base_config()
-    apply_saved(config, saved)
+    apply_saved(config, saved["config"])
     # With plan.auto the saved mesh.* and layout knobs are the planner's choice, the layout actually trained:
     # use it as written (and let --config.mesh.* override it) rather than planning again.
     config.plan.auto = False

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 from ml_collections import config_dict
 
 import models
-from train.config.settings import Section, setting
+from train.config.settings import ConfigError, Section, nearest, setting
 
 # Family fields resolve() fills in from the data (models/documents.py), never the user's settings.
 DERIVED = ("document_eos_id", "masked_targets")
@@ -67,3 +67,15 @@ def model_keys() -> dict[str, Any]:
     keys = ModelSection.defaults()
     keys.update({name: config_dict.placeholder(kind) for name, (kind, _, _) in family_fields().items()})
     return keys
+
+
+def check(values: Any) -> None:
+    """The model section before anything is built: a preset that exists (with the nearest name when misspelled),
+    and no override that makes the preset another kind of model (a mixture of experts left without experts)."""
+    preset = values.get("preset")
+    if preset and preset not in models.PRESETS:
+        raise ConfigError(f"model.preset={preset!r}: unknown preset; {nearest(preset, models.PRESETS)}use one of "
+                          f"{', '.join(models.PRESETS)}")
+    if preset and values.get("n_experts") == 0 and models.from_dict({"preset": preset}).n_experts:
+        raise ConfigError(f"model.n_experts=0: model.preset={preset!r} is a mixture of experts; choose a dense "
+                          f"preset rather than removing its experts")

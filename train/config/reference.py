@@ -62,9 +62,28 @@ def model_table() -> list[str]:
     return rows + ["", note, ""]
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def preset_table() -> list[str]:
+    """Every `model.preset`, its family and the shape it sets (a field given beside it overrides that field)."""
+    rows = ["### Presets", "", "What each `model.preset` sets; the parameters are `models.param_count`'s (a mixture's "
+            "counts every expert).", "", "| preset | family | parameters | layers | d_model | heads | experts | "
+            "vocabulary | seq_len | compute dtype |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name in models.PRESETS:
+        cfg = models.from_dict({"preset": name})
+        family = models.config.family_of_preset(name)
+        rows.append(f"| `{name}` | {family} | {_count(models.param_count(cfg))} | {cfg.n_layers} | {cfg.d_model} | "
+                    f"{cfg.n_heads} | {cfg.n_experts or '-'} | {cfg.vocab_size:,} | {cfg.seq_len:,} | "
+                    f"{cfg.compute_dtype} |")
+    return rows + [""]
+
+
 def render() -> str:
     lines = [_INTRO]
     lines += model_table()
+    lines += preset_table()
     for section in sections.SECTIONS:
         lines += section_table(section)
     return "\n".join(lines).rstrip() + "\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import math
 from typing import Any, Callable, ClassVar
 
@@ -81,6 +82,12 @@ def setting(default: Any, help: str, **spec: Any) -> Any:
     return dataclasses.field(default=s.convert(default), metadata={_SPEC: s})
 
 
+def nearest(value: Any, choices: Any) -> str:
+    """'did you mean 'x'? ' for the choice closest to a misspelled `value` (difflib's ratio), else ''."""
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
 def names(text: Any) -> tuple[str, ...]:
     """A comma-separated list setting (train.loggers, train.actions) as a tuple of its names."""
     return tuple(n.strip() for n in str(text or "").split(",") if n.strip())
@@ -109,6 +116,8 @@ class Section:
             if s.checked and not s.accepts(value):
                 infinite = isinstance(value, float) and not math.isfinite(value) and not s.choices
                 message = "must be a finite number" if infinite else s.message()
+                if s.choices and isinstance(value, str):
+                    message = nearest(value, s.choices) + message
                 raise ConfigError(f"{cls.KEY}.{name}={value!r}: {message}")
 
     @classmethod

@@ -1,4 +1,5 @@
-"""`python -m train.export_hf --workdir=DIR [--step=N] [--dtype=float32|bfloat16] [--merge_lora] --out=HFDIR`: a
+"""`python -m train.export_hf --workdir=DIR [--step=N] [--dtype=float32|bfloat16] [--merge_lora] [--overwrite]
+--out=HFDIR`: a
 run's checkpoint (a LoRA run's merged into its base) as a directory transformers' from_pretrained loads, through its
 family's adapter (models/hf.py: Llama as LlamaForCausalLM, GPT with GPT-2's options as GPT2LMHeadModel): config,
 generation_config, model.safetensors or shards with an index, and the run's tokenizer with its bos/eos ids if any."""
@@ -20,9 +21,7 @@ from train import placed as placed_lib
 from train.config import experiment as run_config
 from train.data import tokenizer as tok_lib
 from train.hf import model as hf_model
-from train.hf.export import merged, write
-
-__all__ = ["ExportError", "define_flags", "main", "merged", "restore_params", "run_model", "write"]
+from train.hf.export import foreign_files, merged, write
 
 FLAGS = flags.FLAGS
 
@@ -39,6 +38,7 @@ def define_flags() -> None:
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dtype of the written tensors.")
     flags.DEFINE_string("out", None, "Directory to write; must not exist or be empty.", required=True)
     flags.DEFINE_float("max_shard_gb", 5.0, "Split model.safetensors into shards of at most this size.")
+    flags.DEFINE_bool("overwrite", False, "Replace --out when it holds an earlier export (and nothing else).")
     flags.DEFINE_bool("merge_lora", False, "A LoRA run (model.lora_rank > 0): write each adapted weight as "
                       "W + (alpha/rank)·A·B, the base read from the run's checkpoint.restore_from.")
 
@@ -77,14 +77,28 @@ def _check_exportable(workdir: pathlib.Path, cfg, merge_lora: bool) -> None:
         raise ExportError(f"--workdir={workdir}: {why}")
 
 
+def _check_out(out: pathlib.Path, overwrite: bool) -> None:
+    """An --out that exists must be empty, or with --overwrite an earlier export: never a folder of the user's."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not out.is_dir():
+        raise ExportError(f"--out={out} exists and is not a directory; give a new directory")
+    if not overwrite:
+        raise ExportError(f"--out={out} exists and is not empty; give a new directory, or pass --overwrite to "
+                          f"replace an earlier export")
+    foreign = foreign_files(out)
+    if foreign:
+        raise ExportError(f"--out={out} holds files an export does not write ({', '.join(foreign[:3])}), so "
+                          f"--overwrite does not replace it; give a new directory")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)  # Orbax's info lines would bury the output
     use_cpu_devices(1)
     workdir, out = pathlib.Path(FLAGS.workdir).expanduser(), pathlib.Path(FLAGS.out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"--out={out} exists and is not empty; give a new directory")
+    _check_out(out, FLAGS.overwrite)
     check_writable("--out", str(out), "directory", parents=True)
     if not FLAGS.max_shard_gb > 0:
         raise ExportError(f"--max_shard_gb={FLAGS.max_shard_gb}: must be > 0 (the most GB one safetensors file holds)")

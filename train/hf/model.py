@@ -85,6 +85,22 @@ def _normalized(family: models.Family, key: str, value: Any) -> Any:
         return value
 
 
+def _architecture(family: models.Family, preset: str) -> str:
+    """The config.json architecture the family's adapter writes for `preset` (Qwen3ForCausalLM for a qwen3)."""
+    return family.hf.hf_config(models.from_dict({"preset": preset}), "float32", None, None)["architectures"][0]
+
+
+def _check_architecture(spec: str, hf: dict[str, Any], family: models.Family, preset: str) -> None:
+    """A preset of the directory's family but of another architecture (qwen3-tiny over a Llama) is an error: the
+    directory's config.json would silently turn the run into its own architecture."""
+    found = hf.get("architectures") or []
+    wanted = _architecture(family, preset)
+    if wanted not in found:
+        same = [p for p in family.presets if _architecture(family, p) in found]
+        raise fail(spec, f"config.json has architectures {found!r} but model.preset={preset!r} is a {wanted}; set "
+                         f"model.preset to one of {', '.join(same) or 'that architecture'}")
+
+
 def model_values(values: dict[str, Any], spec: str) -> dict[str, Any]:
     """The model section `values` ({field: value or None}, the preset and family among them) with what HFDIR's
     config.json decides filled in, for `spec` = checkpoint.restore_from; unchanged for any other spec. A value
@@ -103,6 +119,8 @@ def model_values(values: dict[str, Any], spec: str) -> dict[str, Any]:
         presets = ", ".join(family.presets)
         raise fail(spec, f"config.json has architectures {hf.get('architectures')!r} (the {family.name} family) "
                          f"but {setting} is a {theirs} model; set model.preset to one of {presets}")
+    if preset:
+        _check_architecture(spec, hf, family, preset)
     hf_fields = fields(spec, hf, family)
     differ = [f"model.{k}={values[k]!r} vs {v!r}" for k, v in hf_fields.items()
               if values.get(k) is not None and _normalized(family, k, values[k]) != _normalized(family, k, v)]

@@ -12,6 +12,7 @@ import models
 from mesh import chips
 from mesh import topology as topology_lib
 from train.config import experiment as config_lib
+from train.plan import memory as plan_memory
 from train.plan import report, search
 from train.plan.candidate import Prediction
 from train.runtime import cpu_peak, hardware
@@ -32,6 +33,17 @@ def devices_topology(config: ml_collections.ConfigDict, num_devices: int, dtype:
     hbm = topo.hbm_gbps or chips.memory_gbps(jax.devices()[0].device_kind) or 0.0  # a CPU's: from --calibrate
     return dataclasses.replace(topo, hosts=hosts, devices_per_host=num_devices // hosts, intra=intra,
                                device_memory_gb=memory / 1e9, peak_tflops=peak, hbm_gbps=hbm)
+
+
+def own_step_s(config: ml_collections.ConfigDict, plan: config_lib.Plan, num_devices: int) -> float | None:
+    """The step time the planner predicts for the layout a run trains (whoever chose it), on the topology plan.auto
+    plans with: shown beside the measured step. None on accelerators without a plan.topology (the `local` file
+    describes the CPU it was fitted on)."""
+    if jax.devices()[0].platform != "cpu" and not config.plan.topology:
+        return None
+    topo = devices_topology(config, num_devices, plan.model.compute_dtype)
+    candidate = plan_memory.candidate_of(plan)
+    return search.evaluate(plan.model, candidate, plan.global_batch, topo, donated=False).step_time_s
 
 
 def choose(config: ml_collections.ConfigDict, num_devices: int) -> list[Prediction]:
@@ -58,6 +70,37 @@ def with_layout(config: ml_collections.ConfigDict, choice: dict) -> ml_collectio
     return config
 
 
+def _replaced(config: ml_collections.ConfigDict, choice: dict) -> list[tuple[str, object, object, str | None]]:
+    """(setting, the config's value, the choice's value, the plan.fixed name that pins it) of every setting
+    `with_layout` replaces."""
+    rows = [(f"mesh.{axis}", config.mesh[axis], size, axis) for axis, size in choice["mesh"].items()]
+    s = config.sharding
+    rows += [("sharding.strategy", s.strategy, "fsdp_tensor", None),
+             ("sharding.shard_opt_state", s.shard_opt_state, choice["shard_opt_state"], "shard_opt_state"),
+             ("model.remat", config.model.remat, choice["remat"], "remat"),
+             ("train.grad_accum_steps", config.train.grad_accum_steps, choice["grad_accum_steps"], "grad_accum_steps")]
+    if choice["mesh"]["pipeline"] > 1:
+        rows += [(f"pipeline.{k}", config.pipeline[k], choice[k], k) for k in ("schedule", "microbatches",
+                                                                             "virtual_stages")]
+    return rows
+
+
+def check_replaced(config: ml_collections.ConfigDict, choice: dict, num_devices: int,
+                   earlier: dict | None = None) -> None:
+    """A setting the user gave (not its default, nor the `earlier` choice a continued run saved) that the planner's
+    choice would replace is an error naming both, unless plan.fixed pins it (then the choice keeps it)."""
+    defaults, fixed = config_lib.base_config(), search.parse_fixed(config.plan.fixed, num_devices)
+    planned = {key: value for key, _, value, _ in _replaced(config, earlier)} if earlier else {}
+    for key, value, chosen, pin in _replaced(config, choice):
+        section, name = key.split(".")
+        if value is None or value in (defaults[section][name], chosen, planned.get(key, chosen)) or pin in fixed:
+            continue
+        how = (f"pin it with plan.fixed={pin}:{str(value).lower() if isinstance(value, bool) else value}" if pin
+               else "set plan.auto=False to lay the run out yourself")
+        raise search.PlanError(f"{key}={value!r}: plan.auto=True would replace it with {chosen!r} (its layout "
+                               f"{report.mesh_text(choice['mesh'])}); {how}, or drop the setting")
+
+
 def apply(config: ml_collections.ConfigDict, num_devices: int,
           previous: dict | None = None) -> tuple[ml_collections.ConfigDict, dict | None]:
     """(`config` itself, None) when plan.auto is off, else (a copy running the planner's choice, the record of
@@ -72,6 +115,7 @@ def apply(config: ml_collections.ConfigDict, num_devices: int,
         if jax.process_index() == 0:
             print(f"plan.auto: {report.mesh_text(record['chosen']['mesh'])}, the layout this run chose before",
                   flush=True)
+        check_replaced(config, record["chosen"], num_devices, record["chosen"])
         return with_layout(config, record["chosen"]), record
     fitting = choose(config, num_devices)
     runner_up = fitting[1] if len(fitting) > 1 else None
@@ -85,4 +129,5 @@ def apply(config: ml_collections.ConfigDict, num_devices: int,
                       f"{p.step_time_s:.4g} s/step, {p.memory['total'] / 1e9:.3g} GB/device", flush=True)
     record = {"devices": num_devices, "fixed": config.plan.fixed, "chosen": fitting[0].as_json(),
               "runner_up": runner_up.as_json() if runner_up else None}
+    check_replaced(config, record["chosen"], num_devices, (previous or {}).get("plan", {}).get("chosen"))
     return with_layout(config, record["chosen"]), record

@@ -20,7 +20,7 @@ from models import lora
 from sharding import rules as sharding_rules
 from sharding import schedules
 from sharding import specs as sharding_specs
-from train.plan.candidate import Candidate
+from train.plan.candidate import Candidate, mesh_of
 
 STRATEGY = "fsdp_tensor"  # every axis size is a choice of the planner; size-1 axes drop out of the rules
 
@@ -181,3 +181,10 @@ def expert_params(cfg: models.ModelConfig) -> int:
 def resident(parts: dict[str, float]) -> float:
     """Arguments and outputs of the step only: what XLA's CPU memory analysis counts as peak."""
     return parts["params"] + parts["optimizer_state"] + parts["outputs"] + parts["batch"]
+
+
+def candidate_of(plan) -> Candidate:
+    """A resolved run's layout (a train.config Plan) as the planner's candidate."""
+    pipe = plan.pipeline
+    return Candidate(mesh_of(plan.mesh_sizes), pipe.schedule if pipe else "none", pipe.microbatches if pipe else 1,
+                     pipe.virtual_stages if pipe else 1, plan.model.remat, plan.shard_opt_state, plan.grad_accum)

@@ -35,12 +35,18 @@ def table(ranked: list[Prediction], top: int) -> str:
 
 def run_line(config_file: str, overrides: Mapping[str, Any], best: Prediction, auto: bool) -> str:
     """`python -m train` with the user's --config file and own overrides (those the layout does not set), then
-    the chosen layout's (and plan.auto off if the file turns it on), and a --workdir named after the file,
-    shell-quoted, so the line runs as printed."""
+    the chosen layout's (and plan.auto off if the file turns it on), and a fresh --workdir named after the file
+    (never a run that exists, such as make train's runs/default), shell-quoted, so the line runs as printed."""
     own = [f"--config.{k}={v}" for k, v in overrides.items() if not k.startswith(LAYOUT_KEYS)]
-    workdir = f"--workdir=runs/{pathlib.Path(config_file.split(':', 1)[0]).stem}"
+    workdir = f"--workdir={fresh_workdir(pathlib.Path(config_file.split(':', 1)[0]).stem + '-planned')}"
     words = ["python", "-m", "train", f"--config={config_file}", *own, *best.candidate.overrides(), workdir]
     return "run it: " + " ".join(shlex.quote(w) for w in words + ["--config.plan.auto=False"] * auto)
+
+
+def fresh_workdir(name: str) -> str:
+    """runs/NAME, or runs/NAME-2, -3, ... : the first that does not exist yet."""
+    candidates = (f"runs/{name}" + (f"-{i}" if i > 1 else "") for i in range(1, 1000))
+    return next(c for c in candidates if not pathlib.Path(c).exists())
 
 
 def _parts(by_part: dict[str, float]) -> str:

@@ -21,6 +21,7 @@ import numpy as np
 from absl import app, flags
 
 from mesh.errors import UserError
+from mesh.numbers import ceil_div
 from train import exit_codes
 from train.data import chat, corpus, datadir, sources
 from train.data import tokenizer as tok_lib
@@ -287,6 +288,7 @@ def prepare(inputs: list[str], out: str, spec: str, *, text_field: str = "text",
         return None
     staging = _staging_dir(out_path)
     try:
+        _check_room(staging, out_path, sum(item["size"] for item in listed))
         meta = _write(staging, files, listed, recipe, text_field, val_percent, num_workers, bpe_sample_mb, bos_token,
                       max_skipped_percent)
         _publish(staging, out_path)
@@ -298,6 +300,15 @@ def prepare(inputs: list[str], out: str, spec: str, *, text_field: str = "text",
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return meta
+
+
+def _check_room(staging: pathlib.Path, out: pathlib.Path, input_bytes: int) -> None:
+    """A disk without room for the tokens is a one-line error before any tokenizing: the least they take is two
+    bytes per token at four bytes of input a token (a byte-level tokenizer's take four times that)."""
+    need, free = input_bytes // 2, shutil.disk_usage(staging).free
+    if free < need:
+        raise PrepareError(f"--out={out}: {free / 1e6:,.1f} MB free there, and the tokens of {input_bytes / 1e6:,.1f} "
+                           f"MB of input need {need / 1e6:,.1f} MB or more; free space there or choose another --out")
 
 
 def _hf_file(path: str) -> pathlib.Path:
@@ -317,7 +328,7 @@ def _write(staging: pathlib.Path, files, listed, recipe, text_field, val_percent
     tok, eos_text = build_tokenizer(recipe["tokenizer"], files, docs_of, sample_mb, recipe["eos_token"])
     eos = tok_lib.token_id(tok, eos_text, "--eos_token")
     bos = tok_lib.token_id(tok, bos_token, "--bos_token") if bos_token else None
-    vocab = -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
+    vocab = ceil_div(tok.get_vocab_size(with_added_tokens=True), 64) * 64
     dtype = "uint16" if vocab <= 1 << 16 else "uint32"
     progress = Progress(sum(item["size"] for item in listed))
     init = (tok.to_str(), eos, bos, val_percent, dtype, recipe["tokenizer"] == "bytes", renderer is not None)

@@ -8,6 +8,9 @@ each gets its share.
 from __future__ import annotations
 
 import os
+import pathlib
+import re
+import resource
 
 import jax
 
@@ -71,15 +74,45 @@ def compute_dtype(config) -> str:
 
 
 def memory_per_device() -> int | None:
-    """Bytes one device may use: the allocator's limit on GPUs; RAM shared out on CPUs."""
+    """Bytes one device may use: the allocator's limit on GPUs; on CPUs what the host lets this process use
+    (host_memory), shared out over the local devices."""
     device = jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     if device.platform == "cpu":
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError):
-            return None
-        return total // max(jax.local_device_count(), 1)
+        total = host_memory()
+        return None if total is None else total // max(jax.local_device_count(), 1)
     return None
+
+
+def host_memory() -> int | None:
+    """Bytes this process may still allocate on its host: the physical memory, capped by a cgroup's memory limit
+    and by the address space `ulimit -v` leaves beyond what the process has mapped already (past it, an
+    allocation aborts the process inside XLA)."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = pathlib.Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft != resource.RLIM_INFINITY:
+        limits.append(max(soft - _mapped_bytes(), 0))
+    return min(limits) if limits else None
+
+
+def _mapped_bytes() -> int:
+    """This process's address space in use (VmSize), 0 where /proc does not say."""
+    try:
+        status = pathlib.Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    found = re.search(r"^VmSize:\s+(\d+) kB", status, re.M)
+    return int(found.group(1)) * 1024 if found else 0
