@@ -15,6 +15,7 @@ from train.data import tokenizer as tok_lib
 from train.data.corpus import CorpusError
 from train.data.tokenizer import TokenizerError
 from train.prepare import command as prepare
+from train.prepare import encode
 from train.prepare.command import PrepareError
 
 TEXTS = [f"Text file {i}: the quick brown fox jumps over the lazy dog, {i * 'ünïcode '}\n" * (3 + i)
@@ -72,7 +73,7 @@ def test_bytes_split_by_document_hash_and_workers_agree(tmp_path, corpus):
     for name in ("train.bin", "val.bin"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
     docs = TEXTS + JSON_DOCS + PARQUET_DOCS
-    held = [d for d in docs if prepare.is_val(d, 30)]
+    held = [d for d in docs if encode.is_val(d, 30)]
     assert 0 < len(held) < len(docs) and one["val"]["documents"] == len(held)
     val = np.fromfile(tmp_path / "one" / "val.bin", dtype="uint16")
     expected = [t for d in held for t in list(d.encode()) + [256]]  # bytes: id = byte value, EOS 256

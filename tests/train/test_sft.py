@@ -13,6 +13,7 @@ from tests.helpers import rel_norm, tiny_config
 from train.data import chat
 from train.data import tokenizer as tok_lib
 from train.prepare import command as prepare
+from train.prepare import encode
 from train.trainer import Trainer
 
 # A template in the style of the Hub's: BOS first, every turn closed by the tokenizer's eos_token (here an
@@ -56,7 +57,7 @@ def test_chat_tokens_and_mask_are_the_templates(tmp_path, monkeypatch):
     each conversation followed by the (untrained) end-of-document token, also when every conversation is a work
     unit of its own; the unusable records are counted."""
     transformers = pytest.importorskip("transformers")
-    monkeypatch.setattr(prepare, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(encode, "CHUNK_BYTES", 1)
     hf = _hf_dir(tmp_path / "tok")
     data = _jsonl(tmp_path / "chats.jsonl", [GOOD[0], BAD[0], GOOD[1], BAD[1], BAD[2]])
     meta = prepare.prepare([str(data)], str(tmp_path / "out"), f"hf:{hf}", val_percent=0, data_format="chat",

@@ -4,17 +4,14 @@ with tokenizer.json and meta.json. Documents are tokenized in parallel and strea
 sees finished files (meta.json last)."""
 from __future__ import annotations
 
-import collections
 import errno
 import functools
 import json
-import multiprocessing
 import os
 import pathlib
 import shutil
 import sys
 import time
-import zlib
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -27,6 +24,7 @@ from train.data import chat, corpus, datadir, sources
 from train.data import tokenizer as tok_lib
 from train.data.corpus import CorpusError
 from train.data.tokenizer import TokenizerError
+from train.prepare import encode
 
 _INPUT = flags.DEFINE_list("input", None, "Text, JSONL or Parquet files (.gz/.bz2/.xz/.zst too), directories, "
                            "fsspec URLs (s3://, gs://, https://, ...) or hf:DATASET[:SPLIT] (comma-separated).")
@@ -49,23 +47,11 @@ _FORMAT = flags.DEFINE_enum("format", "text", ["text", "chat"], "text: documents
 _MAX_SKIPPED = flags.DEFINE_float("max_skipped_percent", 50.0, "--format=chat: fail (writing nothing) when more than "
                                   "this percent of the records cannot be used (no assistant turn, or unrenderable).")
 
-CHUNK_BYTES = 1 << 18  # text per work unit: large enough to amortize the hand-off, small for a bounded RSS
-SPLITS = ("train", "val")
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write that fails for want of room, not a bad path
 
 
 class PrepareError(UserError):
     """A bad flag or output directory; one line."""
-
-
-def split_hash(text: str) -> int:
-    """0..9999, from the document's text only: it goes to val when below val_percent x 100."""
-    return zlib.crc32(text.encode("utf-8")) % 10_000
-
-
-def is_val(text: str, val_percent: float) -> bool:
-    """The split of a document depends on its text only, so it is stable when inputs are added."""
-    return split_hash(text) < val_percent * 100
 
 
 def build_tokenizer(spec: str, files: list[sources.Input], docs_of: Callable[[sources.Input], Iterator[str]],
@@ -87,102 +73,9 @@ def build_tokenizer(spec: str, files: list[sources.Input], docs_of: Callable[[so
             raise PrepareError(f"--tokenizer={spec}: VOCAB must be an integer, e.g. train-bpe:8192") from None
         if not 256 < vocab <= tok_lib.MAX_TRAINED_VOCAB:  # checked before reading the sample
             tok_lib.train_bpe([], vocab)
-        tok = tok_lib.train_bpe(_sample(files, docs_of, sample_mb * 1e6), vocab)
+        tok = tok_lib.train_bpe(encode.sample(files, docs_of, sample_mb * 1e6), vocab)
         return tok, tok_lib.EOS_TEXT
     raise PrepareError(f"--tokenizer={spec}: use bytes, hf:PATH or train-bpe:VOCAB")
-
-
-def _sample(files: list[sources.Input], docs_of, limit: float) -> Iterator[str]:
-    taken = 0
-    for item in files:
-        for doc in docs_of(item):
-            yield doc
-            taken += len(doc)
-            if taken >= limit:
-                return
-
-
-def _text_of(doc: str | tuple[str, list]) -> str:
-    """A document's text: a plain one, or a conversation's (text, assistant spans)."""
-    return doc if isinstance(doc, str) else doc[0]
-
-
-def _chunks(files: list[sources.Input], docs_of) -> Iterator[list]:
-    chunk: list = []
-    size = 0
-    for item in files:
-        for doc in docs_of(item):
-            chunk.append(doc)
-            size += len(_text_of(doc))
-            if size >= CHUNK_BYTES:
-                yield chunk
-                chunk, size = [], 0
-    if chunk:
-        yield chunk
-
-
-_WORKER: dict[str, Any] = {}
-
-
-def _init_worker(tokenizer_json: str, eos: int, bos: int | None, val_percent: float, dtype: str,
-                 byte_ids: bool, masked: bool = False) -> None:
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_str(tokenizer_json)
-    if masked:  # conversations: the whole text at once (as transformers tokenizes a rendered template), offsets
-        def encode(docs):  # give each token's characters, which say whether it is the assistant's
-            got = tok.encode_batch([text for text, _ in docs], add_special_tokens=False)
-            return [(e.ids, chat.target_mask(e.offsets, spans)) for e, (_, spans) in zip(got, docs)]
-    elif byte_ids:  # the bytes tokenizer's id is the byte value: skip the library's per-token objects
-        encode = lambda docs: [np.frombuffer(d.encode("utf-8"), dtype=np.uint8) for d in docs]  # noqa: E731
-    else:  # no offsets: faster, and far less memory per token
-        fast = getattr(tok, "encode_batch_fast", tok.encode_batch)
-        encode = lambda docs: [e.ids for e in fast(docs, add_special_tokens=False)]  # noqa: E731
-    _WORKER.update(encode=encode, eos=eos, bos=bos, val_percent=val_percent, dtype=dtype, masked=masked)
-
-
-def _encode(docs: list) -> dict[str, Any]:
-    """Token ids of each split (EOS after every document), document counts, the text bytes seen, and the train
-    document nearest to val (hash, token offset in this chunk's train ids, tokens): val's fallback. For
-    conversations also their loss mask (`mask`: uint8 per token; BOS and EOS are never targets)."""
-    w = _WORKER
-    out: dict[str, list] = {s: [] for s in SPLITS}
-    masks: dict[str, list] = {s: [] for s in SPLITS}
-    counts = dict.fromkeys(SPLITS, 0)
-    eos = np.array([w["eos"]], dtype=w["dtype"])
-    bos = np.array([] if w["bos"] is None else [w["bos"]], dtype=w["dtype"])
-    nearest, offset = None, 0
-    for doc, got in zip(docs, w["encode"](docs)):
-        ids, mask = got if w["masked"] else (got, None)
-        h = split_hash(_text_of(doc))
-        split = "val" if h < w["val_percent"] * 100 else "train"
-        out[split] += [bos, np.asarray(ids, dtype=w["dtype"]), eos]
-        if mask is not None:
-            masks[split] += [np.zeros(len(bos), np.uint8), mask, np.zeros(1, np.uint8)]
-        counts[split] += 1
-        if split == "train":
-            n = len(bos) + len(ids) + 1
-            nearest = min(nearest, (h, offset, n)) if nearest else (h, offset, n)
-            offset += n
-    joined = lambda parts, dtype: {s: np.concatenate(parts[s]) if parts[s] else np.zeros(0, dtype)  # noqa: E731
-                                   for s in SPLITS}
-    return {"ids": joined(out, w["dtype"]), "mask": joined(masks, np.uint8) if w["masked"] else None,
-            "docs": counts, "bytes": sum(len(_text_of(d).encode("utf-8")) for d in docs), "nearest": nearest}
-
-
-def _encoded(chunks: Iterator[list[str]], workers: int, init_args: tuple) -> Iterator[dict[str, Any]]:
-    """Encoded chunks in input order; at most 2 per worker in flight, so memory stays bounded."""
-    if workers == 1:
-        _init_worker(*init_args)
-        yield from map(_encode, chunks)
-        return
-    with multiprocessing.get_context("fork").Pool(workers, _init_worker, init_args) as pool:
-        pending: collections.deque = collections.deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(_encode, (chunk,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
 
 
 class Progress:
@@ -332,8 +225,8 @@ def _write(staging: pathlib.Path, files, listed, recipe, text_field, val_percent
     dtype = "uint16" if vocab <= 1 << 16 else "uint32"
     progress = Progress(sum(item["size"] for item in listed))
     init = (tok.to_str(), eos, bos, val_percent, dtype, recipe["tokenizer"] == "bytes", renderer is not None)
-    docs = _chunks(files, renderer.documents if renderer else docs_of)
-    counts, nearest = _stream(staging, _encoded(docs, num_workers, init), progress)
+    docs = encode.chunks(files, renderer.documents if renderer else docs_of)
+    counts, nearest = _stream(staging, encode.encoded(docs, num_workers, init), progress)
     if renderer is not None:
         chat.check_skipped(renderer.counts, max_skipped_percent)
     if counts["train"]["tokens"] == 0:
@@ -355,14 +248,14 @@ def _write(staging: pathlib.Path, files, listed, recipe, text_field, val_percent
 def _stream(staging: pathlib.Path, encoded: Iterator[dict[str, Any]], progress: Progress):
     """Write the encoded chunks to train.bin and val.bin: (counts per split, the train document nearest to val
     as (hash, token offset in train.bin, tokens))."""
-    counts = {s: {"documents": 0, "tokens": 0, "max_id": -1} for s in SPLITS}
+    counts = {s: {"documents": 0, "tokens": 0, "max_id": -1} for s in encode.SPLITS}
     nearest = None
-    sinks = {s: open(staging / f"{s}.bin", "wb") for s in SPLITS}
+    sinks = {s: open(staging / f"{s}.bin", "wb") for s in encode.SPLITS}
     mask_sinks: dict[str, Any] = {}
     try:
         for got in encoded:
             if got["mask"] is not None:  # conversations: the loss mask beside the tokens, and its targets counted
-                for s in SPLITS:
+                for s in encode.SPLITS:
                     if s not in mask_sinks:
                         mask_sinks[s] = open(staging / datadir.MASK_FILES[s], "wb")
                     _append(mask_sinks[s], got["mask"][s])
@@ -371,7 +264,7 @@ def _stream(staging: pathlib.Path, encoded: Iterator[dict[str, Any]], progress: 
                 h, offset, n = got["nearest"]
                 candidate = (h, counts["train"]["tokens"] + offset, n)
                 nearest = min(nearest, candidate) if nearest else candidate
-            for s in SPLITS:
+            for s in encode.SPLITS:
                 ids = got["ids"][s]
                 _append(sinks[s], ids)
                 c = counts[s]
