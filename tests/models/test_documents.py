@@ -2,7 +2,6 @@
 packed after another scores as it does alone, and every layout normalizes by the global batch's counted targets."""
 import dataclasses
 import functools
-import json
 
 import jax
 import numpy as np
@@ -11,12 +10,11 @@ import pytest
 
 import models
 from models import documents
-from tests.helpers import rel_norm, tiny_config
+from tests.helpers import DOCUMENT_EOS, documents_config, documents_datadir, rel_norm, tiny_config
 from train.config.experiment import ConfigError, resolve
-from train.data import tokenizer
 from train.trainer import Trainer
 
-EOS = 0
+EOS = DOCUMENT_EOS
 
 
 def test_segments_and_positions_restart_after_each_eos():
@@ -57,25 +55,6 @@ def test_a_packed_document_scores_as_it_does_alone(family):
     assert np.abs(unmasked[0, 5:] - unmasked[1, :11]).max() > 1e-3
 
 
-def _datadir(path, n_tokens=6000, seed=0):
-    """A DATADIR (meta.json with eos_id, train.bin, val.bin) of random tokens with EOS about every 9 tokens."""
-    path.mkdir()
-    rng = np.random.default_rng(seed)
-    tokens = np.where(rng.random(n_tokens) < 0.11, EOS, rng.integers(1, 320, n_tokens)).astype(np.uint16)
-    tokens.tofile(path / "train.bin")
-    tokens[:1000].tofile(path / "val.bin")
-    tokenizer.bytes_tokenizer().save(str(path / "tokenizer.json"))
-    (path / "meta.json").write_text(json.dumps(dict(vocab_size=320, dtype="uint16", eos_id=EOS)))
-    return path
-
-
-def _config(path, **mesh):
-    config = tiny_config("tokens", **mesh)
-    config.data.update(path=str(path), document_mask=True)
-    config.model.update(n_layers=2, d_model=32, n_heads=4)  # two layers: one per pipeline stage
-    return config
-
-
 def _loss_and_grads(trainer: Trainer, batch):
     params = trainer.init_state()["params"]
     return jax.device_get(jax.jit(trainer.loss_and_grad)(params, batch))
@@ -85,15 +64,15 @@ def test_masked_loss_is_the_global_mean_in_every_layout(tmp_path):
     """Gradient accumulation on data x tensor and a pipeline (4 microbatches, data x tensor with sequence
     parallelism inside) give the single device's loss and gradients, though slices and microbatches hold different
     numbers of documents."""
-    path = _datadir(tmp_path / "data")
-    one = Trainer.build(_config(path), num_devices=1)
+    path = documents_datadir(tmp_path / "data")
+    one = Trainer.build(documents_config(path), num_devices=1)
     assert one.plan.model.document_eos_id == EOS
     batch = np.asarray(one.batch(0))
     counts = (batch[:, :-1] != EOS).reshape(4, 4, -1).sum(axis=(1, 2))
     assert len(set(counts.tolist())) > 1  # unequal parts: an unweighted average would be off
     ref_loss, ref_grads = _loss_and_grads(one, one.batch(0))
 
-    accum_config = _config(path, data=2, tensor=4)
+    accum_config = documents_config(path, data=2, tensor=4)
     accum_config.train.grad_accum_steps = 2
     accum = Trainer.build(accum_config)
     loss, grads = _loss_and_grads(accum, accum.batch(0))
@@ -103,7 +82,7 @@ def test_masked_loss_is_the_global_mean_in_every_layout(tmp_path):
     np.testing.assert_allclose(accum.eval_step(accum.init_state()["params"], accum.batch(0, "eval")),
                                one.eval_step(params, one.batch(0, "eval")), rtol=1e-5)
 
-    piped_config = _config(path, pipeline=2, data=2, tensor=2)
+    piped_config = documents_config(path, pipeline=2, data=2, tensor=2)
     piped_config.pipeline.update(schedule="1f1b", microbatches=4)
     piped_config.sharding.sequence_parallel = True  # each document's tokens split over `tensor` between matmuls
     piped = Trainer.build(piped_config)

@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch", reason="the `hf` extra (transformers, torch
 import checkpoint  # noqa: E402
 import models  # noqa: E402
 from models import lora  # noqa: E402
+from tests import hf_models as families  # noqa: E402
 from tests.helpers import losses, tiny_config  # noqa: E402
-from tests.models import test_families_hf as families  # noqa: E402
 from train.export_hf import command as export_hf  # noqa: E402
 from train.hf import export as hf_export  # noqa: E402
 from train.loop import runner as loop  # noqa: E402
@@ -31,7 +31,7 @@ def _config(kind: str, base) -> object:
     config = tiny_config("text", expert=2) if kind == "mixtral" else tiny_config("text", tensor=2)
     config.mesh.data = -1  # the rest of the 8 devices
     if kind == "qwen3":
-        config.model.update(**families.OURS, tie_embeddings=False)
+        config.model.update(**families.QWEN3_OURS, tie_embeddings=False)
     else:
         config.model.update(**families.MIXTURES[kind][1], seq_len=24, tie_embeddings=False, lora_rank=4,
                             lora_alpha=8.0, lora_targets="q,k,v,o")
@@ -61,9 +61,9 @@ def test_the_run_trains_and_its_export_gives_the_trained_logits_in_transformers(
     kind, base, run, out, trained_logits = trained
     logged = list(losses(run).values())
     assert len(logged) == STEPS and logged[-1] < logged[0] - 0.05, logged
-    ours = np.abs(trained_logits - families._hf_logits(base)).max()
+    ours = np.abs(trained_logits - families.hf_logits(base)).max()
     assert ours > 1e-2, ours  # training changed the model
-    np.testing.assert_allclose(families._hf_logits(out), trained_logits, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(families.hf_logits(out), trained_logits, atol=1e-4, rtol=0)
     if kind != "qwen3":  # LoRA: the checkpoint holds the attention adapters only, the base is read again from hf:
         meta = checkpoint.Checkpoints(run / "checkpoints", read_only=True).read_meta(STEPS)
         params = [k for k in meta["arrays"] if k.startswith("params/")]
@@ -79,6 +79,6 @@ def test_greedy_tokens_of_train_sample_equal_transformers_generate_on_the_export
     mesh = {"data": 8, "expert": 1} if kind == "mixtral" else None
     ours = json.loads(sample_lib.sample(run, None, request, mesh))["tokens"]
     with torch.no_grad():
-        theirs = families._hf_model(out).generate(torch.tensor(prompt[None]), max_new_tokens=NEW, do_sample=False,
+        theirs = families.hf_model(out).generate(torch.tensor(prompt[None]), max_new_tokens=NEW, do_sample=False,
                                                   min_new_tokens=NEW)
     assert ours == theirs.numpy()[0, 8:].tolist()

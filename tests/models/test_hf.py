@@ -1,8 +1,6 @@
 """Hugging Face interop against transformers: an exported llama3-tiny loads and gives our logits; a tiny random
 LlamaForCausalLM imports through `hf:` on a 2- and a 4-device layout with its logits; bad files are one line."""
-import functools
 import json
-import pathlib
 
 import jax
 import numpy as np
@@ -15,50 +13,18 @@ import models  # noqa: E402
 from checkpoint import RestoreFromError, safetensors_io  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.helpers import run_cli, run_steps, tiny_config  # noqa: E402
+from tests.hf_models import TOKENS, hf_logits, llama_import_config  # noqa: E402
 from train.hf import export as hf_export  # noqa: E402
 from train.hf import restore as hf_import  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
-TOKENS = np.random.default_rng(0).integers(0, 256, (2, 24))
-
-
-@functools.lru_cache(maxsize=None)
-def _hf_logits(path) -> np.ndarray:
-    """transformers' logits of TOKENS for the model saved at `path`, loaded once per path."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        return model(torch.tensor(TOKENS)).logits.numpy()
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> pathlib.Path:
-    """A random tiny LlamaForCausalLM saved by transformers (untied head, Llama 3.1 rope scaling)."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                                   max_position_embeddings=64, tie_word_embeddings=False,
-                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
-                                   rope_theta=10000.0)
-    model = transformers.LlamaForCausalLM(cfg)
-    path = tmp_path_factory.mktemp("hf") / "tiny"
-    model.save_pretrained(path)
-    return path
-
-
-def _import_config(**mesh):
-    config = tiny_config(**mesh)
-    config.model.update(preset="llama3-tiny", d_model=64, d_mlp=96, n_layers=2, n_heads=4, n_kv_heads=2,
-                        rope_theta=10000.0, rope_scaling="8,1,4,8", tie_embeddings=False, seq_len=24)
-    return config
-
 
 @pytest.mark.parametrize("mesh", [{"tensor": 2}, {"fsdp": 2, "tensor": 2}], ids=["tensor2", "fsdp2_tensor2"])
-def test_import_gives_transformers_logits(hf_dir, mesh):
-    trainer = Trainer.build(_import_config(**mesh), num_devices=2 * len(mesh))
-    params = hf_import.load_params(f"hf:{hf_dir}", trainer)
+def test_import_gives_transformers_logits(hf_llama, mesh):
+    trainer = Trainer.build(llama_import_config(**mesh), num_devices=2 * len(mesh))
+    params = hf_import.load_params(f"hf:{hf_llama}", trainer)
     ours = jax.jit(lambda p, t: models.forward(p, t, trainer.plan.model))(params, TOKENS)
-    np.testing.assert_allclose(np.asarray(ours), _hf_logits(hf_dir), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(ours), hf_logits(hf_llama), atol=1e-4, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +46,7 @@ def test_export_loads_in_transformers_with_our_logits(exported):
     hf = json.loads((out / "config.json").read_text())
     assert hf["eos_token_id"] is None and hf["tie_word_embeddings"] is True
     ours = models.forward(params, TOKENS, cfg)
-    np.testing.assert_allclose(np.asarray(ours), _hf_logits(out), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(ours), hf_logits(out), atol=1e-4, rtol=0)
 
 
 def test_greedy_decoding_with_the_kv_cache_equals_transformers_generate(exported):
@@ -96,11 +62,11 @@ def test_greedy_decoding_with_the_kv_cache_equals_transformers_generate(exported
     np.testing.assert_array_equal(new[:n], theirs[:n])
 
 
-def _damaged(hf_dir, tmp_path, change):
+def _damaged(hf_llama, tmp_path, change):
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "config.json").write_text((hf_dir / "config.json").read_text())
-    tensors = {k: np.array(v) for k, v in safetensors_io.open_tensors(hf_dir / "model.safetensors").items()}
+    (bad / "config.json").write_text((hf_llama / "config.json").read_text())
+    tensors = {k: np.array(v) for k, v in safetensors_io.open_tensors(hf_llama / "model.safetensors").items()}
     change(tensors)
     safetensors_io.write(bad / "model.safetensors", tensors)
     return bad
@@ -113,16 +79,16 @@ def _damaged(hf_dir, tmp_path, change):
      "tensor model.layers.0.mlp.bias is not a tensor of this Llama model"),
     (lambda t: t.pop("model.norm.weight"), "tensor model.norm.weight is missing"),
 ], ids=["shape", "foreign", "missing"])
-def test_bad_tensors_are_one_line_errors(hf_dir, tmp_path, change, fragment):
-    trainer = Trainer.build(_import_config(), num_devices=1)
+def test_bad_tensors_are_one_line_errors(hf_llama, tmp_path, change, fragment):
+    trainer = Trainer.build(llama_import_config(), num_devices=1)
     with pytest.raises(RestoreFromError, match="^checkpoint.restore_from=.*" + fragment.replace("[", r"\[")):
-        hf_import.check(f"hf:{_damaged(hf_dir, tmp_path, change)}", trainer)
+        hf_import.check(f"hf:{_damaged(hf_llama, tmp_path, change)}", trainer)
     with pytest.raises(RestoreFromError, match="model.d_mlp=128 vs 96"):
-        hf_import.check(f"hf:{hf_dir}", Trainer.build(_with(d_mlp=128), num_devices=1))
+        hf_import.check(f"hf:{hf_llama}", Trainer.build(_with(d_mlp=128), num_devices=1))
 
 
 def _with(**model):
-    config = _import_config()
+    config = llama_import_config()
     config.model.update(**model)
     return config
 
@@ -174,13 +140,13 @@ def test_export_and_sampling_use_the_runs_tokenizer(exported, tmp_path):
     assert not tok_lib.load_run_codec(tmp_path).from_run  # no tokenizer: bytes
 
 
-def test_an_hf_start_takes_the_shapes_from_config_json(hf_dir):
+def test_an_hf_start_takes_the_shapes_from_config_json(hf_llama):
     """The preset alone names the family: config.json gives the shapes the preset's differ in."""
     from train.config import experiment as config_lib
     config = tiny_config()
     config.model.update(preset="llama3-tiny", seq_len=24)
-    config.checkpoint.restore_from = f"hf:{hf_dir}"
+    config.checkpoint.restore_from = f"hf:{hf_llama}"
     cfg = config_lib.resolve(config, 1).model
     assert (cfg.d_model, cfg.d_mlp, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.rope_theta, cfg.rope_scaling,
             cfg.tie_embeddings, cfg.seq_len) == (64, 96, 2, 4, 2, 10000.0, (8.0, 1.0, 4.0, 8), False, 24)
-    hf_import.check_model(f"hf:{hf_dir}", cfg)
+    hf_import.check_model(f"hf:{hf_llama}", cfg)

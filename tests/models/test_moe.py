@@ -13,7 +13,15 @@ import pytest
 import models
 from mesh.errors import UserError
 from models import gpt, moe
-from tests.helpers import STEPS, compiled_step, grads_and_run, rel_norm, step_with_grads, tiny_config
+from tests.helpers import (
+    MOE_SEED,
+    STEPS,
+    compiled_step,
+    grads_and_run,
+    moe_config,
+    rel_norm,
+    step_with_grads,
+)
 from train.config.experiment import resolve
 from train.loop import runner as loop
 from train.plan import audit as audit_lib
@@ -24,15 +32,8 @@ from train.trainer import Trainer
 
 # Seed 5: the first batch's closest k-th / (k+1)-th router logits are 9e-4 apart at init (seed 0 has a pair
 # within 1e-6, close enough for float32 rounding to swap two experts between layouts).
-SEED = 5
+SEED = MOE_SEED
 LAYOUTS = [{"expert": 4}, {"expert": 2, "data": 2, "tensor": 2}]
-
-
-def moe_config(**mesh):
-    config = tiny_config(**mesh)
-    config.model.preset = "moe-tiny"
-    config.train.seed = SEED
-    return config
 
 
 def _layout_id(layout):

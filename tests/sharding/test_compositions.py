@@ -8,10 +8,17 @@ import numpy as np
 import pytest
 
 from sharding import pipeline as pipeline_lib
-from tests.helpers import STEPS, grads_and_run, reference_config, rel_norm, single_device_reference, step_with_grads
-from tests.models.test_documents import _config as documents_config
-from tests.models.test_documents import _datadir
-from tests.models.test_moe import moe_config
+from tests.helpers import (
+    STEPS,
+    documents_config,
+    documents_datadir,
+    grads_and_run,
+    moe_config,
+    reference_config,
+    rel_norm,
+    single_device_reference,
+    step_with_grads,
+)
 from train.plan import audit as audit_lib
 from train.plan import compile_report as report
 from train.trainer import Trainer
@@ -145,7 +152,7 @@ def test_audit_of_fsdp_beside_context_and_sequence_parallelism():
 @pytest.fixture(scope="module")
 def documents(tmp_path_factory) -> dict:
     """Packed documents (an EOS about every 9 tokens) on one device: the DATADIR, STEPS losses, first gradients."""
-    path = _datadir(tmp_path_factory.mktemp("documents") / "data")
+    path = documents_datadir(tmp_path_factory.mktemp("documents") / "data")
     grads, losses, _ = grads_and_run(Trainer.build(documents_config(path), num_devices=1), STEPS)
     return {"path": path, "grads": grads, "losses": losses}
 

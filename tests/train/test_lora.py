@@ -15,8 +15,7 @@ import checkpoint  # noqa: E402
 import models  # noqa: E402
 from models import lora  # noqa: E402
 from tests.helpers import losses  # noqa: E402
-from tests.models import test_hf  # noqa: E402
-from tests.models.test_hf import TOKENS, _hf_logits, _import_config  # noqa: E402
+from tests.hf_models import TOKENS, hf_logits, llama_import_config  # noqa: E402
 from train.export_hf import command as export_hf  # noqa: E402
 from train.hf import export as hf_export  # noqa: E402
 from train.loop import runner as loop  # noqa: E402
@@ -24,7 +23,6 @@ from train.plan import candidate, memory  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
 STEPS = 3
-base_model = test_hf.hf_dir  # test_hf's fixture hf_dir under this name: a random tiny LlamaForCausalLM
 
 
 def _nbytes(tree) -> int:
@@ -36,10 +34,10 @@ def _logits(params, cfg):
     return models.forward(params, TOKENS, cfg)
 
 
-def _config(base_model, **mesh):
-    config = _import_config(**mesh)
+def _config(hf_llama, **mesh):
+    config = llama_import_config(**mesh)
     config.model.update(lora_rank=4, lora_alpha=8.0, lora_targets="q,k,v,o,mlp")
-    config.checkpoint.restore_from = f"hf:{base_model}"
+    config.checkpoint.restore_from = f"hf:{hf_llama}"
     config.data.source = "text"  # bytes of Python's own sources: the loss falls within a few steps
     config.train.update(steps=STEPS, global_batch_size=8, eval_batches=0, log_every=1, loggers="")
     config.optimizer.update(lr=3e-2, warmup_steps=1, decay_steps=50)
@@ -47,10 +45,10 @@ def _config(base_model, **mesh):
 
 
 @pytest.fixture(scope="module")
-def run(base_model, tmp_path_factory):
+def run(hf_llama, tmp_path_factory):
     """A LoRA run on data x tensor = 4 x 2 from the Hugging Face base: its workdir."""
     workdir = tmp_path_factory.mktemp("lora") / "run"
-    loop.run(_config(base_model, data=4, tensor=2), str(workdir))
+    loop.run(_config(hf_llama, data=4, tensor=2), str(workdir))
     return workdir
 
 
@@ -70,10 +68,10 @@ def test_adapters_start_as_the_identity(restored):
     np.testing.assert_array_equal(_logits(zero_b, cfg), _logits(base, dataclasses.replace(cfg, lora_rank=0)))
 
 
-def test_training_lowers_the_loss_and_only_adapters_hold_optimizer_state(run, base_model):
+def test_training_lowers_the_loss_and_only_adapters_hold_optimizer_state(run, hf_llama):
     logged = list(losses(run).values())
     assert len(logged) == STEPS and logged[-1] < logged[0] - 0.1, logged
-    config = _config(base_model, data=4, tensor=2)
+    config = _config(hf_llama, data=4, tensor=2)
     config.data.source = "synthetic"
     trainer = Trainer.build(config)  # shapes only: nothing compiled
     abstract = trainer.layout.abstract_state
@@ -84,15 +82,15 @@ def test_training_lowers_the_loss_and_only_adapters_hold_optimizer_state(run, ba
     assert memory.state_bytes(trainer.plan.model, one_device, False)[1] == _nbytes(moments)  # the planner agrees
 
 
-def test_checkpoint_holds_adapters_and_names_the_base(run, base_model):
+def test_checkpoint_holds_adapters_and_names_the_base(run, hf_llama):
     ckpts = checkpoint.Checkpoints(run / "checkpoints", read_only=True)
     meta = ckpts.read_meta(STEPS)
     params = [k for k in meta["arrays"] if k.startswith("params/")]
     assert params and all(k.startswith("params/layers/lora/") for k in params)
-    assert meta["config"]["checkpoint"]["restore_from"] == f"hf:{base_model}"
+    assert meta["config"]["checkpoint"]["restore_from"] == f"hf:{hf_llama}"
 
 
-def test_merged_export_gives_the_adapted_logits_in_transformers(run, restored, base_model, tmp_path):
+def test_merged_export_gives_the_adapted_logits_in_transformers(run, restored, hf_llama, tmp_path):
     with pytest.raises(export_hf.ExportError, match="add --merge_lora"):
         export_hf._check_exportable(run, export_hf.run_model(run)[1], False)
     cfg, params = restored
@@ -100,5 +98,5 @@ def test_merged_export_gives_the_adapted_logits_in_transformers(run, restored, b
     base_cfg, merged = hf_export.merged(cfg, params)
     hf_export.write(tmp_path / "out", base_cfg, merged, "float32", None)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_hidden_layers"] == cfg.n_layers
-    assert np.abs(adapted - _hf_logits(base_model)).max() > 1e-2  # the adapters changed the model
-    np.testing.assert_allclose(_hf_logits(tmp_path / "out"), adapted, atol=1e-4, rtol=0)
+    assert np.abs(adapted - hf_logits(hf_llama)).max() > 1e-2  # the adapters changed the model
+    np.testing.assert_allclose(hf_logits(tmp_path / "out"), adapted, atol=1e-4, rtol=0)

@@ -15,13 +15,10 @@ import numpy as np
 import pytest
 
 from tests import helpers
-from tests.helpers import run_cli, start_cli, wait_for
+from tests.helpers import MULTIPROCESS_TRAIN, committed, run_cli, start_cli, wait_for
 from train import exit_codes
 
-TRAIN = ["--config=experiments/tiny.py", "--config.data.source=synthetic", "--config.train.log_every=1",
-         "--config.model.d_model=64", "--config.model.n_layers=4",  # half size: faster, the same properties
-         "--config.train.eval_every=0", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
-         "--config.optimizer.decay_steps=16"]  # fixed: runs of any length share one compiled step per process count
+TRAIN = MULTIPROCESS_TRAIN
 
 
 def launch(*args: str, **kwargs) -> subprocess.Popen:
@@ -31,12 +28,6 @@ def launch(*args: str, **kwargs) -> subprocess.Popen:
 
 def losses(workdir) -> list[float]:
     return list(helpers.losses(workdir).values())
-
-
-def committed(workdir) -> list[int]:
-    """Steps of the checkpoints that finished committing (Orbax renames a save's folder to its step)."""
-    folder = workdir / "checkpoints"
-    return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 
 from tests import helpers, slurm_cluster
-from tests.helpers import ROOT, run_cli
-from tests.train.test_multiprocess import TRAIN, committed
+from tests.helpers import MULTIPROCESS_TRAIN, ROOT, committed, run_cli
 
 STEPS, HEARTBEAT_S = 20, 5  # steps enough that the preemption comes before the last
 # --signal=USR1@45 under --time=1: SLURM's timer, which runs every 30 s, sends it 15 to 45 s after the start.
 WARN_S = 45
-CONFIG, *OVERRIDES = TRAIN  # the script passes --config=CONFIG itself
+CONFIG, *OVERRIDES = MULTIPROCESS_TRAIN  # the script passes --config=CONFIG itself
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +52,7 @@ def warned(slurm, tmp_path_factory):
 def reference(tmp_path_factory) -> dict[int, float]:
     """{step: loss} of the same training in one process of 8 devices, outside SLURM."""
     workdir = tmp_path_factory.mktemp("reference") / "run"
-    done = run_cli(*TRAIN, f"--config.train.steps={STEPS}", "--num_cpu_devices=8", f"--workdir={workdir}")
+    done = run_cli(*MULTIPROCESS_TRAIN, f"--config.train.steps={STEPS}", "--num_cpu_devices=8", f"--workdir={workdir}")
     assert done.returncode == 0, done.stderr[-3000:]
     return helpers.losses(workdir)
 
