@@ -110,7 +110,7 @@ def row(name: str, mesh: dict[str, int], extras, topology: str) -> dict:
     config = _config(name, mesh, extras, topology)
     trainer = Trainer.build(config)
     plan = trainer.plan
-    topo = auto.devices_topology(config, jax.device_count(), plan.model.compute_dtype)
+    topo = auto.devices_topology(config.plan.topology, jax.device_count(), plan.model.compute_dtype)
     predicted = search.evaluate(plan.model, _candidate(trainer), plan.global_batch, topo, donated=False)
     roofline = search.evaluate(plan.model, _candidate(trainer), plan.global_batch,
                                dataclasses.replace(topo, step_overhead=1.0), donated=False)

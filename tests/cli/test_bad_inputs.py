@@ -277,8 +277,9 @@ def _user_path(tmp, port: int, full):
                                                                       "--config.pipeline.schedule=zb_x",
                                                                       "--config.plan.fixed=pipeline:2",
                                                                       f"--workdir={W}"],
-                                                            t("pipeline.schedule='zb_x': did you mean 'zb_v'? use one "
-                                                              "of gpipe, 1f1b, interleaved, zb_h1, zb_v"), [W], None),
+                                                            t("pipeline.schedule='zb_x': unknown schedule; did you "
+                                                              "mean 'zb_v'? use one of gpipe, 1f1b, interleaved, "
+                                                              "zb_h1, zb_v"), [W], None),
         "a qwen3 preset over a Llama directory": ("train", [*TINY, "--config.model.preset=qwen3-tiny",
                                                             f"--config.checkpoint.restore_from=hf:{_llama_hf(tmp)}",
                                                             f"--workdir={W}"],

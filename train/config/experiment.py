@@ -69,6 +69,7 @@ class Plan:
     optimizer: sections.OptimizerSection | None = None
     data: sections.DataSection | None = None  # the data.* settings and their token files (`data.files`)
     serve: sections.ServeSection | None = None
+    planner: sections.PlanSection | None = None  # plan.*: what the planner lays out and on which topology
     shard_opt_state: bool = False  # sharding.shard_opt_state: optimizer moments also split over data
 
 
@@ -267,6 +268,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int, platform: str |
                 optimizer=sections.OptimizerSection.from_config(config.optimizer),
                 data=sections.DataSection.from_config(config.data, files=data),
                 serve=sections.ServeSection.from_config(config.serve),
+                planner=sections.PlanSection.from_config(config.plan),
                 shard_opt_state=bool(config.sharding.shard_opt_state))
 
 

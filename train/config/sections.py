@@ -49,7 +49,8 @@ class ShardingSection(Section):
 class PipelineSection(Section):
     """The schedule of a run with mesh.pipeline > 1 (sharding/schedules.py checks it)."""
     KEY: ClassVar[str] = "pipeline"
-    schedule: str = setting("1f1b", "the pipeline schedule", choices=schedules.NAMES)
+    schedule: str = setting("1f1b", "the pipeline schedule", choices=schedules.NAMES,
+                            error="unknown schedule; use one of " + ", ".join(schedules.NAMES))
     microbatches: int = setting(4, "microbatches per data-parallel replica and step")
     virtual_stages: int = setting(1, "model chunks per stage (interleaved, zb_v: 2)")
 

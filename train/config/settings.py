@@ -116,8 +116,8 @@ class Section:
             if s.checked and not s.accepts(value):
                 infinite = isinstance(value, float) and not math.isfinite(value) and not s.choices
                 message = "must be a finite number" if infinite else s.message()
-                if s.choices and isinstance(value, str):
-                    message = nearest(value, s.choices) + message
+                if s.choices and isinstance(value, str) and "use one of" in message:  # the nearest, then all
+                    message = message.replace("use one of", nearest(value, s.choices) + "use one of", 1)
                 raise ConfigError(f"{cls.KEY}.{name}={value!r}: {message}")
 
     @classmethod

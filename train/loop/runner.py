@@ -280,7 +280,7 @@ def _predicted(trainer: Trainer) -> float | None:
     """The planner's step time for this run's layout (planner_auto.own_step_s), or None where it has no topology
     of these devices or cannot price the layout."""
     try:
-        return planner_auto.own_step_s(trainer.config, trainer.plan, jax.device_count())
+        return planner_auto.own_step_s(trainer.plan, jax.device_count())
     except (UserError, ValueError, KeyError):  # a layout the planner's models do not cover: no prediction
         return None
 

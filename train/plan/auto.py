@@ -18,9 +18,11 @@ from train.plan.candidate import Prediction
 from train.runtime import cpu_peak, hardware
 
 
-def devices_topology(config: ml_collections.ConfigDict, num_devices: int, dtype: str) -> topology_lib.Topology:
+def devices_topology(topology: str, num_devices: int, dtype: str) -> topology_lib.Topology:
+    """`topology` (plan.topology; '': the fitted `local` file) sized to the devices at hand, with their memory and
+    peak."""
     try:
-        topo = topology_lib.get_topology(config.plan.topology or "local")
+        topo = topology_lib.get_topology(topology or "local")
     except ValueError as e:
         raise search.PlanError(f"plan.topology: {e}") from None
     hosts = jax.process_count()
@@ -35,20 +37,21 @@ def devices_topology(config: ml_collections.ConfigDict, num_devices: int, dtype:
                                device_memory_gb=memory / 1e9, peak_tflops=peak, hbm_gbps=hbm)
 
 
-def own_step_s(config: ml_collections.ConfigDict, plan: config_lib.Plan, num_devices: int) -> float | None:
+def own_step_s(plan: config_lib.Plan, num_devices: int) -> float | None:
     """The step time the planner predicts for the layout a run trains (whoever chose it), on the topology plan.auto
     plans with: shown beside the measured step. None on accelerators without a plan.topology (the `local` file
     describes the CPU it was fitted on)."""
-    if jax.devices()[0].platform != "cpu" and not config.plan.topology:
+    topology = plan.planner.topology if plan.planner else ""
+    if jax.devices()[0].platform != "cpu" and not topology:
         return None
-    topo = devices_topology(config, num_devices, plan.model.compute_dtype)
+    topo = devices_topology(topology, num_devices, plan.model.compute_dtype)
     candidate = plan_memory.candidate_of(plan)
     return search.evaluate(plan.model, candidate, plan.global_batch, topo, donated=False).step_time_s
 
 
 def choose(config: ml_collections.ConfigDict, num_devices: int) -> list[Prediction]:
     cfg = models.from_dict(config.model.to_dict())
-    topo = devices_topology(config, num_devices, cfg.compute_dtype)
+    topo = devices_topology(config.plan.topology, num_devices, cfg.compute_dtype)
     fixed = search.parse_fixed(config.plan.fixed, num_devices)
     donated = jax.devices()[0].platform != "cpu"  # the step donates its state only on accelerators
     ranked = search.search(cfg, int(config.train.global_batch_size), topo, fixed, donated=donated)
