@@ -2,7 +2,7 @@
 (`python -m train.plan --config=experiments/deepseek_v2_lite.py --hosts=1`). From scratch on data/deepseek (a
 corpus prepared with DeepSeek's tokenizer); its published weights are DeepseekV2ForCausalLM's (softmax routing),
 which this project does not import."""
-from train.config import base_config
+from train.config.experiment import base_config
 
 
 def get_config(variant: str = ""):

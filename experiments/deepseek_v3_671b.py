@@ -5,7 +5,7 @@ of them, `python -m train.plan --config=experiments/deepseek_v3_671b.py --hosts=
 
 From DeepSeek's weights with `--config.checkpoint.restore_from=hf:DIR` (converted to bfloat16 first), else from
 scratch; the corpus is prepared with DeepSeek-V3's tokenizer into data/deepseek (a path every host sees)."""
-from train.config import base_config
+from train.config.experiment import base_config
 
 
 def get_config(variant: str = ""):
