@@ -161,10 +161,9 @@ def test_the_engine_decodes_8x_the_window_with_a_sliding_layers_pages_bounded():
     while engine.has_work():
         for o in engine.step():
             out = o if o.finished else out
-        seq = engine._by_id.get("a")
-        if seq is not None:
-            held.append(engine.scheduler.held_pages(seq))
-    assert [g.window for g in engine.groups] == [8, 0]
+        if "a" in engine.requests:
+            held.append(engine.kv.held("a"))
+    assert engine.runner.windows == [8, 0]
     sliding, causal = zip(*held)
     assert max(sliding) <= window_pages(8, 4) == 3 and causal[-1] == 16 > causal[0]  # 64 tokens: 8x the window
     tokens = prompt + out.token_ids

@@ -20,15 +20,6 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # strings that end the text (needs a tokenizer)
     logprobs: int = 0           # top-N log-probabilities per new token (0: none)
 
-    def check(self, max_logprobs: int) -> None:
-        """ValueError (one line naming the field) for a value the engine cannot honour."""
-        for name, ok, rule in (("temperature", self.temperature >= 0, ">= 0"),
-                               ("top_k", self.top_k >= 0, ">= 0"), ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-                               ("max_tokens", self.max_tokens >= 1, ">= 1"),
-                               ("logprobs", 0 <= self.logprobs <= max_logprobs, f"in [0, {max_logprobs}]")):
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be {rule}")
-
 
 def _drawn(logits_RxV, temperature_R, top_k_R, top_p_R, seeds_R, counters_R):
     """A token drawn for every row after temperature, top-k and top-p (rows at temperature 0 unscaled)."""

@@ -16,10 +16,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from train.data import chat as chat_lib
 from train.placed import Placed
 from train.serve import protocol as proto
-from train.serve.engine import Engine, Output
+from train.serve.engine import Output, ServingEngine
 from train.serve.loop import EngineLoop, QueueFull
-from train.serve.protocol import BadRequest
-from train.serve.replicas import Replicas
+from train.serve.requests import RequestError, check_length
 
 RETRY_AFTER_S = 1
 DEFAULT_STOP = "<|im_end|>"  # the end of a turn of train/data/chat.py's DEFAULT_TEMPLATE, plain text
@@ -31,7 +30,7 @@ class Served:
     own), its engine, the name clients ask for and the chat renderer `train.prepare --format=chat` uses for the
     model's tokenizer."""
     placed: Placed
-    engine: Engine | Replicas
+    engine: ServingEngine
     name: str
     renderer: chat_lib.Renderer | None = None
 
@@ -183,7 +182,7 @@ class Api:
     def completion_request(self, body: dict):
         prompt = proto.completion_prompt(body, self.codec, self.cfg.vocab_size)
         max_tokens = proto.max_tokens_of(body, ("max_tokens",), 16)
-        proto.check_length(prompt, max_tokens, self.engine.max_context)
+        check_length(len(prompt), max_tokens, self.engine.max_context)
         top = proto.completion_logprobs(body)
         params = proto.sampling(body, self.cfg.vocab_size, max_tokens, self.eos, top)
         return prompt, params, Completion(self.served, params, top)
@@ -191,16 +190,16 @@ class Api:
     def chat_request(self, body: dict):
         renderer, context = self.served.renderer, self.engine.max_context
         if renderer is None or self.codec is None:
-            raise BadRequest("this model has no tokenizer to render a chat with", "messages")
+            raise RequestError("this model has no tokenizer to render a chat with", "messages")
         messages = proto.chat_messages(body)
         try:
             text = renderer.render(messages, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001  (a template may raise anything)
-            raise BadRequest(f"messages: the chat template cannot render them ({e})", "messages") from None
+            raise RequestError(f"messages: the chat template cannot render them ({e})", "messages") from None
         prompt = self.codec.encode(text)
-        proto.check_length(prompt, 1, context)
+        check_length(len(prompt), 1, context)
         max_tokens = proto.max_tokens_of(body, ("max_completion_tokens", "max_tokens"), context - len(prompt))
-        proto.check_length(prompt, max_tokens, context)
+        check_length(len(prompt), max_tokens, context)
         wanted, top = proto.chat_logprobs(body)
         extra = (DEFAULT_STOP,) if renderer.default else ()
         params = proto.sampling(body, self.cfg.vocab_size, max_tokens, self.eos, max(top, 1) if wanted else 0, extra)
@@ -210,9 +209,9 @@ class Api:
         try:
             body = json.loads(await request.body())
         except ValueError:
-            raise BadRequest("the body is not valid JSON") from None
+            raise RequestError("the body is not valid JSON") from None
         if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
+            raise RequestError("the body must be a JSON object")
         proto.check_model(body, self.served.name)
         return body
 
@@ -223,7 +222,7 @@ class Api:
             body = await self.body_of(request)
             prompt, params, shape = build(body)
             stream, include_usage = proto.get(body, "stream", "bool", False), proto.stream_usage(body)
-        except BadRequest as e:
+        except RequestError as e:
             count("400")
             return _json_error(400, e.message, e.param)
         rid, queue, loop = proto.new_id(shape.prefix), asyncio.Queue(), asyncio.get_running_loop()
@@ -234,9 +233,9 @@ class Api:
             return _json_error(429, f"the queue is full (serve.max_waiting={self.engine.settings.max_waiting}); "
                                f"retry later", kind="rate_limit_error", code="queue_full",
                                headers={"Retry-After": str(RETRY_AFTER_S)})
-        except ValueError as e:  # what the engine refuses that the checks above let through
+        except RequestError as e:  # what the engine refuses that the checks above let through
             count("400")
-            return _json_error(400, str(e), _param_of(str(e)))
+            return _json_error(400, e.message, e.param)
         count("200")
         if stream:
             return StreamingResponse(self.events(rid, queue, shape, include_usage), media_type="text/event-stream",
@@ -286,12 +285,6 @@ async def _last_output(queue: asyncio.Queue) -> Output | Exception:
         out = await queue.get()
         if isinstance(out, Exception) or out.finished:
             return out
-
-
-def _param_of(message: str) -> str:
-    """The request field an engine.add message starts with ('prompt_token_ids: ...', 'top_p=2: ...')."""
-    head = message.replace("=", " ").replace(":", " ").split(" ")[0]
-    return "prompt" if head.startswith("prompt") else head
 
 
 def _sse(obj: dict) -> str:
