@@ -245,11 +245,11 @@ def test_a_hugging_face_directory_is_served_within_the_context_its_config_names(
     """`--hf=DIR` takes the model's context from config.json (max_position_embeddings), not from the preset the
     family's fields are laid over."""
     from train.config import resolve
-    from train.serve import command
+    from train.serve import sources
     cfg = models.from_dict({"preset": "llama3-tiny", "seq_len": 96})
     family = models.family_of(cfg)
     (tmp_path / "config.json").write_text(json.dumps(family.hf.hf_config(cfg, "float32", None, 0)))
-    plan = resolve(command.hf_serving_config(tmp_path, {"data": 1}), 1)
+    plan = resolve(sources.hf_serving_config(tmp_path, {"data": 1}), 1)
     assert plan.model.seq_len == 96 != models.from_dict({"preset": "llama3-tiny"}).seq_len
 
 

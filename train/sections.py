@@ -192,6 +192,17 @@ class ServeSection(Section):
     prefix_cache: bool = setting(True, "share the cached pages of a prompt's leading full pages")
     max_waiting: int = setting(256, "requests queued before new ones are refused", above=0, whole=True,
                                error="use a whole number >= 1")
+    speculative: str = setting("off", "speculative decoding: off, ngram (prompt lookup in the sequence's own "
+                               "tokens), draft (serve.draft proposes), mtp (the model's multi-token-prediction "
+                               "modules)", choices=("off", "ngram", "draft", "mtp"))
+    num_speculative_tokens: int = setting(4, "the most tokens proposed per sequence and step (fewer as the "
+                                          "batch fills)", above=0, whole=True, error="use a whole number >= 1")
+    ngram_max: int = setting(4, "serve.speculative=ngram: the longest suffix of a sequence looked up in its own "
+                             "tokens", above=0, whole=True, error="use a whole number >= 1")
+    ngram_min: int = setting(2, "serve.speculative=ngram: the shortest such suffix (<= serve.ngram_max)", above=0,
+                             whole=True, error="use a whole number >= 1")
+    draft: str = setting("", "serve.speculative=draft: the draft model, a run's workdir or hf:DIR (a smaller "
+                         "model with the same vocabulary)", allowed="a directory")
 
 
 # The sections after model.*, in the order the base config and the reference list them.

@@ -78,7 +78,7 @@ def load(path: pathlib.Path):
     from train.config import resolve
     from train.data import chat
     from train.data import tokenizer as tok_lib
-    from train.serve import replicas
+    from train.serve import replicas, sources, speculative
     from train.serve.server import Served
 
     mesh = overrides("mesh") or ({a: 1 for a in AXES} if jax.default_backend() == "cpu" else None)
@@ -86,10 +86,11 @@ def load(path: pathlib.Path):
         config = placed_lib.decoding_config(path, mesh)
         renderer_spec = chat_spec(config)
     else:
-        config = hf_serving_config(path, mesh)
+        config = sources.hf_serving_config(path, mesh)
         renderer_spec = config.checkpoint.restore_from if (path / tok_lib.FILE).is_file() else "bytes"
     config.serve.update(overrides("serve"))
     plan = resolve(config, jax.device_count())
+    speculative.check_settings(plan.serve, plan.model)  # before the weights are read
     placed = placed_lib.of_plan(plan)
     if FLAGS.workdir is not None:
         placed = dataclasses.replace(placed_lib.restore(placed, path, FLAGS.step), codec=tok_lib.load_run_codec(path))
@@ -99,23 +100,6 @@ def load(path: pathlib.Path):
     name = FLAGS.served_model_name or path.resolve().name
     # The engine decodes on its own per-layer copy of the weights: the stacked params are let go.
     return Served(dataclasses.replace(placed, params=None), engine, name, chat.Renderer(renderer_spec))
-
-
-def hf_serving_config(path: pathlib.Path, mesh: dict | None):
-    """The config that serves a Hugging Face directory: its family's first preset with config.json's fields over
-    it (train/hf_model.py, at resolve), and the context config.json says the model takes, not the preset's."""
-    from train import hf_model
-    spec = hf_model.PREFIX + str(path)
-    config = base_config()
-    config.checkpoint.restore_from = spec
-    hf = hf_model.read_config(spec)
-    family = hf_model.family_of_hf(spec, hf)
-    config.model.preset = next(iter(family.presets))
-    config.model.seq_len = hf_model.context_length(hf) or config.model.seq_len
-    config.data.source = "synthetic"
-    config.plan.auto = False
-    config.mesh.update(mesh or {})
-    return config
 
 
 def chat_spec(config) -> str:

@@ -16,9 +16,10 @@ from train.sections import ServeSection
 from train.serve.output import Output, OutputProcessor
 from train.serve.pages import KVCacheManager
 from train.serve.requests import RequestError, RequestTable, check_request
-from train.serve.runner import MAX_LOGPROBS, ModelRunner
+from train.serve.runner import MAX_LOGPROBS, ModelRunner, speculative_tokens
 from train.serve.sampling import SamplingParams
 from train.serve.scheduler import Chunk, Scheduler, Sequence
+from train.serve.speculative import Speculator, check_settings, with_mean
 
 Settings = ServeSection  # serve.* (train/sections.py)
 __all__ = ["MAX_LOGPROBS", "Engine", "Output", "RequestError", "SamplingParams", "ServingEngine", "Settings"]
@@ -66,14 +67,15 @@ class ServingEngine(abc.ABC):
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[Output]:
-        """Run every prompt to completion; the final Output of each, in order."""
+        """Run every prompt to completion (queued as serve.max_waiting allows); the final Output of each, in order."""
         params = params or SamplingParams()
         many = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self._generate_id() for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, many):
-            self.add(rid, prompt, p)
+        pending = list(zip(ids, prompts, many))[::-1]
         done: dict[str, Output] = {}
         while len(done) < len(ids):
+            while pending and not self.full():
+                self.add(*pending.pop())
             for out in self.step():
                 if out.finished:
                     done[out.request_id] = out
@@ -95,8 +97,11 @@ class Launched:
 class Engine(ServingEngine):
     replicas = 1  # one batch and pool (train/serve/replicas.py serves several)
 
-    def __init__(self, placed: Placed, settings: Settings, max_context: int | None = None):
-        self.runner = ModelRunner(placed, settings, max_context)
+    def __init__(self, placed: Placed, settings: Settings, max_context: int | None = None,
+                 draft: Placed | None = None):
+        """`draft`: serve.speculative=draft's model, placed on the same mesh."""
+        check_settings(settings, placed.model, draft is not None)
+        self.runner = ModelRunner(placed, settings, max_context, 1 + speculative_tokens(settings))
         self.placed, self.settings, self.cfg = self.runner.placed, settings, self.runner.cfg
         self.max_context, self.num_pages = self.runner.max_context, sum(self.runner.group_pages)
         self.kv = KVCacheManager(self.runner.group_pages, self.runner.windows, settings.page_size,
@@ -104,20 +109,33 @@ class Engine(ServingEngine):
         self.scheduler = Scheduler(self.kv, settings)
         self.requests = RequestTable()
         self.outputs = OutputProcessor(placed.codec, self.max_context)
+        self.speculator = None
+        if speculative_tokens(settings):
+            from train.serve import draft as draft_lib
+            proposer = None if draft is None else draft_lib.DraftProposer(draft, settings, self.max_context)
+            self.speculator = Speculator(settings, self.runner, self.kv, proposer)
         self._aborted: list[Output] = []
         self.tokens_generated = 0
 
     @classmethod
-    def build(cls, placed: Placed, settings: Settings | None = None, max_context: int | None = None) -> "Engine":
+    def build(cls, placed: Placed, settings: Settings | None = None, max_context: int | None = None,
+              draft: Placed | None = None) -> "Engine":
         """An engine over `placed` (params required), its step compiled for every bucket (warmup). `max_context`:
         the longest sequence (prompt and new tokens) it takes; default the model's seq_len (rotary positions go
-        further; a learned position table does not)."""
+        further; a learned position table does not). `draft`: serve.speculative=draft's model, read from
+        serve.draft when not given."""
         settings = settings or Settings()
         assert placed.params is not None, "place the params first (train/placed.py)"
         limit = paged.position_limit(placed.model)
         assert not (limit and max_context and max_context > limit), (max_context, limit)
-        engine = cls(placed, settings, max_context)
-        engine.runner.warmup()
+        if settings.speculative == "draft" and draft is None:
+            from train.serve import draft as draft_lib
+            check_settings(settings, placed.model)
+            draft = draft_lib.load(settings.draft, placed)
+        engine = cls(placed, settings, max_context, draft)
+        engine.runner.warmup(timed=engine.speculator is not None)
+        if engine.speculator is not None and engine.speculator.draft is not None:
+            engine.speculator.draft.runner.warmup(timed=True)
         return engine
 
     # ------------------------------------------------------------------ requests
@@ -141,6 +159,8 @@ class Engine(ServingEngine):
             self.scheduler.waiting.remove(seq)
             self.kv.free(request_id)
         self.outputs.finish(seq)
+        if self.speculator is not None:
+            self.speculator.drop(request_id)
         self._aborted.append(self.outputs.output(seq, "abort"))
 
     def full(self) -> bool:
@@ -164,7 +184,12 @@ class Engine(ServingEngine):
         return {"running": len(s.running), "waiting": len(s.waiting), "pages_used": kv.used(),
                 "pages_free": kv.available(), **by_kind, "prefix_hits": kv.prefix_hits,
                 "prefix_queries": kv.prefix_queries, "tokens_generated": self.tokens_generated,
-                "prefill_tokens": s.prefill_tokens, "preemptions": s.preemptions}
+                "prefill_tokens": s.prefill_tokens, "preemptions": s.preemptions, **self._spec_stats()}
+
+    def _spec_stats(self) -> dict[str, float]:
+        if self.speculator is not None:
+            return self.speculator.stats()
+        return with_mean({"spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_verify_steps": 0})
 
     def update_weights(self, weights) -> None:
         """Decode on new per-layer weights (in `runner.weight_shardings()`; nothing recompiles) and forget the
@@ -190,7 +215,9 @@ class Engine(ServingEngine):
         chunks = self.scheduler.plan()
         if not chunks:
             return Launched(outputs, [], None)
-        n = self.runner.bucket(sum(c.count for c in chunks))
+        if self.speculator is not None:
+            chunks = self.speculator.extend(chunks)
+        n = self.runner.bucket(sum(c.tokens for c in chunks))
         return Launched(outputs, chunks, self.runner.run(self.runner.inputs(chunks, self.kv.tables, n)))
 
     def collect(self, launched: Launched) -> list[Output]:
@@ -201,18 +228,30 @@ class Engine(ServingEngine):
         token, chosen, top_ids, top_lp = (np.asarray(a) for a in launched.result)
         row = 0  # the sampling chunks' rows, in order (ModelRunner.inputs)
         for chunk in chunks:
-            self.scheduler.computed(chunk)
-            if chunk.samples:
-                seq = chunk.seq
-                reason = self.outputs.take(seq, int(token[row]), float(chosen[row]), top_ids[row], top_lp[row])
-                self.tokens_generated += 1
-                if reason is not None:
-                    self._finish(seq)
-                outputs.append(self.outputs.output(seq, reason))
-                row += 1
+            if not chunk.samples:
+                self.scheduler.computed(chunk)
+                continue
+            seq, rows = chunk.seq, chunk.rows  # read before the new tokens make the chunk no longer the last
+            sampled = [int(t) for t in token[row:row + rows]]
+            accepted = self.speculator.verified(chunk, sampled) if chunk.draft else 0
+            kept, reason = 0, None
+            while reason is None and kept <= accepted:  # the accepted guesses, then the target's own token
+                r = row + kept
+                reason = self.outputs.take(seq, sampled[kept], float(chosen[r]), top_ids[r], top_lp[r])
+                kept += 1
+            self.tokens_generated += kept
+            self.scheduler.computed(chunk, kept - 1)
+            if reason is not None:
+                self._finish(seq)
+            elif self.speculator is not None:
+                self.speculator.synced(seq)
+            outputs.append(self.outputs.output(seq, reason))
+            row += rows
         return outputs
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.retire(seq)
         self.requests.pop(seq.request_id)
         self.outputs.finish(seq)
+        if self.speculator is not None:
+            self.speculator.drop(seq.request_id)

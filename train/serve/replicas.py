@@ -12,6 +12,7 @@ import numpy as np
 from train import state as state_lib
 from train.placed import Placed
 from train.serve.engine import Engine, Output, RequestError, SamplingParams, ServingEngine, Settings
+from train.serve.speculative import with_mean
 
 
 def slices(placed: Placed) -> list[Placed]:
@@ -31,11 +32,18 @@ def data_size(placed: Placed) -> int:
     return placed.mesh.shape.get("data", 1)
 
 
-def build(placed: Placed, settings: Settings | None = None, max_context: int | None = None) -> ServingEngine:
-    """The engine `placed` serves with: one Engine, or Replicas of one per `data` slice of its mesh."""
+def build(placed: Placed, settings: Settings | None = None, max_context: int | None = None,
+          draft: Placed | None = None) -> ServingEngine:
+    """The engine `placed` serves with: one Engine, or Replicas of one per `data` slice of its mesh (`draft`:
+    serve.speculative=draft's model on the same mesh, sliced alike; read from serve.draft when not given)."""
     if data_size(placed) == 1:
-        return Engine.build(placed, settings, max_context)
-    return Replicas([Engine.build(p, settings, max_context) for p in slices(placed)])
+        return Engine.build(placed, settings, max_context, draft)
+    settings = settings or Settings()
+    if settings.speculative == "draft" and draft is None:
+        from train.serve import draft as draft_lib
+        draft = draft_lib.load(settings.draft, placed)
+    drafts = slices(draft) if draft is not None else [None] * data_size(placed)
+    return Replicas([Engine.build(p, settings, max_context, d) for p, d in zip(slices(placed), drafts)])
 
 
 class Replicas(ServingEngine):
@@ -74,7 +82,7 @@ class Replicas(ServingEngine):
 
     def stats(self) -> dict[str, float]:
         each = [e.stats() for e in self.engines]
-        return {key: sum(s[key] for s in each) for key in each[0]}
+        return with_mean({key: sum(s[key] for s in each) for key in each[0]})
 
     def reset_prefix_cache(self) -> None:
         for e in self.engines:

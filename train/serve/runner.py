@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from typing import Callable
 
 import jax
@@ -34,10 +35,20 @@ def buckets(s: ServeSection, ways: int = 1) -> list[int]:
     one decoding sequence runs one token, not eight), and the most one step can take (the token budget, or every
     slot's prompt chunk when that is fewer), each rounded up to a multiple of `ways` (the mesh's split of a
     mixture's rows: models/paged.py)."""
-    most = min(s.max_batch_tokens, s.max_num_seqs * s.prefill_chunk)
+    most = min(s.max_batch_tokens, s.max_num_seqs * seq_step_tokens(s))
     least = min(s.min_step_tokens, most)
     counts = [n for n in (least * 2 ** i for i in range(32)) if n < most] + [most]
     return sorted({-(-n // ways) * ways for n in counts})
+
+
+def speculative_tokens(s: ServeSection) -> int:
+    """The most draft tokens a step verifies per sequence (0: no speculation)."""
+    return 0 if s.speculative == "off" else s.num_speculative_tokens
+
+
+def seq_step_tokens(s: ServeSection) -> int:
+    """The most tokens of one sequence in one step: a prompt chunk, or a token and its draft tokens."""
+    return max(s.prefill_chunk, 1 + speculative_tokens(s))
 
 
 def page_bytes(cfg: models.ModelConfig, kv_heads: int, page_size: int, layers: int | None = None) -> int:
@@ -51,7 +62,7 @@ def group_pages_per_seq(group: paged.CacheGroup, s: ServeSection, pages_per_seq:
     sliding group its window's, plus the pages a prompt chunk adds while it runs (models/layer_spec.window_pages)."""
     if not group.window:
         return pages_per_seq
-    return min(pages_per_seq, window_pages(group.window - 1 + s.prefill_chunk, s.page_size))
+    return min(pages_per_seq, window_pages(group.window - 1 + seq_step_tokens(s), s.page_size))
 
 
 def pool_pages(placed: Placed, s: ServeSection, kv_heads: int, pages_per_seq: int) -> list[int]:
@@ -88,7 +99,8 @@ def host_available_bytes() -> int:
 
 
 class ModelRunner:
-    def __init__(self, placed: Placed, settings: ServeSection, max_context: int | None = None):
+    def __init__(self, placed: Placed, settings: ServeSection, max_context: int | None = None, rows_per_seq: int = 1):
+        """`rows_per_seq`: the most tokens of one sequence a step samples (1, or 1 + the speculative tokens)."""
         cfg, family = placed.model, models.family_of(placed.model)
         if family.block is None:
             raise models.ModelConfigError(f"model.family={cfg.family!r} lends no Block: it has no paged decoding "
@@ -110,7 +122,9 @@ class ModelRunner:
         rows_split = math.prod(sizes[a] for a in experts_lib.batch_axes(placed.layout.rules, sizes))
         self.buckets = buckets(settings, rows_split)
         self.pool = self._empty_pool(kv_heads)
+        self.max_rows = settings.max_num_seqs * rows_per_seq
         self._step = self._compile(placed.layout.constrain())
+        self.step_seconds: dict[int, float] = {}
 
     @property
     def windows(self) -> list[int]:
@@ -156,10 +170,17 @@ class ModelRunner:
             return pool, sample(logits, temperature, top_k, top_p, seeds, counters, MAX_LOGPROBS, with_logprobs)
         return jax.jit(run, donate_argnums=(1,))
 
-    def warmup(self) -> None:
-        """Compile (and run once on padding alone) the step of every bucket, so no request ever compiles."""
+    def warmup(self, timed: bool = False) -> None:
+        """Compile (and run once on padding alone) the step of every bucket, so no request ever compiles; `timed`:
+        then the fastest of three more runs of each is its cost (`step_seconds`, what speculation plans by)."""
         for n in self.buckets:
-            self.run(self.inputs([], lambda rid: [], n))
+            inputs = self.inputs([], lambda rid: [], n)
+            jax.block_until_ready(self.run(inputs))
+            for _ in range(3 if timed else 0):
+                start = time.perf_counter()
+                jax.block_until_ready(self.run(inputs))
+                took = time.perf_counter() - start
+                self.step_seconds[n] = min(took, self.step_seconds.get(n, took))
 
     def bucket(self, tokens: int) -> int:
         return next(b for b in self.buckets if b >= tokens)
@@ -171,9 +192,10 @@ class ModelRunner:
 
     def inputs(self, chunks: list[Chunk], tables_of: Callable[[str], list[list[int]]], n: int):
         """The step's arrays for `chunks` padded to `n` tokens (`tables_of(request id)`: its pages per cache group),
-        and one row of sampling settings for each chunk that ends its sequence's tokens (in order; at most n rows,
-        nor more than the slots)."""
-        S, R = self.settings.max_num_seqs, min(n, self.settings.max_num_seqs)
+        and one row of sampling settings for each token whose logits are sampled: a sampling chunk's last token and
+        its draft tokens (in order; at most n rows, nor more than `max_rows`). Row j of a chunk draws with the
+        sequence's key folded with its (j+1)-th next token's index, as it would without a draft."""
+        S, R = self.settings.max_num_seqs, min(n, self.max_rows)
         tokens, positions, slots = np.zeros(n, np.int32), np.zeros(n, np.int32), np.full(n, -1, np.int32)
         tables = np.zeros((len(self.groups), S, self.table_width), np.int32)
         select, counters = np.zeros(R, np.int32), np.zeros(R, np.int32)
@@ -181,19 +203,19 @@ class ModelRunner:
         top_k, seeds = np.zeros(R, np.int32), np.zeros(R, np.int32)
         at = row = 0
         for c in chunks:
-            seq, slot = c.seq, c.seq.slot
-            tokens[at:at + c.count] = seq.token_slice(c.start, c.count)
-            positions[at:at + c.count] = np.arange(c.start, c.start + c.count)
-            slots[at:at + c.count] = slot
+            seq, slot, count = c.seq, c.seq.slot, c.tokens
+            tokens[at:at + count] = c.token_ids()
+            positions[at:at + count] = np.arange(c.start, c.start + count)
+            slots[at:at + count] = slot
             for g, held in enumerate(tables_of(seq.request_id)):
                 tables[g, slot, :len(held)] = held
-            at += c.count
-            if c.samples:
-                p = seq.params
-                select[row], counters[row] = at - 1, len(seq.output)
-                temperature[row], top_k[row], top_p[row], seeds[row] = p.temperature, p.top_k, p.top_p, p.seed
-                row += 1
-        longest = max((c.start + c.count for c in chunks), default=1)
+            at += count
+            rows = slice(row, row + c.rows)
+            p = seq.params
+            select[rows], counters[rows] = np.arange(at - c.rows, at), len(seq.output) + np.arange(c.rows)
+            temperature[rows], top_k[rows], top_p[rows], seeds[rows] = p.temperature, p.top_k, p.top_p, p.seed
+            row += c.rows
+        longest = max((c.start + c.tokens for c in chunks), default=1)
         blocks = np.int32(paged.blocks_for(longest, self.settings.page_size))
         with_logprobs = np.bool_(any(c.seq.params.logprobs for c in chunks if c.samples))
         return tokens, positions, slots, tables, select, blocks, temperature, top_k, top_p, seeds, counters, \

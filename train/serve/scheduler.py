@@ -25,6 +25,7 @@ class Sequence:
     slot: int = -1
     computed: int = 0      # tokens whose keys and values are in the pages
     detokenizer: Any = None  # the engine's: its new tokens' text (train/serve/detokenize.py), with a tokenizer
+    spec: Any = None       # the speculator's: what it knows of this sequence (train/serve/speculative.py)
 
     @property
     def tokens(self) -> list[int]:
@@ -42,14 +43,29 @@ class Sequence:
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
+    """The sequence's tokens start..start+count-1 in one step, then the `draft` tokens proposed after them
+    (speculative decoding: train/serve/speculative.py), whose logits verify them."""
     seq: Sequence
     start: int
     count: int
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """The chunk ends at the sequence's last token: its logits choose the next one."""
         return self.start + self.count == self.seq.length()
+
+    @property
+    def tokens(self) -> int:
+        return self.count + len(self.draft)
+
+    @property
+    def rows(self) -> int:
+        """The chunk's last tokens whose logits the step samples: the last token's and each draft token's."""
+        return 1 + len(self.draft) if self.samples else 0
+
+    def token_ids(self) -> list[int]:
+        return self.seq.token_slice(self.start, self.count) + list(self.draft)
 
 
 class Scheduler:
@@ -118,9 +134,12 @@ class Scheduler:
         self.free_slots.append(seq.slot)
         seq.slot, seq.computed = -1, 0
 
-    def computed(self, chunk: Chunk) -> None:
-        """After the step: the chunk's keys and values are in place (the KV-cache manager registers its new full
-        pages and gives back what a sliding window has passed)."""
+    def computed(self, chunk: Chunk, accepted: int = 0) -> None:
+        """After the step: the chunk's keys and values are in place, its first `accepted` draft tokens' too (now
+        the sequence's own); the KV-cache manager registers the new full pages, gives back what a sliding window
+        has passed and, after a rejected draft token, the pages past the sequence's length."""
         seq = chunk.seq
-        seq.computed = chunk.start + chunk.count
+        seq.computed = chunk.start + chunk.count + accepted
         self.kv.commit(seq.request_id, seq.computed, seq.token_slice)
+        if chunk.draft:
+            self.kv.truncate(seq.request_id, seq.length())

@@ -53,7 +53,12 @@ class Metrics:
         counter = functools.partial(prom.Counter, registry=self.registry)
         self.tokens = counter("serve_generation_tokens", "Tokens generated.")  # exposed as ..._total
         self.prompt_tokens = counter("serve_prompt_tokens", "Prompt tokens prefilled.")
-        self._counted = {"tokens_generated": 0, "prefill_tokens": 0}
+        self.spec_proposed = counter("serve_spec_decode_draft_tokens", "Speculative tokens proposed and verified.")
+        self.spec_accepted = counter("serve_spec_decode_accepted_tokens", "Speculative tokens accepted.")
+        self.spec_length = gauge("serve_spec_decode_mean_accepted_length", "Tokens a sequence gains per step that "
+                                 "verifies proposals: the accepted ones and the model's own (0: none verified).")
+        self._counted = dict.fromkeys(("tokens_generated", "prefill_tokens", "spec_proposed_tokens",
+                                       "spec_accepted_tokens"), 0)
         buckets = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
         self.ttft = prom.Histogram("serve_time_to_first_token_seconds", "From a request's arrival to its first "
                                    "token.", buckets=buckets, registry=self.registry)
@@ -73,7 +78,10 @@ class Metrics:
                 gauge = self.kind_used if key.startswith("pages_used.") else self.kind_free
                 gauge.labels(kind=key.split(".", 1)[1]).set(value)
         self.hit_rate.set(s["prefix_hits"] / s["prefix_queries"] if s["prefix_queries"] else 0.0)
-        for key, counter in (("tokens_generated", self.tokens), ("prefill_tokens", self.prompt_tokens)):
+        self.spec_length.set(s["spec_mean_accepted_length"])
+        for key, counter in (("tokens_generated", self.tokens), ("prefill_tokens", self.prompt_tokens),
+                             ("spec_proposed_tokens", self.spec_proposed),
+                             ("spec_accepted_tokens", self.spec_accepted)):
             counter.inc(max(0, s[key] - self._counted[key]))  # the engine counts; the counter follows it
             self._counted[key] = s[key]
         return self.prom.generate_latest(self.registry)
