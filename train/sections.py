@@ -203,6 +203,8 @@ class ServeSection(Section):
                              whole=True, error="use a whole number >= 1")
     draft: str = setting("", "serve.speculative=draft: the draft model, a run's workdir or hf:DIR (a smaller "
                          "model with the same vocabulary)", allowed="a directory")
+    max_body_bytes: int = setting(8 << 20, "the largest request body the server reads (larger: 413)", above=0,
+                                  whole=True, error="use a whole number of bytes >= 1")
 
 
 # The sections after model.*, in the order the base config and the reference list them.

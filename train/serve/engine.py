@@ -226,8 +226,11 @@ class Engine(ServingEngine):
         if launched.result is None:
             return outputs
         token, chosen, top_ids, top_lp = (np.asarray(a) for a in launched.result)
-        row = 0  # the sampling chunks' rows, in order (ModelRunner.inputs)
+        row = 0  # the chunks' logits rows, in order (ModelRunner.inputs)
         for chunk in chunks:
+            if chunk.prompt_rows:
+                self.outputs.score_prompt(chunk, chosen[row:], top_ids[row:], top_lp[row:])
+                row += chunk.prompt_rows
             if not chunk.samples:
                 self.scheduler.computed(chunk)
                 continue

@@ -21,6 +21,8 @@ class Output:
     finish_reason: Reason | None
     logprobs: list[dict[int, float]] | None
     prompt_tokens: int
+    # With SamplingParams.prompt_logprobs: each prompt token's top log-probabilities and its own (None for the first).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class OutputProcessor:
@@ -48,6 +50,17 @@ class OutputProcessor:
             return "length"
         return None
 
+    def score_prompt(self, chunk, chosen, top_ids, top_lp) -> None:
+        """Keep the log-probabilities of the prompt tokens after the chunk's first `prompt_rows` tokens (rows in
+        order: the target's own log-probability, the step's top ids and log-probabilities)."""
+        seq, n = chunk.seq, chunk.seq.params.prompt_logprobs
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None] * len(seq.prompt)
+        for i in range(chunk.prompt_rows):
+            target = seq.prompt[chunk.start + 1 + i]
+            row = {int(t): float(lp) for t, lp in zip(top_ids[i][:n], top_lp[i][:n])}
+            seq.prompt_logprobs[chunk.start + 1 + i] = {**row, target: float(chosen[i])}
+
     def finish(self, seq: Sequence) -> None:
         """The sequence gets no more tokens: the text of its last ids (a half character as U+FFFD)."""
         if seq.detokenizer is not None:
@@ -65,5 +78,7 @@ class OutputProcessor:
         return text
 
     def output(self, seq: Sequence, reason: Reason | None) -> Output:
+        scored = seq.params.prompt_logprobs is not None and seq.prompt_logprobs is not None
         return Output(seq.request_id, list(seq.output), self.text(seq), reason is not None, reason,
-                      list(seq.logprobs) if seq.params.logprobs else None, len(seq.prompt))
+                      list(seq.logprobs) if seq.params.logprobs else None, len(seq.prompt),
+                      list(seq.prompt_logprobs) if scored else None)

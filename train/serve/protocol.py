@@ -8,6 +8,7 @@ import time
 import uuid
 from typing import Any
 
+from train.serve import fields
 from train.serve.engine import MAX_LOGPROBS, Output, SamplingParams
 from train.serve.requests import INT32, RequestError, check_sampling
 
@@ -72,9 +73,6 @@ def sampling(body: dict, vocab: int, max_tokens: int, eos_id: int | None, logpro
     stop_ids = tuple(_int_list(body["stop_token_ids"], "stop_token_ids", vocab)) if body.get("stop_token_ids") else ()
     if not get(body, "ignore_eos", "bool", False) and eos_id is not None and eos_id < vocab:
         stop_ids += (eos_id,)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if get(body, name, "number", 0) != 0:
-            raise RequestError(f"{name}: not supported; leave it 0", name)
     params = SamplingParams(temperature=float(temperature), top_k=max(top_k, 0), top_p=float(top_p),
                             seed=random.randrange(INT32) if seed is None else seed, max_tokens=max_tokens,
                             stop_token_ids=stop_ids, stop=_stop(body) + extra_stop, logprobs=logprobs)
@@ -112,24 +110,23 @@ def completion_prompt(body: dict, codec, vocab: int) -> list[int]:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """`messages` with each content as one string (a list of text parts joined), as the chat template takes."""
+    """`messages` with each content as one string (a list of text parts joined), as the chat template takes;
+    `developer` read as `system`."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages: expected a non-empty list of {role, content}", "messages")
     out = []
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError("messages: each message needs a string `role`", "messages")
+    for i, m in enumerate(messages):
+        fields.check_message(i, m)
         content = m.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
-                raise RequestError("messages: only text content parts are supported", "messages")
+                raise RequestError(f"messages[{i}].content: only text content parts are supported", "messages")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            raise RequestError("messages: each message's `content` must be a string or a list of text parts",
-                             "messages")
-        out.append({"role": m["role"], "content": content})
+            raise RequestError(f"messages[{i}].content: must be a string or a list of text parts", "messages")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     return out
 
 
@@ -181,14 +178,18 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
     return hold
 
 
-def completion_logprobs_body(codec, tokens: list[int], rows: list[dict[int, float]], top: int) -> dict:
+def completion_logprobs_body(codec, tokens: list[int], rows: list[dict[int, float] | None], top: int,
+                             offset: int = 0) -> dict:
+    """The legacy completions `logprobs` object; a row None (an echoed prompt's first token) has none. `offset`:
+    the text before the first token (what a stream already sent)."""
     text = [codec.decode([t]) for t in tokens]
-    offsets, at = [], 0
+    offsets, at = [], offset
     for piece in text:
         offsets.append(at)
         at += len(piece)
-    return {"tokens": text, "token_logprobs": [row[t] for t, row in zip(tokens, rows)],
-            "top_logprobs": [{codec.decode([i]): lp for i, lp in list(row.items())[:top]} for row in rows],
+    return {"tokens": text, "token_logprobs": [None if row is None else row[t] for t, row in zip(tokens, rows)],
+            "top_logprobs": [None if row is None else {codec.decode([i]): lp for i, lp in list(row.items())[:top]}
+                             for row in rows],
             "text_offset": offsets}
 
 

@@ -14,11 +14,12 @@ INT32 = 2 ** 31
 
 
 class RequestError(ValueError):
-    """A request the engine cannot take; `param` names the field (the 400 body's `param`), None for the body."""
+    """A request the engine cannot take; `param` names the field (the 400 body's `param`), None for the body;
+    `status`: the HTTP status the server answers with."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
-        self.message, self.param = message, param
+        self.message, self.param, self.status = message, param, status
 
 
 def _finite(value: float, low: float, high: float, low_open: bool) -> bool:

@@ -21,6 +21,7 @@ from models import paged
 from models.layer_spec import window_pages
 from sharding import experts as experts_lib
 from sharding import specs as sharding_specs
+from train.exit_codes import ConfigError
 from train.placed import Placed
 from train.sections import ServeSection
 from train.serve.sampling import sample
@@ -63,6 +64,20 @@ def group_pages_per_seq(group: paged.CacheGroup, s: ServeSection, pages_per_seq:
     if not group.window:
         return pages_per_seq
     return min(pages_per_seq, window_pages(group.window - 1 + seq_step_tokens(s), s.page_size))
+
+
+def check_pool(cfg: models.ModelConfig, s: ServeSection, context: int) -> None:
+    """A set serve.kv_pages holds one sequence of `context` positions in every cache group (the scratch page
+    aside): a one-line error otherwise, before anything loads."""
+    if not s.kv_pages:
+        return
+    for group in paged.cache_groups(cfg):
+        need = group_pages_per_seq(group, s, -(-context // s.page_size)) + 1
+        if s.kv_pages < need:
+            where = f" in its {group.kind} layers" if group.window else ""
+            raise ConfigError(f"serve.kv_pages={s.kv_pages}: too few for one sequence of {context} positions, the "
+                              f"model's context ({need} pages of serve.page_size={s.page_size} tokens{where}, the "
+                              f"scratch page included); raise it, or leave it 0 to size the pool from memory")
 
 
 def pool_pages(placed: Placed, s: ServeSection, kv_heads: int, pages_per_seq: int) -> list[int]:
@@ -111,6 +126,7 @@ class ModelRunner:
         kv_heads = family.parallel.kv_heads(cfg)
         ps = settings.page_size
         context = max_context or paged.max_context(cfg)
+        check_pool(cfg, settings, context)
         self.pages_per_seq = -(-context // ps)
         self.table_width = paged.table_width(self.pages_per_seq, ps)
         self.weights = self._unstacked(placed)  # before the pool is sized from the memory left
@@ -164,10 +180,11 @@ class ModelRunner:
         cfg = self.cfg
 
         def run(weights, pool, tokens, positions, slots, tables, select, blocks, temperature, top_k, top_p, seeds,
-                counters, with_logprobs):
+                counters, with_logprobs, targets):
             batch = paged.Batch(tokens, positions, slots, tables, select, blocks)
             logits, pool = paged.decode(weights, batch, pool, cfg, constrain)
-            return pool, sample(logits, temperature, top_k, top_p, seeds, counters, MAX_LOGPROBS, with_logprobs)
+            return pool, sample(logits, temperature, top_k, top_p, seeds, counters, MAX_LOGPROBS, with_logprobs,
+                                targets)
         return jax.jit(run, donate_argnums=(1,))
 
     def warmup(self, timed: bool = False) -> None:
@@ -185,6 +202,11 @@ class ModelRunner:
     def bucket(self, tokens: int) -> int:
         return next(b for b in self.buckets if b >= tokens)
 
+    def rows_for(self, n: int) -> int:
+        """The logits rows a step of `n` tokens samples: one per slot, and with speculation one per guessed token
+        too, within half the step's tokens (a large step is mostly prompt chunks: its head stays small)."""
+        return min(n, self.max_rows, max(self.settings.max_num_seqs, n // 2))
+
     def run(self, inputs):
         """Dispatch the step (asynchronously); its (token, log-probability, top ids, top log-probabilities) rows."""
         self.pool, out = self._step(self.weights, self.pool, *inputs)
@@ -192,13 +214,13 @@ class ModelRunner:
 
     def inputs(self, chunks: list[Chunk], tables_of: Callable[[str], list[list[int]]], n: int):
         """The step's arrays for `chunks` padded to `n` tokens (`tables_of(request id)`: its pages per cache group),
-        and one row of sampling settings for each token whose logits are sampled: a sampling chunk's last token and
-        its draft tokens (in order; at most n rows, nor more than `max_rows`). Row j of a chunk draws with the
-        sequence's key folded with its (j+1)-th next token's index, as it would without a draft."""
-        S, R = self.settings.max_num_seqs, min(n, self.max_rows)
+        and the logits rows it reads, in order, at most `rows_for(n)`: for a scored prompt each token's row first
+        (greedy, its target the prompt's next token), then for a sampling chunk its last token's and its draft
+        tokens' rows, each drawing with the sequence's key folded with its new token's index, as without a draft."""
+        S, R = self.settings.max_num_seqs, self.rows_for(n)
         tokens, positions, slots = np.zeros(n, np.int32), np.zeros(n, np.int32), np.full(n, -1, np.int32)
         tables = np.zeros((len(self.groups), S, self.table_width), np.int32)
-        select, counters = np.zeros(R, np.int32), np.zeros(R, np.int32)
+        select, counters, targets = np.zeros(R, np.int32), np.zeros(R, np.int32), np.full(R, -1, np.int32)
         temperature, top_p = np.zeros(R, np.float32), np.ones(R, np.float32)
         top_k, seeds = np.zeros(R, np.int32), np.zeros(R, np.int32)
         at = row = 0
@@ -209,14 +231,18 @@ class ModelRunner:
             slots[at:at + count] = slot
             for g, held in enumerate(tables_of(seq.request_id)):
                 tables[g, slot, :len(held)] = held
+            if c.prompt_rows:
+                scored = slice(row, row + c.prompt_rows)
+                select[scored] = np.arange(at, at + c.prompt_rows)
+                targets[scored] = seq.prompt[c.start + 1:c.start + 1 + c.prompt_rows]
+                row += c.prompt_rows
             at += count
-            rows = slice(row, row + c.rows)
-            p = seq.params
+            rows, p = slice(row, row + c.rows), seq.params
             select[rows], counters[rows] = np.arange(at - c.rows, at), len(seq.output) + np.arange(c.rows)
             temperature[rows], top_k[rows], top_p[rows], seeds[rows] = p.temperature, p.top_k, p.top_p, p.seed
             row += c.rows
         longest = max((c.start + c.tokens for c in chunks), default=1)
         blocks = np.int32(paged.blocks_for(longest, self.settings.page_size))
-        with_logprobs = np.bool_(any(c.seq.params.logprobs for c in chunks if c.samples))
+        with_logprobs = np.bool_(any(c.seq.params.logprobs and c.samples or c.prompt_rows for c in chunks))
         return tokens, positions, slots, tables, select, blocks, temperature, top_k, top_p, seeds, counters, \
-            with_logprobs
+            with_logprobs, targets

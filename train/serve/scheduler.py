@@ -26,6 +26,8 @@ class Sequence:
     computed: int = 0      # tokens whose keys and values are in the pages
     detokenizer: Any = None  # the engine's: its new tokens' text (train/serve/detokenize.py), with a tokenizer
     spec: Any = None       # the speculator's: what it knows of this sequence (train/serve/speculative.py)
+    # With params.prompt_logprobs: each prompt token's top log-probabilities and its own, by position (None first).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -64,8 +66,21 @@ class Chunk:
         """The chunk's last tokens whose logits the step samples: the last token's and each draft token's."""
         return 1 + len(self.draft) if self.samples else 0
 
+    @property
+    def prompt_rows(self) -> int:
+        """The chunk's first tokens whose logits score the prompt token after them (a request that asks for the
+        prompt's log-probabilities)."""
+        if self.seq.params.prompt_logprobs is None:
+            return 0
+        return max(0, min(self.start + self.count, len(self.seq.prompt) - 1) - self.start)
+
     def token_ids(self) -> list[int]:
         return self.seq.token_slice(self.start, self.count) + list(self.draft)
+
+
+def _extra_rows(chunk: Chunk) -> int:
+    """The logits rows `chunk` takes beyond its sequence's own one."""
+    return max(0, chunk.prompt_rows + chunk.rows - 1)
 
 
 class Scheduler:
@@ -80,20 +95,22 @@ class Scheduler:
         self.prefill_tokens = self.preemptions = 0
 
     def plan(self) -> list[Chunk]:
-        """This step's chunks: the running sequences' (oldest first), then newly admitted ones'."""
-        chunks, budget = [], self.max_batch_tokens
+        """This step's chunks: the running sequences' (oldest first), then newly admitted ones'. Each sequence keeps
+        one logits row for its own next token; the rows of the free slots (`spare`) go to prompts scored token by
+        token, so a step never samples more rows than it has slots."""
+        chunks, budget, spare = [], self.max_batch_tokens, len(self.free_slots)
         for seq in list(self.running):
             if seq not in self.running or budget == 0:
                 continue
-            count = self._count(seq, budget)
+            count = self._count(seq, budget, spare)
             if self._reserve(seq, seq.computed + count):
                 chunks.append(Chunk(seq, seq.computed, count))
-                budget -= count
-        while self.waiting and self.free_slots and budget > 0:
+                budget, spare = budget - count, spare - _extra_rows(chunks[-1])
+        while self.waiting and self.free_slots and budget > 0 and spare > 0:
             seq = self.waiting[0]
-            if not seq.computed:
+            if not seq.computed and seq.params.prompt_logprobs is None:  # a scored prompt is computed whole
                 seq.computed = self.kv.cached_prefix(seq.request_id, seq.token_slice, seq.length())
-            count = self._count(seq, budget)
+            count = self._count(seq, budget, spare - 1)
             if not self.kv.allocate(seq.request_id, seq.computed, seq.computed + count):
                 self.kv.free(seq.request_id)
                 seq.computed = 0
@@ -102,13 +119,18 @@ class Scheduler:
             seq.slot = self.free_slots.pop(0)
             self.running.append(seq)
             chunks.append(Chunk(seq, seq.computed, count))
-            budget -= count
+            budget, spare = budget - count, spare - 1 - _extra_rows(chunks[-1])
         self.prefill_tokens += sum(c.count for c in chunks if not (c.count == 1 and c.seq.output and c.samples))
         return chunks
 
-    def _count(self, seq: Sequence, budget: int) -> int:
+    def _count(self, seq: Sequence, budget: int, spare: int) -> int:
+        """The tokens of `seq` this step: one when decoding, else a prompt chunk (a scored one within its row and
+        the `spare` rows)."""
         pending = seq.length() - seq.computed
-        return 1 if pending == 1 else min(pending, self.prefill_chunk, budget)
+        if pending == 1:
+            return 1
+        scored = seq.params.prompt_logprobs is not None
+        return min(pending, self.prefill_chunk, budget, 1 + spare if scored else pending)
 
     def _reserve(self, seq: Sequence, upto: int) -> bool:
         """Pages for `seq`, preempting the newest other running sequences while short; False when `seq` is the

@@ -85,10 +85,11 @@ class NgramIndex:
 
 
 def plan_guesses(base_tokens: int, base_gain: float, wants: list[tuple[int, float]], most: int,
-                 cost: Callable[[int, int], float]) -> list[int]:
+                 cost: Callable[[int, int], float], room: Callable[[int], int] = lambda tokens: tokens) -> list[int]:
     """How many guessed tokens each sequence gets. `wants[i]`: (the most it may take, its acceptance alpha);
-    `cost(tokens, depth)`: a step's seconds with that many tokens when the deepest guess has `depth` tokens.
-    Guesses go in order of value (alpha^j for a sequence's j-th) while expected tokens per second grow."""
+    `cost(tokens, depth)`: a step's seconds with that many tokens when the deepest guess has `depth` tokens;
+    `room(tokens)`: the guesses a step of that many tokens has logits rows for; `most`: its most tokens. Guesses
+    go in order of value (alpha^j for a sequence's j-th) while expected tokens per second grow."""
     order = sorted(((alpha ** j, i) for i, (most_i, alpha) in enumerate(wants) for j in range(1, most_i + 1)),
                    key=lambda item: -item[0])
     counts, best, best_rate = [0] * len(wants), [0] * len(wants), base_gain / cost(base_tokens, 0)
@@ -100,7 +101,7 @@ def plan_guesses(base_tokens: int, base_gain: float, wants: list[tuple[int, floa
         counts[i] += 1
         depth = max(depth, counts[i])
         rate = gain / cost(tokens, depth)
-        if rate > best_rate:
+        if rate > best_rate and tokens - base_tokens <= room(tokens):
             best, best_rate = list(counts), rate
     return best
 
@@ -126,8 +127,10 @@ class Speculator:
         wants = [(len(guesses[i]) if self.draft is None else limits[i], self._state(chunks[i].seq).alpha)
                  for i in decoding]
         self._drafting = len(decoding)
-        counts = plan_guesses(sum(c.tokens for c in chunks), sum(c.samples for c in chunks), wants,
-                              self.runner.buckets[-1], self.cost)
+        sampling, rows = sum(c.samples for c in chunks), sum(c.prompt_rows + c.rows for c in chunks)
+        room = lambda tokens: self.runner.rows_for(self.runner.bucket(tokens)) - rows  # noqa: E731
+        counts = plan_guesses(sum(c.tokens for c in chunks), sampling, wants, self.runner.buckets[-1], self.cost,
+                              room)
         take = {i: n for i, n in zip(decoding, counts) if n}
         if self.draft is not None and take:
             drafted = self.draft.propose({chunks[i].seq: n for i, n in take.items()})
