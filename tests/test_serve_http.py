@@ -124,7 +124,9 @@ def test_models_health_and_metrics(server):
     text = http.get("/metrics").text
     for name in ("serve_running_requests", "serve_waiting_requests", "serve_kv_pages_used", "serve_kv_pages_free",
                  "serve_prefix_cache_hit_rate", "serve_time_to_first_token_seconds_bucket",
-                 "serve_inter_token_latency_seconds_bucket", "serve_generation_tokens_total"):
+                 "serve_inter_token_latency_seconds_bucket", "serve_generation_tokens_total",
+                 "serve_spec_decode_draft_tokens_total", "serve_spec_decode_accepted_tokens_total",
+                 "serve_spec_decode_verify_steps_total", "serve_spec_decode_mean_accepted_length"):
         assert f"\n{name}" in text, name
     values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     generated = server["served"].engine.stats()["tokens_generated"]

@@ -58,10 +58,11 @@ class Metrics:
         self.prompt_tokens = counter("serve_prompt_tokens", "Prompt tokens prefilled.")
         self.spec_proposed = counter("serve_spec_decode_draft_tokens", "Speculative tokens proposed and verified.")
         self.spec_accepted = counter("serve_spec_decode_accepted_tokens", "Speculative tokens accepted.")
+        self.spec_steps = counter("serve_spec_decode_verify_steps", "Sequence-steps that verified proposals.")
         self.spec_length = gauge("serve_spec_decode_mean_accepted_length", "Tokens a sequence gains per step that "
                                  "verifies proposals: the accepted ones and the model's own (0: none verified).")
         self._counted = dict.fromkeys(("tokens_generated", "prefill_tokens", "spec_proposed_tokens",
-                                       "spec_accepted_tokens"), 0)
+                                       "spec_accepted_tokens", "spec_verify_steps"), 0)
         buckets = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
         self.ttft = prom.Histogram("serve_time_to_first_token_seconds", "From a request's arrival to its first "
                                    "token.", buckets=buckets, registry=self.registry)
@@ -84,7 +85,7 @@ class Metrics:
         self.spec_length.set(s["spec_mean_accepted_length"])
         for key, counter in (("tokens_generated", self.tokens), ("prefill_tokens", self.prompt_tokens),
                              ("spec_proposed_tokens", self.spec_proposed),
-                             ("spec_accepted_tokens", self.spec_accepted)):
+                             ("spec_accepted_tokens", self.spec_accepted), ("spec_verify_steps", self.spec_steps)):
             counter.inc(max(0, s[key] - self._counted[key]))  # the engine counts; the counter follows it
             self._counted[key] = s[key]
         return self.prom.generate_latest(self.registry)
