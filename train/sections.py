@@ -195,8 +195,9 @@ class ServeSection(Section):
     speculative: str = setting("off", "speculative decoding: off, ngram (prompt lookup in the sequence's own "
                                "tokens), draft (serve.draft proposes), mtp (the model's multi-token-prediction "
                                "modules)", choices=("off", "ngram", "draft", "mtp"))
-    num_speculative_tokens: int = setting(4, "the most tokens proposed per sequence and step (fewer as the "
-                                          "batch fills)", above=0, whole=True, error="use a whole number >= 1")
+    num_speculative_tokens: int = setting(7, "the most tokens proposed per sequence and step (fewer as the "
+                                          "batch fills; 7: a lone sequence's step of 8 tokens)", above=0, whole=True,
+                                          error="use a whole number >= 1")
     ngram_max: int = setting(4, "serve.speculative=ngram: the longest suffix of a sequence looked up in its own "
                              "tokens", above=0, whole=True, error="use a whole number >= 1")
     ngram_min: int = setting(2, "serve.speculative=ngram: the shortest such suffix (<= serve.ngram_max)", above=0,

@@ -189,7 +189,8 @@ class ModelRunner:
 
     def warmup(self, timed: bool = False) -> None:
         """Compile (and run once on padding alone) the step of every bucket, so no request ever compiles; `timed`:
-        then the fastest of three more runs of each is its cost (`step_seconds`, what speculation plans by)."""
+        then the fastest of three more runs of each is its cost (`step_seconds`, what speculation plans by), no
+        more than a larger step's (timings on a busy machine are noisy)."""
         for n in self.buckets:
             inputs = self.inputs([], lambda rid: [], n)
             jax.block_until_ready(self.run(inputs))
@@ -198,6 +199,9 @@ class ModelRunner:
                 jax.block_until_ready(self.run(inputs))
                 took = time.perf_counter() - start
                 self.step_seconds[n] = min(took, self.step_seconds.get(n, took))
+        for smaller, larger in zip(self.buckets[-2::-1], self.buckets[::-1]):  # a larger step is never cheaper
+            if smaller in self.step_seconds:
+                self.step_seconds[smaller] = min(self.step_seconds[smaller], self.step_seconds[larger])
 
     def bucket(self, tokens: int) -> int:
         return next(b for b in self.buckets if b >= tokens)

@@ -10,9 +10,9 @@ from p without d) is exactly this: t_j ~ p, accept iff t_j = d. So outputs follo
 are the tokens speculation off gives, greedy or seeded, whatever runs beside them.
 
 How many tokens a step verifies: each proposal's j-th token adds alpha^j expected tokens (alpha: the sequence's
-acceptance so far); the step keeps the most valuable guesses while the expected tokens per second, by the step's
-cost measured per token count at warmup, still grow. A full batch gains little from guesses that cost a larger
-step, so proposals shrink as the batch fills."""
+acceptance so far, starting from the engine's recent one); the step keeps the most valuable guesses while the
+expected tokens per second, by the step's cost measured per token count at warmup, still grow. A full batch gains
+little from guesses that cost a larger step, so proposals shrink as the batch fills."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,6 +42,11 @@ def check_settings(s: ServeSection, cfg, draft_given: bool = False) -> None:
                               f"run's directory or hf:DIR (a Hugging Face model directory)")
 
 
+PRIOR_GUESSES = 2   # how many guesses the engine's recent acceptance counts for in a new sequence's
+RECENT = 0.99       # the engine's record forgets this much per verified sequence-step
+OPTIMISM = (4, 5)   # its record before any guess: 4 accepted of 5 (a first guess is worth trying)
+
+
 @dataclasses.dataclass
 class SpecState:
     """What the speculator knows of one sequence: its guesses' record and, for ngram, its n-gram index."""
@@ -49,10 +54,9 @@ class SpecState:
     accepted: int = 0
     index: "NgramIndex | None" = None
 
-    @property
-    def alpha(self) -> float:
-        """The chance the next guess is accepted (with one accepted and one rejected guess as prior)."""
-        return (self.accepted + 1) / (self.tried + 2)
+    def alpha(self, prior: float) -> float:
+        """The chance the next guess is accepted: the sequence's record over two guesses accepted at `prior`."""
+        return (self.accepted + PRIOR_GUESSES * prior) / (self.tried + PRIOR_GUESSES)
 
 
 class NgramIndex:
@@ -115,6 +119,7 @@ class Speculator:
         self.k = settings.num_speculative_tokens
         self.proposed = self.accepted = self.steps = 0
         self._drafting = 0  # sequences the draft model may guess for in this step
+        self._recent = [float(n) for n in OPTIMISM]  # the engine's (accepted, tried) guesses, decayed
 
     def extend(self, chunks: list[Chunk]) -> list[Chunk]:
         """`chunks` with guesses after the decoding sequences' tokens, as many as pay, each with its pages."""
@@ -124,7 +129,8 @@ class Speculator:
         if not decoding:
             return chunks
         guesses = {i: self._ngram(chunks[i].seq, limits[i]) for i in decoding} if self.draft is None else {}
-        wants = [(len(guesses[i]) if self.draft is None else limits[i], self._state(chunks[i].seq).alpha)
+        prior = self._recent[0] / self._recent[1]
+        wants = [(len(guesses[i]) if self.draft is None else limits[i], self._state(chunks[i].seq).alpha(prior))
                  for i in decoding]
         self._drafting = len(decoding)
         sampling, rows = sum(c.samples for c in chunks), sum(c.prompt_rows + c.rows for c in chunks)
@@ -169,9 +175,10 @@ class Speculator:
         while accepted < len(chunk.draft) and chunk.draft[accepted] == sampled[accepted]:
             accepted += 1
         if chunk.draft:
-            state = self._state(chunk.seq)
-            state.tried += min(accepted + 1, len(chunk.draft))
+            state, tried = self._state(chunk.seq), min(accepted + 1, len(chunk.draft))
+            state.tried += tried
             state.accepted += accepted
+            self._recent = [RECENT * self._recent[0] + accepted, RECENT * self._recent[1] + tried]
             self.proposed, self.accepted, self.steps = (self.proposed + len(chunk.draft),
                                                         self.accepted + accepted, self.steps + 1)
         return accepted
