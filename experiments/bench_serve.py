@@ -79,7 +79,8 @@ def define_flags() -> None:
                         "Hugging Face one).")
     flags.DEFINE_string("draft", "", "--speculative=draft: the draft model (serve.draft: a run's directory or hf:DIR).")
     flags.DEFINE_integer("num_speculative_tokens", 0, "--speculative: serve.num_speculative_tokens (0: its default).")
-    flags.DEFINE_integer("serve_port", 8032, "--speculative: the port train.serve listens on (127.0.0.1).")
+    flags.DEFINE_integer("serve_port", 8032, "--speculative: the port of train.serve without speculation "
+                         "(127.0.0.1); the next one: with it.")
 
 
 @dataclasses.dataclass
@@ -236,9 +237,10 @@ def served_model(url: str, headers: dict) -> str:
     return response.json()["data"][0]["id"]
 
 
-def measure(server: str, url: str, model: str, prompts: list, peer: str = "", around=None) -> list[dict]:
-    """Every level against one server: one row each (`around(url)`, called before a level, returns what to call
-    after it for more figures of its row: bench_serve_spec.level_counts)."""
+def measure(server: str, url: str, model: str, prompts: list, peer: str = "", around=None,
+            repeat: int | None = None) -> list[dict]:
+    """Every level against one server, each `repeat` times (default --repeat): one row each (`around(url)`,
+    called before a level, returns what to call after it for more figures of its row)."""
     headers = {"Authorization": f"Bearer {FLAGS.api_key}"} if FLAGS.api_key else {}
     model = model or served_model(url, headers)
     bodies = [request_body(model, p, FLAGS.output_len, peer) for p in prompts]
@@ -249,7 +251,7 @@ def measure(server: str, url: str, model: str, prompts: list, peer: str = "", ar
         kw = {"rate": value} if kind == "rate" else {"concurrency": value}
         after = around(url) if around else dict
         runs = [asyncio.run(run_level(url, bodies, seed=FLAGS.seed, headers=headers, timeout=FLAGS.timeout, **kw))
-                for _ in range(FLAGS.repeat)]
+                for _ in range(repeat or FLAGS.repeat)]
         extra = after()
         results = runs[0][0]
         errors = sorted({r.error for rs, _ in runs for r in rs if not r.ok})

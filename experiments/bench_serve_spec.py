@@ -1,10 +1,12 @@
 """bench_serve's speculative-decoding comparison (`--speculative=ngram|draft`): the same load against train.serve
-started twice on one model, speculation off then on, over the usual random prompts and over repetitive ones (a
-passage said twice and begun a third time: what prompt lookup can guess), side by side; beside each row of the
-speculating server its tokens/s over speculation off's, its accepted share of the proposed tokens and the mean
-accepted length (from the server's /metrics), and how many requests streamed off's very text."""
+started twice on one model (ports --serve_port and the next), speculation off and on, measured in turns, over the
+usual random prompts and over repetitive ones (a passage said twice and begun a third time: what prompt lookup can
+guess); beside each row of the speculating server its tokens/s over speculation off's, its accepted share of the
+proposed tokens and the mean accepted length (from the server's /metrics), and how many requests streamed off's
+very text."""
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import sys
 
@@ -56,19 +58,36 @@ def spec_counts(url: str) -> dict[str, float]:
 
 
 def rows(flags, make_prompts, measure) -> list[dict]:
-    """train.serve on --model_dir with speculation off, then --speculative, over every prompt set (bench_serve's
-    `make_prompts` and `measure`); the table printed, the rows returned."""
+    """train.serve on --model_dir twice at once, speculation off and --speculative, each level of every prompt set
+    run on one then the other --repeat times (so a busy machine's drift weighs on both alike; the idle server waits
+    without work); each figure the median of its runs. bench_serve's `make_prompts` and `measure` do the work."""
     sets = {name: make_prompts(name, flags.num_prompts, flags.input_len, flags.seed)
             for name in flags.prompts or ["usual", "repetitive"]}
-    out = []
-    for mode in ("off", flags.speculative):
-        cmd = serve_command(flags.model_dir, flags.serve_port, mode, flags.draft, flags.num_speculative_tokens)
-        with servers.our_server(cmd, flags.serve_port) as url:
+    modes = ("off", flags.speculative)
+    runs: dict[tuple, list[dict]] = {}
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(servers.our_server(serve_command(flags.model_dir, flags.serve_port + i, mode,
+                                                                     flags.draft, flags.num_speculative_tokens),
+                                                       flags.serve_port + i)) for i, mode in enumerate(modes)]
+        for _ in range(flags.repeat):
             for name, prompts in sets.items():
-                out += [{**row, "prompts": name} for row in measure(mode, url, "", prompts, around=level_counts)]
+                for mode, url in zip(modes, urls):
+                    for row in measure(mode, url, "", prompts, around=level_counts, repeat=1):
+                        runs.setdefault((mode, name, row["concurrency"]), []).append(row)
+    out = [median_row(rs, name) for (_, name, _), rs in runs.items()]
     compare(out)
     print_rows(out)
     return out
+
+
+def median_row(runs: list[dict], prompts: str) -> dict:
+    """One row from a level's runs: each figure's median, the worst run's failures, the first run's texts."""
+    row = {**runs[0], "prompts": prompts, "repeats": len(runs)}
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and key not in ("concurrency", "input_len", "output_len"):
+            row[key] = round(float(np.median([r[key] for r in runs])), 3)
+    row.update(completed=min(r["completed"] for r in runs), failed=max(r["failed"] for r in runs))
+    return row
 
 
 def level_counts(url: str):
