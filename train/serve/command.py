@@ -16,7 +16,7 @@ from absl import app, flags, logging
 from mesh import use_cpu_devices
 from mesh.layout import AXES
 from train import cli, exit_codes
-from train.config import ConfigError, base_config
+from train.config.experiment import ConfigError, base_config
 from train.runtime import extras
 
 FLAGS = flags.FLAGS
@@ -99,10 +99,11 @@ def load(path: pathlib.Path):
 
     from models import paged
     from train import placed as placed_lib
-    from train.config import resolve
+    from train.config.experiment import resolve
     from train.data import chat
     from train.data import tokenizer as tok_lib
-    from train.serve import replicas, runner, sources, speculative
+    from train.hf import serving as hf_serving
+    from train.serve import replicas, runner, speculative
     from train.serve.server import Served
 
     mesh = overrides("mesh")
@@ -112,7 +113,7 @@ def load(path: pathlib.Path):
         config = placed_lib.decoding_config(path, mesh)
         renderer_spec = chat_spec(config)
     else:
-        config = sources.hf_serving_config(path, mesh)
+        config = hf_serving.config_for(base_config(), path, mesh)
         renderer_spec = config.checkpoint.restore_from if (path / tok_lib.FILE).is_file() else "bytes"
     config.serve.update(overrides("serve"))
     plan = resolve(config, devices)
@@ -122,7 +123,8 @@ def load(path: pathlib.Path):
     if FLAGS.workdir is not None:
         placed = dataclasses.replace(placed_lib.restore(placed, path, FLAGS.step), codec=tok_lib.load_run_codec(path))
     else:
-        placed = dataclasses.replace(placed_lib.from_hf(placed, config.checkpoint.restore_from), codec=hf_codec(path))
+        placed = dataclasses.replace(placed_lib.from_hf(placed, config.checkpoint.restore_from),
+                                     codec=hf_serving.codec(path))
     engine = replicas.build(placed, plan.serve)
     name = FLAGS.served_model_name or path.resolve().name
     # The engine decodes on its own per-layer copy of the weights: the stacked params are let go.
@@ -139,20 +141,6 @@ def chat_spec(config) -> str:
         return json.loads(path.read_text()).get("recipe", {}).get("tokenizer", "bytes")
     except ValueError:
         return "bytes"
-
-
-def hf_codec(path: pathlib.Path):
-    """The directory's tokenizer.json with config.json's eos and bos ids; bytes when it has none."""
-    from train.data import tokenizer as tok_lib
-    if not (path / tok_lib.FILE).is_file():
-        return tok_lib.Codec(tok_lib.bytes_tokenizer(), 256, None, from_run=False)
-    tok = tok_lib.load_file(str(path / tok_lib.FILE), "--hf")
-    hf = json.loads((path / "config.json").read_text())
-    eos, bos = hf.get("eos_token_id"), hf.get("bos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos
-    if eos is None:
-        eos = tok.token_to_id(tok_lib.declared_eos(tok) or tok_lib.EOS_TEXT) or 0
-    return tok_lib.Codec(tok, int(eos), None if bos is None else int(bos))
 
 
 def serve(served, host: str, port: int, api_key: str, drain_seconds: float) -> int:

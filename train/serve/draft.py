@@ -11,9 +11,9 @@ import pathlib
 import numpy as np
 
 from models import paged
+from train.config.sections import ServeSection
 from train.exit_codes import ConfigError
 from train.placed import Placed
-from train.sections import ServeSection
 from train.serve.pages import KVCacheManager
 from train.serve.runner import ModelRunner
 from train.serve.sampling import SamplingParams
@@ -119,11 +119,12 @@ def load(spec: str, target: Placed) -> Placed:
     """serve.draft's model (a run's workdir, or hf:DIR) on the target's mesh, its vocabulary checked."""
     from train import placed as placed_lib
     from train import state as state_lib
-    from train.config import resolve
+    from train.config.experiment import resolve
     mesh = dict(target.mesh.shape)
     if spec.startswith("hf:"):
-        from train.serve import sources
-        config = sources.hf_serving_config(pathlib.Path(spec[len("hf:"):]).expanduser(), mesh)
+        from train.config.experiment import base_config
+        from train.hf import serving as hf_serving
+        config = hf_serving.config_for(base_config(), pathlib.Path(spec[len("hf:"):]).expanduser(), mesh)
     else:
         config = placed_lib.decoding_config(pathlib.Path(spec).expanduser(), mesh)
     model = resolve(config, target.mesh.devices.size).model

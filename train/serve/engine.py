@@ -11,8 +11,8 @@ import dataclasses
 import numpy as np
 
 from models import paged
+from train.config.sections import ServeSection
 from train.placed import Placed
-from train.sections import ServeSection
 from train.serve.output import Output, OutputProcessor
 from train.serve.pages import KVCacheManager
 from train.serve.requests import RequestError, RequestTable, check_request
@@ -21,7 +21,7 @@ from train.serve.sampling import SamplingParams
 from train.serve.scheduler import Chunk, Scheduler, Sequence
 from train.serve.speculative import Speculator, check_settings, with_mean
 
-Settings = ServeSection  # serve.* (train/sections.py)
+Settings = ServeSection  # serve.* (train/config/sections.py)
 __all__ = ["MAX_LOGPROBS", "Engine", "Output", "RequestError", "SamplingParams", "ServingEngine", "Settings"]
 
 

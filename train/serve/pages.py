@@ -8,6 +8,8 @@ from __future__ import annotations
 import collections
 from typing import Callable, Hashable
 
+from mesh.numbers import ceil_div
+
 
 class Pages:
     def __init__(self, num_pages: int):
@@ -144,7 +146,7 @@ class KVCacheManager:
         """Pages for positions computed..upto-1 (and, in a causal group, every one before); False, nothing taken,
         when a group is short."""
         tables = self._pages.setdefault(rid, [[] for _ in self.groups])
-        last = -(-upto // self.page_size)
+        last = ceil_div(upto, self.page_size)
         missing = []
         for pages, window, held in zip(self.groups, self.windows, tables):
             held += [0] * (last - len(held))
@@ -178,7 +180,7 @@ class KVCacheManager:
 
     def truncate(self, rid: str, length: int) -> None:
         """Give back the pages past the first `length` positions (rejected speculative tokens' pages)."""
-        keep = -(-length // self.page_size)
+        keep = ceil_div(length, self.page_size)
         for pages, held in zip(self.groups, self.tables(rid)):
             while len(held) > keep:
                 page = held.pop()

@@ -17,13 +17,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
+from mesh.numbers import ceil_div
 from models import paged
 from models.layer_spec import window_pages
 from sharding import experts as experts_lib
 from sharding import specs as sharding_specs
+from train.config.sections import ServeSection
 from train.exit_codes import ConfigError
 from train.placed import Placed
-from train.sections import ServeSection
 from train.serve.sampling import sample
 from train.serve.scheduler import Chunk
 
@@ -39,7 +40,7 @@ def buckets(s: ServeSection, ways: int = 1) -> list[int]:
     most = min(s.max_batch_tokens, s.max_num_seqs * seq_step_tokens(s))
     least = min(s.min_step_tokens, most)
     counts = [n for n in (least * 2 ** i for i in range(32)) if n < most] + [most]
-    return sorted({-(-n // ways) * ways for n in counts})
+    return sorted({ceil_div(n, ways) * ways for n in counts})
 
 
 def speculative_tokens(s: ServeSection) -> int:
@@ -72,7 +73,7 @@ def check_pool(cfg: models.ModelConfig, s: ServeSection, context: int) -> None:
     if not s.kv_pages:
         return
     for group in paged.cache_groups(cfg):
-        need = group_pages_per_seq(group, s, -(-context // s.page_size)) + 1
+        need = group_pages_per_seq(group, s, ceil_div(context, s.page_size)) + 1
         if s.kv_pages < need:
             where = f" in its {group.kind} layers" if group.window else ""
             raise ConfigError(f"serve.kv_pages={s.kv_pages}: too few for one sequence of {context} positions, the "
@@ -127,7 +128,7 @@ class ModelRunner:
         ps = settings.page_size
         context = max_context or paged.max_context(cfg)
         check_pool(cfg, settings, context)
-        self.pages_per_seq = -(-context // ps)
+        self.pages_per_seq = ceil_div(context, ps)
         self.table_width = paged.table_width(self.pages_per_seq, ps)
         self.weights = self._unstacked(placed)  # before the pool is sized from the memory left
         self.groups = paged.cache_groups(cfg)

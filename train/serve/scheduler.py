@@ -9,7 +9,7 @@ import collections
 import dataclasses
 from typing import Any
 
-from train.sections import ServeSection
+from train.config.sections import ServeSection
 from train.serve.pages import KVCacheManager
 from train.serve.sampling import SamplingParams
 

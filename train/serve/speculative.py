@@ -19,8 +19,8 @@ import dataclasses
 import pathlib
 from typing import Callable
 
+from train.config.sections import ServeSection
 from train.exit_codes import ConfigError
-from train.sections import ServeSection
 from train.serve.pages import KVCacheManager
 from train.serve.runner import ModelRunner
 from train.serve.scheduler import Chunk, Sequence
