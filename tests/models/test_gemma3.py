@@ -101,6 +101,9 @@ def test_an_exported_run_greedy_decodes_past_the_window_as_train_sample(trained)
     prompt = list(TOKENS[0, :20])  # longer than the window: the sliding layers drop its first positions
     request = sample_lib.Request(prompt_tokens=",".join(map(str, prompt)), max_new=16, as_json=True)
     ours = json.loads(sample_lib.sample(run, None, request, None))["tokens"]
+    # train.sample takes serve.* too: prompt lookup's guesses over the sliding layers' pages give the same tokens.
+    guessing = {"speculative": "ngram", "num_speculative_tokens": 3}
+    assert json.loads(sample_lib.sample(run, None, request, None, guessing))["tokens"] == ours
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert type(model).__name__ == "Gemma3ForCausalLM"
     with torch.no_grad():
