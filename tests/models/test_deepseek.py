@@ -170,12 +170,17 @@ def test_a_resumed_run_continues_the_same_bias(trained):
 
 
 def test_an_exported_run_greedy_decodes_as_train_sample_and_our_forward(trained):
-    """train.sample decodes on the engine's latent cache (queries absorbed into the latent), transformers on its
-    expanded keys and values, our full forward over the whole sequence: the same 16 tokens."""
+    """train.sample decodes on the engine's latent cache (queries absorbed into the latent), with and without
+    speculation, transformers on its expanded keys and values, our full forward over the whole sequence: the same 16
+    tokens."""
     run, out, _, params, cfg = trained
     prompt = list(TOKENS[0, :12])
     request = sample_lib.Request(prompt_tokens=",".join(map(str, prompt)), max_new=16, as_json=True)
     ours = json.loads(sample_lib.sample(run, None, request, None))["tokens"]
+    # Prompt lookup's guesses verified on the latent pages (several tokens of a sequence a step, rejected ones'
+    # pages given back) give the same tokens.
+    guessing = {"speculative": "ngram", "num_speculative_tokens": 3}
+    assert json.loads(sample_lib.sample(run, None, request, None, guessing))["tokens"] == ours
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
     with torch.no_grad():
@@ -269,8 +274,8 @@ def test_the_latent_cache_holds_the_formulas_bytes():
                     Settings(kv_pages=5))
     per_token = cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4  # float32
     assert engine.kv_bytes_per_token == per_token == 3 * (32 + 8) * 4
-    assert sum(k.nbytes for k in engine.pool["k"]) == 5 * engine.settings.page_size * per_token
-    assert engine.pool["v"] == [None] * cfg.n_layers
+    assert sum(k.nbytes for k in engine.runner.pool["k"]) == 5 * engine.settings.page_size * per_token
+    assert engine.runner.pool["v"] == [None] * cfg.n_layers
     assert models.paged.cache_bytes(cfg, 64, cfg.n_heads) == 64 * per_token
 
 
