@@ -345,8 +345,9 @@ def _median_seconds(fn, n: int) -> float:
     return float(np.median(times))
 
 
-def engine_step_seconds(placed, seqs: int, input_len: int, steps: int) -> float:
-    """The median engine.step() with `seqs` sequences all decoding (every prompt prefilled, none finishing)."""
+def engine_step_seconds(placed, seqs: int, input_len: int, steps: int) -> tuple[float, int]:
+    """The median engine.step() with `seqs` sequences all decoding (every prompt prefilled, none finishing), and the
+    engine's KV-cache bytes per token (every layer's; a latent layer's latent and rotary key)."""
     from train.serve.engine import Engine, Settings
     from train.serve.sampling import SamplingParams
     context = input_len + steps + 2
@@ -360,7 +361,7 @@ def engine_step_seconds(placed, seqs: int, input_len: int, steps: int) -> float:
     while len(started) < seqs:  # prefill: each sequence's first token
         started |= {o.request_id for o in engine.step()}
     assert engine.stats()["running"] == seqs, engine.stats()
-    return _median_seconds(engine.step, steps)
+    return _median_seconds(engine.step, steps), engine.kv_bytes_per_token
 
 
 def bare_step_seconds(placed, seqs: int, input_len: int, steps: int) -> float:
@@ -414,15 +415,15 @@ def engine_rows(preset: str, vocab_size: int, seqs: int, table_seqs: list[int], 
     cfg = models.from_dict({"preset": preset, **({"vocab_size": vocab_size} if vocab_size else {})})
     placed = placed_lib.initialized(placed_lib.on_one_device(cfg))
     device = str(placed.mesh.devices.flat[0].platform)
-    engine_s = engine_step_seconds(placed, seqs, input_len, steps)
+    engine_s, kv_bytes = engine_step_seconds(placed, seqs, input_len, steps)
     bare_s = bare_step_seconds(placed, seqs, input_len, steps)
     step = {"kind": "step", "preset": preset, "vocab_size": cfg.vocab_size, "batch": seqs,
             "cache_len": input_len + steps + 2,
             "engine_step_ms": round(1e3 * engine_s, 3), "bare_step_ms": round(1e3 * bare_s, 3),
-            "ratio": round(engine_s / bare_s, 3), "device": device}
-    print(f"{'preset':<14}{'batch':>6}{'cache':>7}{'engine ms':>11}{'bare ms':>10}{'ratio':>8}")
-    print(f"{preset:<14}{seqs:>6}{step['cache_len']:>7}{step['engine_step_ms']:>11.3f}{step['bare_step_ms']:>10.3f}"
-          f"{step['ratio']:>8.2f}")
+            "ratio": round(engine_s / bare_s, 3), "kv_bytes_per_token": kv_bytes, "device": device}
+    print(f"{'preset':<18}{'batch':>6}{'cache':>7}{'engine ms':>11}{'bare ms':>10}{'ratio':>8}{'KV B/token':>12}")
+    print(f"{preset:<18}{seqs:>6}{step['cache_len']:>7}{step['engine_step_ms']:>11.3f}{step['bare_step_ms']:>10.3f}"
+          f"{step['ratio']:>8.2f}{kv_bytes:>12,}")
     rows = [step]
     if table_seqs:
         print(f"\n{'preset':<14}{'seqs':>6}{'requests':>10}{'seconds':>10}{'tok/s':>10}")

@@ -31,6 +31,10 @@ Params = dict[str, Any]  # nested dicts of arrays (or ShapeDtypeStructs); a leaf
 Metrics = dict[str, jax.Array]  # to log beside the loss: float32 scalars, or vectors [n] logged as name0..name{n-1}
 LayerAux = tuple[jax.Array, Metrics]  # (what the layers add to the objective, their metrics)
 LAYERS = "layers"  # the key of the stacked blocks in every family's parameter dict
+# The top entry of a dense prefix held outside the stack (DeepSeek's first_k_dense_replace layers, [k, ...]): the
+# family's `embed` runs it after the token embedding when the entry is there (the first pipeline chunk), and the
+# paged decode hands `embed` the top parameters without it and runs those layers as its first blocks.
+PREFIX = "prefix"
 
 
 class Hooks:
@@ -139,7 +143,9 @@ class RunLayers(Protocol):
 
 class HeadLoss(Protocol):
     def __call__(self, top: Params, x_BxLxD: jax.Array, targets_BxL: jax.Array, cfg: ModelConfig, constrain: Hooks,
-                 loss_mask_BxL: jax.Array | None = None) -> tuple[jax.Array, Metrics]: ...
+                 loss_mask_BxL: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
+        """(what the head adds to the objective, metrics): the mean language-model loss, or, where the head adds more
+        (DeepSeek's multi-token prediction), that sum with the language-model loss alone as metrics["loss"]."""
 
 
 class LayerBytes(Protocol):
@@ -152,7 +158,9 @@ Rotate = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]  # (q, k)
 class Attend(Protocol):
     def __call__(self, q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array) -> jax.Array:
         """The attention itself, which the runner of a Block supplies for the layer's spec: over whole sequences
-        (the training stack, through the hooks) or over a paged pool (the paged decode, which writes k and v)."""
+        (the training stack, through the hooks) or over a paged pool (the paged decode, which writes k and v). For a
+        `latent` layer the paged decode's also has `latent(q_latent, q_rope, c, k_rope, scale)`: the attention over
+        the cached latents themselves (models/paged.LatentAttend), which the family calls in place of this one."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +303,13 @@ def layer_specs(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
 def uniform_attention(cfg: ModelConfig) -> bool:
     """Whether every layer's attention is of one kind: no reader then needs to know which layer it runs."""
     return len({s.attention_kind for s in layer_specs(cfg)}) == 1
+
+
+def head_reads_ahead(cfg: ModelConfig) -> int:
+    """Positions past its own that the head's loss reads at each position (DeepSeek's multi-token prediction, when
+    its loss is on: its depth; 0 for a language-model head). A pipeline stage's slice of a context-parallel row does
+    not hold them."""
+    return getattr(cfg, "num_nextn_predict_layers", 0) if getattr(cfg, "mtp_loss_weight", 0) else 0
 
 
 def top_params(params: Params) -> Params:

@@ -18,21 +18,24 @@ AXES = {"w_in": ("embed", None, "mlp"), "w_down": ("mlp", "embed")}
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
-def declare(layer: nnx.Module, cfg: TransformerConfig, rngs: nnx.Rngs, lead: tuple, out_std: float) -> None:
-    """The MLP matrices of a stacked layer module, with the `lead` (sizes, logical axes) of its stack."""
+def declare(layer: nnx.Module, cfg: TransformerConfig, rngs: nnx.Rngs, lead: tuple, out_std: float,
+            width: int = 0) -> None:
+    """The MLP matrices of a stacked layer module, with the `lead` (sizes, logical axes) of its stack; `width` F
+    (0: d_mlp)."""
     S, A = lead
-    D, F, dt = cfg.d_model, cfg.d_mlp, jnp.dtype(cfg.param_dtype)
+    D, F, dt = cfg.d_model, width or cfg.d_mlp, jnp.dtype(cfg.param_dtype)
     layer.w_in = param(rngs, (*S, D, 2, F), (*A, *AXES["w_in"]), dt, 0.02)
     layer.w_down = param(rngs, (*S, F, D), (*A, *AXES["w_down"]), dt, out_std)
 
 
 class Experts(nnx.Module):
-    """G groups' gated experts: w_in [G, E, D, 2, F] (gate and up), w_down [G, E, F, D]."""
+    """G groups' gated experts: w_in [G, E, D, 2, F] (gate and up), w_down [G, E, F, D]; F `width` (0: d_mlp), the
+    leading axis's logical name `lead` (a stack's `layers`; None outside the stack)."""
 
-    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, G: int):
-        E, D, F, dt = cfg.n_experts, cfg.d_model, cfg.d_mlp, jnp.dtype(cfg.param_dtype)
-        self.w_in = param(rngs, (G, E, D, 2, F), ("layers", "experts", "embed", None, "mlp"), dt, 0.02)
-        self.w_down = param(rngs, (G, E, F, D), ("layers", "experts", "mlp", "embed"), dt,
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, G: int, width: int = 0, lead: str | None = "layers"):
+        E, D, F, dt = cfg.n_experts, cfg.d_model, width or cfg.d_mlp, jnp.dtype(cfg.param_dtype)
+        self.w_in = param(rngs, (G, E, D, 2, F), (lead, "experts", "embed", None, "mlp"), dt, 0.02)
+        self.w_down = param(rngs, (G, E, F, D), (lead, "experts", "mlp", "embed"), dt,
                             0.02 / math.sqrt(2 * cfg.n_layers))
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 ATTENTION_KINDS = ("causal", "sliding", "latent")
-ROPE_SCALINGS = ("none", "linear", "llama3")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 MLP_KINDS = ("dense", "experts")
 
 
@@ -24,13 +24,20 @@ class Rope:
     """A layer's rotary embedding (Su et al. 2021): base `theta` and its scaling. `linear` divides every frequency by
     `factor` (position interpolation, Gemma 3's global layers); `llama3` divides the low frequencies by `factor` and
     interpolates the band between `original_context / low_freq_factor` and `original_context / high_freq_factor`
-    wavelengths (Llama 3.1)."""
+    wavelengths (Llama 3.1); `yarn` (Peng et al. 2023, DeepSeek-V2/V3) divides the dimensions that turn fewer than
+    `beta_slow` times over `original_context` positions by `factor`, keeps those that turn more than `beta_fast` times
+    and ramps linearly between, and scales the rotated dimensions by mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) (models/layers.rope_attention_factor; 1 for DeepSeek's published configs)."""
     theta: float = 10_000.0
     scaling: str = "none"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_context: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,6 +87,8 @@ def rope_frequencies(rope: Rope, dim: int) -> jax.Array:
     freqs = 1.0 / (rope.theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     if rope.scaling == "linear":
         return freqs / rope.factor
+    if rope.scaling == "yarn":
+        return _yarn(freqs, rope, dim)
     if rope.scaling != "llama3":
         return freqs
     factor, low, high, context = rope.factor, rope.low_freq_factor, rope.high_freq_factor, rope.original_context
@@ -98,15 +100,47 @@ def rope_frequencies(rope: Rope, dim: int) -> jax.Array:
     return jnp.where(medium, smoothed, scaled)
 
 
+def _yarn(freqs: jax.Array, rope: Rope, dim: int) -> jax.Array:
+    """YaRN's frequencies (Peng et al. 2023, section 3.2; transformers' `_compute_yarn_parameters`): the dimension
+    pairs whose wavelength turns fewer than beta_slow times over the original context are interpolated (divided by
+    the factor), those turning more than beta_fast times kept, a linear ramp between (bounds floored and ceiled)."""
+    def pair(turns: float) -> float:  # the dimension whose wavelength makes `turns` turns over the original context
+        return dim * math.log(rope.original_context / (turns * 2 * math.pi)) / (2 * math.log(rope.theta))
+    low = max(math.floor(pair(rope.beta_fast)), 0)
+    high = min(math.ceil(pair(rope.beta_slow)), dim - 1)
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / max(high - low, 1e-3), 0.0, 1.0)
+    return freqs / rope.factor * ramp + freqs * (1.0 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term 0.1 * mscale * ln(factor) + 1 (1 without extension)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(rope: Rope | None) -> float:
+    """What YaRN multiplies the rotated dimensions by: mscale(factor, mscale) / mscale(factor, mscale_all_dim) when
+    both are set (DeepSeek's configs: 1), else mscale(factor); 1 for every other scaling."""
+    if rope is None or rope.scaling != "yarn":
+        return 1.0
+    if rope.mscale and rope.mscale_all_dim:
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
+
+
 def rotation(rope: Rope | None, rope_dim: int, positions: jax.Array | None) -> Rotate:
     """A layer's `rotate(q, k)` (models/contract.Block): its rotary embedding at `positions` over the first
     `rope_dim` dimensions' worth of frequencies (0: the head's), or nothing without one."""
     if rope is None:
         return lambda q, k: (q, k)
 
+    scale = rope_attention_factor(rope)
+
     def rotate(q_BxLxHxK, k_BxLxGxK):
         freqs = rope_frequencies(rope, rope_dim or q_BxLxHxK.shape[-1])
-        return rotary(q_BxLxHxK, freqs, positions), rotary(k_BxLxGxK, freqs, positions)
+        q, k = rotary(q_BxLxHxK, freqs, positions), rotary(k_BxLxGxK, freqs, positions)
+        if scale != 1.0:
+            q, k = q * jnp.asarray(scale, q.dtype), k * jnp.asarray(scale, k.dtype)
+        return q, k
     return rotate
 
 

@@ -6,6 +6,10 @@ one window), so a sliding layer's pages that fall out of its window can be given
 a causal layer's are kept. The family lends its layer once (models/contract.Block, the training stack's); the
 per-layer weights, the pool writes, the attention over pages and the layer loop are here.
 
+A `latent` layer (DeepSeek's multi-head latent attention) caches one latent and one rotary key per token, R + Kr
+numbers in its K pool [1, pages, page, R+Kr] (no V pool): `LatentAttend` attends over them with the queries the
+family absorbed the key expansion into, one "head" of keys shared by every query head (models/deepseek_mla.py).
+
 The loop over layers is unrolled over weights split per layer (`unstack`) and one pool per layer: a scan over the
 stacked weights and pools made XLA copy each layer's weights out of the stack and the whole pool once per step
 (on a 100M Llama on CPU: 209 ms a step of 16 sequences, against 43 ms unrolled)."""
@@ -19,7 +23,8 @@ import jax.numpy as jnp
 
 from mesh.numbers import ceil_div
 from models import moe, stack
-from models.contract import LAYERS, Attend, Block, Hooks, Params, Rotate, family_of, layer_specs, top_params
+from models.contract import LAYERS, PREFIX, Attend, Block, Hooks, Params, Rotate, family_of, layer_specs, top_params
+from models.layer_spec import LayerSpec
 from models.layers import rotation
 from models.protocols import ModelConfig
 
@@ -67,6 +72,23 @@ def pool_shape(cfg: ModelConfig, kv_heads: int, pages: int, page_size: int) -> t
     return kv_heads, pages, page_size, cfg.head_dim
 
 
+def pool_shapes(cfg: ModelConfig, spec: LayerSpec, kv_heads: int, pages: int,
+                page_size: int) -> dict[str, tuple[int, ...] | None]:
+    """{"k": shape, "v": shape or None} of one layer's pools: pool_shape's pair, or a latent layer's one pool of
+    latents and rotary keys [1, pages, page_size, latent_rank + rope_dim] and no V pool."""
+    if spec.attention == "latent":
+        return {"k": (1, pages, page_size, spec.latent_rank + spec.rope_dim), "v": None}
+    shape = pool_shape(cfg, kv_heads, pages, page_size)
+    return {"k": shape, "v": shape}
+
+
+def token_bytes(cfg: ModelConfig, spec: LayerSpec, kv_heads: int) -> int:
+    """Bytes one token's cache takes in one layer: K and V of every KV head, or a latent layer's latent and rotary
+    key."""
+    numbers = spec.latent_rank + spec.rope_dim if spec.attention == "latent" else 2 * kv_heads * cfg.head_dim
+    return numbers * jnp.dtype(cfg.compute_dtype).itemsize
+
+
 POOL_AXES = ("heads", None, None, "kv")  # logical names: a tensor mesh splits each pool by KV heads
 
 
@@ -95,8 +117,8 @@ def window_blocks(window: int, page_size: int) -> int:
 def cache_bytes(cfg: ModelConfig, context: int, kv_heads: int, windows: bool = True) -> int:
     """Keys and values one sequence of `context` positions holds over every layer: a causal layer every position,
     a sliding one its window's alone (or, `windows` False, every position: what it would hold without them)."""
-    per_position = 2 * kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
-    return sum(per_position * (min(context, s.window) if s.window and windows else context) for s in layer_specs(cfg))
+    return sum(token_bytes(cfg, s, kv_heads) * (min(context, s.window) if s.window and windows else context)
+               for s in layer_specs(cfg))
 
 
 def position_limit(cfg: ModelConfig) -> int | None:
@@ -111,23 +133,30 @@ def max_context(cfg: ModelConfig) -> int:
 
 # ----------------------------------------------------------------------------- weights split per layer
 
-def _per_layer(layers: Params, cfg: ModelConfig, take: Callable) -> list[Params]:
-    """The stack as one entry per layer in execution order; `take(leaf, index)` picks a leaf's layer at the
-    leading `index` (a tuple: (layer,), or (group, block) for a mixture's dense blocks)."""
+def _per_layer(params: Params, cfg: ModelConfig, take: Callable) -> list[Params]:
+    """The layers as one entry each in execution order: a dense prefix's (models.contract.PREFIX), then the stack's;
+    `take(leaf, index)` picks a leaf's layer at the leading `index` (a tuple: (layer,), or (group, block) for a
+    mixture's dense blocks)."""
     pick = lambda tree, index: jax.tree.map(lambda a: take(a, index), tree)  # noqa: E731
+    layers = params[LAYERS]
+    out = [pick(params[PREFIX], (j,)) for j in range(moe.dense_prefix(cfg))]
     if not moe.is_moe(cfg):
-        return [pick(layers, (l,)) for l in range(cfg.n_layers)]
-    out = []
+        return out + [pick(layers, (l,)) for l in range(cfg.n_layers)]
     for g in range(moe.groups(cfg)):
         out += [pick(layers["dense"], (g, j)) for j in range(cfg.moe_every - 1)]
-        out.append(pick({k: layers[k] for k in ("moe", "router", "experts")}, (g,)))
+        out.append(pick({k: v for k, v in layers.items() if k != "dense"}, (g,)))
     return out
+
+
+def _top(params: Params) -> Params:
+    """The params outside the stack but a dense prefix's (its layers are blocks here)."""
+    return {k: v for k, v in top_params(params).items() if k != PREFIX}
 
 
 def unstack(params: Params, cfg: ModelConfig) -> Params:
     """The params as paged decoding takes them: {"top": the params outside the stack, "blocks": [one dict per
     layer]}. Run it jitted once (it copies every weight) with `unstacked_shardings` as out_shardings."""
-    return {"top": top_params(params), "blocks": _per_layer(params[LAYERS], cfg, lambda a, i: a[i])}
+    return {"top": _top(params), "blocks": _per_layer(params, cfg, lambda a, i: a[i])}
 
 
 def unstacked_shardings(shardings: Params, cfg: ModelConfig) -> Params:
@@ -135,7 +164,7 @@ def unstacked_shardings(shardings: Params, cfg: ModelConfig) -> Params:
     leading layer dimensions."""
     def take(s, index):
         return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*tuple(s.spec)[len(index):]))
-    return {"top": top_params(shardings), "blocks": _per_layer(shardings[LAYERS], cfg, take)}
+    return {"top": _top(shardings), "blocks": _per_layer(shardings, cfg, take)}
 
 
 # ----------------------------------------------------------------------------- attention over pages
@@ -148,14 +177,22 @@ class PagedAttend:
     def __init__(self, batch: Batch, k_pool: jax.Array, v_pool: jax.Array, group: int, window: int):
         self.batch, self.k_pool, self.v_pool, self.group, self.window = batch, k_pool, v_pool, group, window
 
-    def __call__(self, q_1xNxHxK, k_1xNxGxK, v_1xNxGxK):
+    def _slots(self) -> jax.Array:
+        """[N]: each token's slot in its layer's pool (page * page_size + offset; padding at the scratch page 0)."""
         b = self.batch
         tables_SxP = b.tables_CxSxP[self.group]
         page = self.k_pool.shape[2]
         real = b.slots_N >= 0
         slot = jnp.where(real, b.slots_N, 0)
         page_N = jnp.where(real, tables_SxP[slot, b.positions_N // page], 0)
-        flat_N = page_N * page + jnp.where(real, b.positions_N % page, 0)
+        return page_N * page + jnp.where(real, b.positions_N % page, 0)
+
+    def __call__(self, q_1xNxHxK, k_1xNxGxK, v_1xNxGxK):
+        b = self.batch
+        tables_SxP = b.tables_CxSxP[self.group]
+        real = b.slots_N >= 0
+        slot = jnp.where(real, b.slots_N, 0)
+        flat_N = self._slots()
         self.k_pool = _write(self.k_pool, flat_N, k_1xNxGxK[0])
         self.v_pool = _write(self.v_pool, flat_N, v_1xNxGxK[0])
         # Read inside a conditional that always runs (blocks >= 1): read directly, XLA's CPU backend fused the
@@ -167,25 +204,49 @@ class PagedAttend:
         return out[None].astype(q_1xNxHxK.dtype)
 
 
+class LatentAttend(PagedAttend):
+    """A latent layer's attend (models/contract.Attend): `latent(q_latent, q_rope, c, k_rope, scale)` writes the
+    tokens' latents c [1, N, R] and rotated keys k_rope [1, N, Kr] into the layer's one pool, then each query head
+    attends over its sequence's cached [c; k_rope] with [q_latent; q_rope] [1, N, H, R+Kr] (one KV head for all),
+    the scores times `scale`, and takes the probability-weighted latents: o [1, N, H, R]."""
+
+    def __call__(self, q, k, v):
+        raise TypeError("a latent layer's attention runs over its cached latents: call `latent`")
+
+    def latent(self, q_latent_1xNxHxR, q_rope_1xNxHxK, c_1xNxR, k_rope_1xNxK, scale: float):
+        b, R = self.batch, c_1xNxR.shape[-1]
+        self.k_pool = _write(self.k_pool, self._slots(), jnp.concatenate([c_1xNxR, k_rope_1xNxK], -1)[0][:, None])
+        q = jnp.concatenate([q_latent_1xNxHxR, q_rope_1xNxHxK.astype(q_latent_1xNxHxR.dtype)], -1)[0]
+        tables_SxP = b.tables_CxSxP[self.group]
+        attend = lambda *a: attend_pages(*a, window=self.window, scale=scale, value_width=R)  # noqa: E731
+        out = jax.lax.cond(b.blocks > 0, attend, lambda q, *_: q[..., :R].astype(jnp.float32), q, self.k_pool,
+                           None, tables_SxP[jnp.where(b.slots_N >= 0, b.slots_N, 0)], b.positions_N, b.blocks)
+        return out[None]
+
+
 def _write(pool_GxPxSxK: jax.Array, flat_N: jax.Array, new_NxGxK: jax.Array) -> jax.Array:
     G, P, S, K = pool_GxPxSxK.shape
     flat = pool_GxPxSxK.reshape(G, P * S, K)
     return flat.at[:, flat_N].set(jnp.swapaxes(new_NxGxK, 0, 1).astype(flat.dtype)).reshape(pool_GxPxSxK.shape)
 
 
-def attend_pages(q_NxHxK: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages_NxP: jax.Array,
-                 positions_N: jax.Array, blocks: jax.Array, window: int = 0) -> jax.Array:
+def attend_pages(q_NxHxK: jax.Array, k_pool: jax.Array, v_pool: jax.Array | None, pages_NxP: jax.Array,
+                 positions_N: jax.Array, blocks: jax.Array, window: int = 0, scale: float | None = None,
+                 value_width: int = 0) -> jax.Array:
     """Each token's causal attention over its own sequence's pages (`pages_NxP`, its row of the page tables), in
     float32: an online softmax over `blocks` blocks of block_pages pages, each gathered from the pool as it is
     read (FlashAttention's running max and sum, over pages rather than tiles). With a `window`, each token's blocks
     start at the one holding the first position it sees and are no more than `window_blocks`: a sliding layer
     reads its window alone, whatever the sequence's length, and never the pages given back before it. Out
-    [N, H, K]."""
+    [N, H, K]. Scores are scaled by K^-1/2 or `scale`; without `v_pool` the values are the keys' first
+    `value_width` dimensions (a latent layer's cached latents), out [N, H, value_width]."""
     N, H, K = q_NxHxK.shape
     G, page = k_pool.shape[0], k_pool.shape[2]
     R, bp = H // G, block_pages(page)
     width = bp * page
-    q = jnp.swapaxes((q_NxHxK.reshape(N, G, R, K) * K ** -0.5).astype(jnp.float32), 0, 1)  # [G, N, R, K]
+    q = q_NxHxK.reshape(N, G, R, K) * (K ** -0.5 if scale is None else scale)
+    q = jnp.swapaxes(q.astype(jnp.float32), 0, 1)  # [G, N, R, K]
+    V = K if v_pool is not None else value_width
     first_N = jnp.maximum(positions_N - window + 1, 0) // width if window else None  # each token's first block
 
     def block(i, carry):
@@ -200,7 +261,7 @@ def attend_pages(q_NxHxK: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages
             pages = jax.lax.dynamic_slice_in_dim(pages_NxP, i * bp, bp, axis=1)
             seen = (i * width + jnp.arange(width))[None, :] <= positions_N[:, None]
         keys = k_pool[:, pages].reshape(G, N, width, K).astype(jnp.float32)
-        values = v_pool[:, pages].reshape(G, N, width, K).astype(jnp.float32)
+        values = keys[..., :V] if v_pool is None else v_pool[:, pages].reshape(G, N, width, K).astype(jnp.float32)
         scores = jnp.einsum("gnrk,gnck->gnrc", q, keys)
         scores = jnp.where(seen[None, :, None, :], scores, -jnp.inf)
         new_top = jnp.maximum(top, scores.max(axis=-1))  # finite: a token's first block holds its first key
@@ -210,9 +271,9 @@ def attend_pages(q_NxHxK: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages
                 acc * rescale[..., None] + jnp.einsum("gnrc,gnck->gnrk", probs, values))
 
     count = jnp.minimum(blocks, window_blocks(window, page)) if window else blocks
-    init = (jnp.full((G, N, R), -jnp.inf), jnp.zeros((G, N, R)), jnp.zeros((G, N, R, K)))
+    init = (jnp.full((G, N, R), -jnp.inf), jnp.zeros((G, N, R)), jnp.zeros((G, N, R, V)))
     _, total, acc = jax.lax.fori_loop(0, count, block, init)
-    return jnp.swapaxes(acc / total[..., None], 0, 1).reshape(N, H, K)
+    return jnp.swapaxes(acc / total[..., None], 0, 1).reshape(N, H, V)
 
 
 # ----------------------------------------------------------------------------- the stack
@@ -230,7 +291,8 @@ def decode(weights: Params, batch: Batch, pools: dict[str, list[jax.Array]], cfg
     ks, vs = [], []
     for layer, p in enumerate(weights["blocks"]):
         spec = specs[layer]
-        attend = PagedAttend(batch, pools["k"][layer], pools["v"][layer], group_of[layer], spec.window)
+        kind = LatentAttend if spec.attention == "latent" else PagedAttend
+        attend = kind(batch, pools["k"][layer], pools["v"][layer], group_of[layer], spec.window)
         rotate = rotation(spec.rope, spec.rope_dim, positions)
         if spec.mlp == "experts":
             x = expert_layer(block, p, x, rotate, attend, cfg, hooks)
@@ -251,5 +313,5 @@ def expert_layer(block: Block, p: Params, x, rotate: Rotate, attend: Attend, cfg
     # over the batch axes as a mesh splitting the experts needs (sharding/experts.py).
     h = block.mlp_input(layer, x)
     whole = dataclasses.replace(cfg, capacity_factor=0.0)
-    y, _ = moe.moe_mlp(p["router"], p["experts"], h.reshape(-1, 1, h.shape[-1]), whole, hooks, block.expert_mlp)
+    y, _ = moe.mixture_mlp(p, h.reshape(-1, 1, h.shape[-1]), whole, hooks, block)
     return x + block.mlp_output(layer, y.reshape(x.shape))

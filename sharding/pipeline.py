@@ -208,7 +208,7 @@ class StageProgram:
         p, v = schedule.stages, schedule.virtual_stages
         sizes = axis_sizes(mesh)
         assert sizes[PIPELINE] == p, (sizes, p)
-        assert p * v >= 2 and cfg.n_layers % (p * v) == 0, (cfg.n_layers, p, v)
+        assert p * v >= 2 and models.stack_length(cfg) % (p * v) == 0, (models.stack_length(cfg), p, v)
         self.cfg, self.train, self.v, self.m = cfg, train, v, schedule.microbatches
         # Each stage's chunks' logical layers, which a model of several attention kinds reads its LayerSpecs by
         # (models/stack.py), whatever the schedule's layer order.

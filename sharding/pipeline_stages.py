@@ -136,14 +136,29 @@ class Cells:
 
     def last(self, chunk: Any, top: Any, x: jax.Array, tokens: jax.Array,
              ids: jax.Array | None) -> tuple[jax.Array, jax.Array, dict]:
-        """(objective: loss + the chunk's aux loss, the language-model loss, the chunk's metrics)."""
+        """(objective: what the head adds (the loss, or more: models.contract.HeadLoss) + the chunk's aux loss, the
+        language-model loss, the chunk's metrics and the head's beside its loss)."""
         y, aux, metrics = self.layers(chunk, x, tokens, ids)
         _, targets, mask = self.rows(tokens)
-        loss, _ = self.family.forward.head_loss(top, y, targets, self.cfg, self.constrain, mask)
-        return loss + aux, loss, metrics
+        objective, head = self.family.forward.head_loss(top, y, targets, self.cfg, self.constrain, mask)
+        loss = head.get("loss", objective)
+        return objective + aux, loss, {**metrics, **{k: v for k, v in head.items() if k != "loss"}}
 
-    def logged(self, loss: jax.Array, metrics: dict) -> dict[str, jax.Array]:
-        return make_varying({"loss": jnp.asarray(loss, jnp.float32), **metrics}, self.manual)
+    def head_zeros(self, top: Any, x: jax.Array, tokens: jax.Array) -> dict[str, jax.Array]:
+        """Zeros shaped as what the head logs beside its loss (DeepSeek's mtp_loss; usually nothing), which every
+        cell's log carries (the switch's branches share one output type); traced abstractly, nothing runs."""
+        def head(t, x, tok):
+            _, targets, mask = self.rows(tok)
+            return self.family.forward.head_loss(t, x, targets, self.cfg, self.constrain, mask)[1]
+        shapes = jax.eval_shape(head, top, x, tokens)
+        return {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items() if k != "loss"}
+
+    def logged(self, loss: jax.Array, metrics: dict, top: Any = None, x: jax.Array | None = None,
+               tokens: jax.Array | None = None) -> dict[str, jax.Array]:
+        """What a forward cell logs; `top`, `x` and `tokens` given, the head's metrics are added as zeros (a cell
+        other than the last's forward)."""
+        head = {} if top is None else self.head_zeros(top, x, tokens)
+        return make_varying({"loss": jnp.asarray(loss, jnp.float32), **metrics, **head}, self.manual)
 
     def seed(self, tokens: jax.Array) -> jax.Array:
         """The cotangent of a cell's loss: this microbatch's share of the mean loss."""
@@ -155,17 +170,18 @@ class Cells:
     def idle(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, _, ids = ops
         zeros = self.zeros(x_in), self.zeros(x_in), self.zeros(chunk), self.zeros(top)
-        return *zeros, self._no_log(chunk, x_in, tokens, ids)
+        return *zeros, self._no_log(chunk, top, x_in, tokens, ids)
 
     def fwd_first(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, _, ids = ops
         y, _, metrics = self.first(chunk, top, tokens, ids)
-        return y.astype(self.cdt), self.zeros(x_in), self.zeros(chunk), self.zeros(top), self.logged(0.0, metrics)
+        return (y.astype(self.cdt), self.zeros(x_in), self.zeros(chunk), self.zeros(top),
+                self.logged(0.0, metrics, top, x_in, tokens))
 
     def fwd_mid(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, _, ids = ops
         y, _, metrics = self.mid(chunk, x_in, tokens, ids)
-        return y, self.zeros(x_in), self.zeros(chunk), self.zeros(top), self.logged(0.0, metrics)
+        return y, self.zeros(x_in), self.zeros(chunk), self.zeros(top), self.logged(0.0, metrics, top, x_in, tokens)
 
     def fwd_last(self, ops: Operands) -> Outputs:
         """The loss is read here; the backward recomputes it."""
@@ -177,19 +193,19 @@ class Cells:
         chunk, top, tokens, x_in, g_in, ids = ops
         _, pullback = jax.vjp(lambda c, t: self.first(c, t, tokens, ids)[:2], chunk, top)
         g_chunk, g_top = pullback((g_in, self.seed(tokens)))
-        return self.zeros(x_in), self.zeros(x_in), g_chunk, g_top, self._no_log(chunk, x_in, tokens, ids)
+        return self.zeros(x_in), self.zeros(x_in), g_chunk, g_top, self._no_log(chunk, top, x_in, tokens, ids)
 
     def bwd_mid(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, g_in, ids = ops
         _, pullback = jax.vjp(lambda c, x: self.mid(c, x, tokens, ids)[:2], chunk, x_in)
         g_chunk, g_x = pullback((g_in, self.seed(tokens)))
-        return self.zeros(x_in), g_x, g_chunk, self.zeros(top), self._no_log(chunk, x_in, tokens, ids)
+        return self.zeros(x_in), g_x, g_chunk, self.zeros(top), self._no_log(chunk, top, x_in, tokens, ids)
 
     def bwd_last(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, _, ids = ops
         _, pullback = jax.vjp(lambda c, t, x: self.last(c, t, x, tokens, ids)[0], chunk, top, x_in)
         g_chunk, g_top, g_x = pullback(self.seed(tokens))
-        return self.zeros(x_in), g_x, g_chunk, g_top, self._no_log(chunk, x_in, tokens, ids)
+        return self.zeros(x_in), g_x, g_chunk, g_top, self._no_log(chunk, top, x_in, tokens, ids)
 
     # --------------------------------------------------------------------- the split backward (zero-bubble)
     # Qi et al. 2023: B differentiates with respect to the chunk's input only, so the previous stage gets its
@@ -204,28 +220,30 @@ class Cells:
         chunk, top, tokens, x_in, g_in, ids = ops
         _, pullback = jax.vjp(lambda x: self.mid(chunk, x, tokens, ids)[:2], x_in)
         (g_x,) = pullback((g_in, self.seed(tokens)))
-        return self.zeros(x_in), g_x, self.zeros(chunk), self.zeros(top), self._no_log(chunk, x_in, tokens, ids)
+        return self.zeros(x_in), g_x, self.zeros(chunk), self.zeros(top), self._no_log(chunk, top, x_in, tokens, ids)
 
     def input_last(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, _, ids = ops
         _, pullback = jax.vjp(lambda x: self.last(chunk, top, x, tokens, ids)[0], x_in)
         (g_x,) = pullback(self.seed(tokens))
-        return self.zeros(x_in), g_x, self.zeros(chunk), self.zeros(top), self._no_log(chunk, x_in, tokens, ids)
+        return self.zeros(x_in), g_x, self.zeros(chunk), self.zeros(top), self._no_log(chunk, top, x_in, tokens, ids)
 
     def weight_mid(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, g_in, ids = ops
         _, pullback = jax.vjp(lambda c: self.mid(c, x_in, tokens, ids)[:2], chunk)
         (g_chunk,) = pullback((g_in, self.seed(tokens)))
-        return self.zeros(x_in), self.zeros(x_in), g_chunk, self.zeros(top), self._no_log(chunk, x_in, tokens, ids)
+        return self.zeros(x_in), self.zeros(x_in), g_chunk, self.zeros(top), self._no_log(chunk, top, x_in, tokens, ids)
 
     def weight_last(self, ops: Operands) -> Outputs:
         chunk, top, tokens, x_in, _, ids = ops
         _, pullback = jax.vjp(lambda c, t: self.last(c, t, x_in, tokens, ids)[0], chunk, top)
         g_chunk, g_top = pullback(self.seed(tokens))
-        return self.zeros(x_in), self.zeros(x_in), g_chunk, g_top, self._no_log(chunk, x_in, tokens, ids)
+        return self.zeros(x_in), self.zeros(x_in), g_chunk, g_top, self._no_log(chunk, top, x_in, tokens, ids)
 
-    def _no_log(self, chunk: Any, x_in: jax.Array, tokens: jax.Array, ids: jax.Array | None) -> dict[str, jax.Array]:
+    def _no_log(self, chunk: Any, top: Any, x_in: jax.Array, tokens: jax.Array,
+                ids: jax.Array | None) -> dict[str, jax.Array]:
         """What a cell that logs nothing logs: zeros shaped as a forward cell's log (the switch's branches share
         one output type), the layers traced abstractly, so nothing of them runs."""
-        shapes = jax.eval_shape(lambda c, x, t, i: self.logged(0.0, self.mid(c, x, t, i)[2]), chunk, x_in, tokens, ids)
+        shapes = jax.eval_shape(lambda c, top, x, t, i: self.logged(0.0, self.mid(c, x, t, i)[2], top, x, t), chunk,
+                                top, x_in, tokens, ids)
         return self.zeros(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))

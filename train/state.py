@@ -14,17 +14,19 @@ from jax.sharding import PartitionSpec as P
 
 import models
 from mesh.layout import axis_sizes
-from models import lora
+from models import lora, moe
 from sharding import specs as sharding_specs
 from train.config.experiment import Plan
 
 State = dict[str, Any]
 
 
-def make_optimizer(opt_cfg: Any, decay_steps: int,
-                   adapters_only: bool = False) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(opt_cfg: Any, decay_steps: int, adapters_only: bool = False,
+                   bias_update_speed: float | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with linear warmup and cosine decay, after global-norm clipping. Norm scales are not decayed.
-    `adapters_only` (LoRA): only the adapters get AdamW; every other parameter gets a zero update and no state."""
+    `adapters_only` (LoRA): only the adapters get AdamW; every other parameter gets a zero update and no state.
+    `bias_update_speed` (a model with DeepSeek's balancing biases, models/moe.py): the biases get no AdamW and move
+    by `balance_update` instead, the others' clipping and norms computed without them."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=opt_cfg.lr, warmup_steps=opt_cfg.warmup_steps,
         decay_steps=decay_steps, end_value=opt_cfg.lr * opt_cfg.min_lr_ratio)
@@ -33,11 +35,27 @@ def make_optimizer(opt_cfg: Any, decay_steps: int,
     adamw = optax.adamw(schedule, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
                         weight_decay=opt_cfg.weight_decay, mask=decay_mask)
     chain = optax.chain(*([optax.clip_by_global_norm(opt_cfg.clip_norm)] if opt_cfg.clip_norm else []), adamw)
-    if not adapters_only:
+    if adapters_only:
+        labels = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
+            lambda path, _: "adapter" if lora.is_adapter(path) else "frozen", params)
+        chain = optax.multi_transform({"adapter": chain, "frozen": optax.set_to_zero()}, labels)
+    if bias_update_speed is None:
         return chain, schedule
-    labels = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
-        lambda path, _: "adapter" if lora.is_adapter(path) else "frozen", params)
-    return optax.multi_transform({"adapter": chain, "frozen": optax.set_to_zero()}, labels), schedule
+    biases = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, _: "bias" if moe.is_bias(path) else "trained", params)
+    return optax.multi_transform({"trained": chain, "bias": balance_update(bias_update_speed)}, biases), schedule
+
+
+def balance_update(speed: float) -> optax.GradientTransformation:
+    """DeepSeek-V3's auxiliary-loss-free balancing (Wang et al. 2024; DeepSeek-V3 section 2.1.2): after each step
+    every expert's bias moves by `speed` toward balance, down for an expert that took more than the layer's mean load
+    and up for one that took less (b += speed x sign(mean load - load)). What reaches it in place of a gradient is
+    the step's load of each expert [..., E] (models/moe.balance_tap), summed or averaged over microbatches and
+    replicas: any positive scale, which the sign ignores. 0 freezes the biases."""
+    def update(loads, state, params=None):
+        del params
+        return jax.tree.map(lambda load: speed * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load), loads), state
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,7 +98,7 @@ def make_train_step(loss_and_grad: LossAndGrad, tx: optax.GradientTransformation
         loss = values.pop("loss", loss)
         # Pin gradients to the parameters' layout: under FSDP this makes the reduction a reduce-scatter.
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = optax.tree.norm(models.moe.without_bias(grads))  # a balancing bias's entry holds its load
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), **values}

@@ -43,7 +43,8 @@ class Trainer:
         tokens = data_lib.load(plan.data, plan.model.vocab_size, plan.model.seq_len + 1, plan.data.files)
         placed = placed_lib.of_plan(plan, num_devices)
         mesh = placed.mesh
-        tx, schedule = state_lib.make_optimizer(plan.optimizer, plan.decay_steps, lora.enabled(plan.model))
+        tx, schedule = state_lib.make_optimizer(plan.optimizer, plan.decay_steps, lora.enabled(plan.model),
+                                                models.moe.bias_update_speed(plan.model))
         layout = state_lib.plan_layout(plan, mesh, tx, plan.shard_opt_state, placed.layout)
         if plan.pipeline:
             table = plan.pipeline.build()

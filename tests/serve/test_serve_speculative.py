@@ -148,7 +148,7 @@ def test_the_planner_guesses_while_they_pay():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"speculative": "mtp"}, "serve.speculative=mtp: needs a model with multi-token-prediction modules"),
+    ({"speculative": "mtp"}, "serve.speculative=mtp: drafting with a model's multi-token-prediction modules"),
     ({"speculative": "draft"}, "serve.draft='': give the draft model of serve.speculative=draft"),
     ({"speculative": "ngram", "ngram_min": 5}, "serve.ngram_min=5: must be <= serve.ngram_max=4"),
 ])

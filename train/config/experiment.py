@@ -97,9 +97,14 @@ def _pipeline(section: Any, model: models.ModelConfig, mesh_sizes: dict[str, int
     if p == 1:
         return None
     schedules.check_config(name, p, m, v)
-    if model.n_layers % (p * v):
+    prefix = models.moe.dense_prefix(model)
+    if not prefix and model.n_layers % (p * v):
         raise ConfigError(f"model.n_layers={model.n_layers} is not divisible by mesh.pipeline={p} x "
                           f"pipeline.virtual_stages={v}; change the layer count or the pipeline shape")
+    if prefix and models.stack_length(model) % (p * v):  # the dense prefix runs with the embedding (models/deepseek.py)
+        raise ConfigError(f"model.n_layers={model.n_layers} - model.first_k_dense_replace={prefix} mixture layers are "
+                          f"not divisible by mesh.pipeline={p} x pipeline.virtual_stages={v}; change the layer counts "
+                          f"or the pipeline shape")
     if models.stack_length(model) % (p * v):
         raise ConfigError(f"model.n_layers={model.n_layers} / model.moe_every={model.moe_every} groups are not "
                           f"divisible by mesh.pipeline={p} x pipeline.virtual_stages={v}; change the layer count, "
@@ -150,6 +155,10 @@ def _check_experts(model: models.ModelConfig, rules: dict, mesh_sizes: dict[str,
         return
     context = mesh_sizes.get("context", 1)
     replicas = math.prod(mesh_sizes[a] for a in rules.get("batch", ()) if a in mesh_sizes)
+    if context > 1 and mesh_sizes.get("pipeline", 1) > 1 and models.contract.head_reads_ahead(model):
+        raise ConfigError(f"model.mtp_loss_weight={model.mtp_loss_weight} with mesh.context={context} inside a "
+                          f"pipeline: multi-token prediction reads the next positions' tokens, which a stage's "
+                          f"context slice does not hold; set model.mtp_loss_weight=0 or mesh.context=1")
     if context > 1 and (rows // replicas) % context:
         raise ConfigError(f"mesh.context={context} with model.n_experts={model.n_experts}: the mixture splits each "
                           f"device's {rows // replicas} rows over context; make them a multiple of {context} "

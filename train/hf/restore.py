@@ -124,17 +124,17 @@ def read_params(spec: str, cfg: models.ModelConfig, target: Any, order: np.ndarr
     stack in `order` (None: logical order), each device reading only its slices."""
     tensors = check_model(spec, cfg)
     read, adapter = tensors.__getitem__, models.family_of(cfg).hf
-    order = order if order is not None else np.arange(cfg.n_layers)
+    order = order if order is not None else np.arange(models.stack_length(cfg))
 
     def leaf(path, sds):
         keys = [k.key for k in path]
 
         def piece(index):
             if keys[0] == models.LAYERS:
-                rows = [int(order[j]) for j in range(cfg.n_layers)[index[0]]]
+                rows = [int(order[j]) for j in range(models.stack_length(cfg))[index[0]]]
                 arr = np.stack([adapter.layer_from_hf(read, "/".join(keys[1:]), i, cfg, index[1:]) for i in rows])
-            else:
-                arr = adapter.top_from_hf(read, keys[0], cfg, index)
+            else:  # a nested top entry (a dense prefix's layers) named by its path, as a stack's leaves are
+                arr = adapter.top_from_hf(read, "/".join(keys), cfg, index)
             return np.asarray(arr, dtype=sds.dtype)
         return jax.make_array_from_callback(sds.shape, sds.sharding, piece)
 

@@ -106,18 +106,23 @@ def predict(cfg: models.ModelConfig, c: Candidate, global_batch: int, donated: b
     if p > 1:
         table = schedule_table(c.schedule, p, c.microbatches, c.virtual_stages)
         in_flight = int(max(schedules.max_in_flight(table)))
-        chunk_layers = cfg.n_layers // (p * c.virtual_stages)
+        # A dense prefix held outside the stack runs on the first stage with its chunk (models/deepseek.py).
+        prefix = models.moe.dense_prefix(cfg)
+        chunk_layers = (cfg.n_layers - prefix) // (p * c.virtual_stages) + prefix
         activations = in_flight * tokens * cfg.d_model * b / (t if sp else 1) + chunk_layers * layer
     else:
         activations = cfg.n_layers * layer
-    logits = 2 * tokens * cfg.vocab_size / t * 4  # float32 logits and their gradient
+    ahead = models.contract.head_reads_ahead(cfg)  # multi-token prediction: a block and a head per depth
+    activations += ahead * layer
+    logits = (1 + ahead) * 2 * tokens * cfg.vocab_size / t * 4  # float32 logits and their gradient
     slots, gradients = expert_buffer_bytes(cfg, c, global_batch)
     kept = 0.0 if c.remat == "full" else slots  # full remat keeps layer inputs only
     if c.remat == "none":
         kept += pinned_weight_bytes(cfg, c)
     parts = {"params": params, "optimizer_state": moments, "gradients": grads, "outputs": outputs,
              "batch": batch, "activations": activations + kept,
-             "temporaries": working + logits + gradients + gathered_kv_bytes(cfg, c, tokens)}
+             "temporaries": (working + logits + gradients + gathered_kv_bytes(cfg, c, tokens)
+                             + pipeline_gathered_bytes(cfg, c))}
     parts["total"] = sum(parts.values())
     return parts
 
@@ -136,6 +141,20 @@ def pinned_weight_bytes(cfg: models.ModelConfig, c: Candidate) -> float:
     return sum(math.prod(leaf.shape) * leaf.dtype.itemsize / _ways(sharding_specs.without_axis(spec, "fsdp"), sizes)
                for (path, leaf), spec in zip(leaves, pspecs)
                if "fsdp" in sharding_specs.spec_axes(spec) and "experts" not in jax.tree_util.keystr(path))
+
+
+@functools.lru_cache(maxsize=4096)
+def pipeline_gathered_bytes(cfg: models.ModelConfig, c: Candidate) -> float:
+    """FSDP inside a pipeline: every device gathers its stage's weights (and the top's) whole over `fsdp` once per
+    step and accumulates their gradients unscattered until the step's one reduce-scatter (sharding/pipeline.py,
+    StageProgram), both still split over pipeline, expert and tensor. 0 elsewhere."""
+    if c.sizes["pipeline"] == 1 or c.sizes["fsdp"] == 1:
+        return 0.0
+    abstract, specs, _ = layout_specs(cfg, c.mesh, c.sequence_parallel)
+    pspecs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return 2 * sum(math.prod(leaf.shape) * leaf.dtype.itemsize / _ways(sharding_specs.without_axis(spec, "fsdp"),
+                                                                       c.sizes)
+                   for leaf, spec in zip(jax.tree.leaves(abstract), pspecs))
 
 
 def gathered_kv_bytes(cfg: models.ModelConfig, c: Candidate, tokens: float) -> float:

@@ -104,6 +104,7 @@ class Engine(ServingEngine):
         self.runner = ModelRunner(placed, settings, max_context, 1 + speculative_tokens(settings))
         self.placed, self.settings, self.cfg = self.runner.placed, settings, self.runner.cfg
         self.max_context, self.num_pages = self.runner.max_context, sum(self.runner.group_pages)
+        self.kv_bytes_per_token = self.runner.kv_bytes_per_token  # every layer's cache of one token (/metrics)
         self.kv = KVCacheManager(self.runner.group_pages, self.runner.windows, settings.page_size,
                                  settings.prefix_cache)
         self.scheduler = Scheduler(self.kv, settings)

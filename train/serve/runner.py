@@ -53,10 +53,13 @@ def seq_step_tokens(s: ServeSection) -> int:
     return max(s.prefill_chunk, 1 + speculative_tokens(s))
 
 
-def page_bytes(cfg: models.ModelConfig, kv_heads: int, page_size: int, layers: int | None = None) -> int:
-    """A page of keys and values over `layers` layers (default every one)."""
-    n = cfg.n_layers if layers is None else layers
-    return 2 * n * page_size * kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
+def page_bytes(cfg: models.ModelConfig, kv_heads: int, page_size: int, layers=None, tensor: int = 1) -> int:
+    """A page of the cache of `layers` (layer ids; default every one) on one device: keys and values split over
+    `tensor` by heads, a latent layer's latents and rotary keys whole (models/paged.token_bytes)."""
+    specs = models.layer_specs(cfg)
+    return page_size * sum(paged.token_bytes(cfg, specs[i], kv_heads) // (1 if specs[i].attention == "latent" else
+                                                                           tensor)
+                           for i in (range(cfg.n_layers) if layers is None else layers))
 
 
 def group_pages_per_seq(group: paged.CacheGroup, s: ServeSection, pages_per_seq: int) -> int:
@@ -90,7 +93,7 @@ def pool_pages(placed: Placed, s: ServeSection, kv_heads: int, pages_per_seq: in
     if s.kv_pages:
         return [s.kv_pages] * len(groups)
     tensor = placed.mesh.shape.get("tensor", 1)
-    each = [page_bytes(placed.model, kv_heads, s.page_size, len(g.layers)) // tensor for g in groups]
+    each = [page_bytes(placed.model, kv_heads, s.page_size, g.layers, tensor) for g in groups]
     wanted = [CPU_SEQS_OF_PAGES * s.max_num_seqs * group_pages_per_seq(g, s, pages_per_seq) + 1 for g in groups]
     device = placed.mesh.devices.flat[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
@@ -125,6 +128,7 @@ class ModelRunner:
         # The stacked params stay the caller's: the runner decodes on its own per-layer copy (self.weights).
         self.placed, self.settings, self.cfg = dataclasses.replace(placed, params=None), settings, cfg
         kv_heads = family.parallel.kv_heads(cfg)
+        self.kv_bytes_per_token = page_bytes(cfg, kv_heads, 1)  # every layer's cache of one token, whole
         ps = settings.page_size
         context = max_context or paged.max_context(cfg)
         check_pool(cfg, settings, context)
@@ -147,17 +151,19 @@ class ModelRunner:
     def windows(self) -> list[int]:
         return [g.window for g in self.groups]
 
-    def _empty_pool(self, kv_heads: int) -> dict[str, list[jax.Array]]:
-        """One K and one V pool per layer (models/paged.py), its group's pages, split over `tensor` by KV heads."""
+    def _empty_pool(self, kv_heads: int) -> dict[str, list[jax.Array | None]]:
+        """One K and one V pool per layer (models/paged.py), its group's pages, split over `tensor` by KV heads; a
+        latent layer's K pool holds its latents and rotary keys whole, and it has no V pool (None)."""
         pages = {layer: n for g, n in zip(self.groups, self.group_pages) for layer in g.layers}
-        shapes = [paged.pool_shape(self.cfg, kv_heads, pages[layer], self.settings.page_size)
-                  for layer in range(self.cfg.n_layers)]
+        specs = models.layer_specs(self.cfg)
+        shapes = {n: [paged.pool_shapes(self.cfg, specs[layer], kv_heads, pages[layer], self.settings.page_size)[n]
+                      for layer in range(self.cfg.n_layers)] for n in ("k", "v")}
         mesh = self.placed.mesh
-        spec = sharding_specs.mesh_spec(P(*paged.POOL_AXES), self.placed.layout.rules, shapes[0], dict(mesh.shape))
+        place = lambda shape: NamedSharding(mesh, sharding_specs.mesh_spec(  # noqa: E731
+            P(*paged.POOL_AXES), self.placed.layout.rules, shape, dict(mesh.shape)))
         dtype = jnp.dtype(self.cfg.compute_dtype)
-        zeros = jax.jit(lambda: {n: [jnp.zeros(shape, dtype) for shape in shapes] for n in ("k", "v")},
-                        out_shardings=NamedSharding(mesh, spec))
-        return zeros()
+        each = lambda f: {n: [None if x is None else f(x) for x in shapes[n]] for n in shapes}  # noqa: E731
+        return jax.jit(lambda: each(lambda shape: jnp.zeros(shape, dtype)), out_shardings=each(place))()
 
     def weight_shardings(self):
         """The per-layer weights' shardings (models/paged.unstacked_shardings): what `update_weights` takes."""

@@ -53,6 +53,9 @@ class Metrics:
                                "(causal, or sliding_<window>).", ("kind",))
         self.kind_free = gauge("serve_kv_pages_free_by_kind", "KV-cache pages free or idle, by cache kind.", ("kind",))
         self.hit_rate = gauge("serve_prefix_cache_hit_rate", "Prefix-cache hits per full prompt page looked up.")
+        engine = getattr(served.engine, "engines", [served.engine])[0]  # every replica's is the same
+        gauge("serve_kv_bytes_per_token", "KV-cache bytes one token holds over every layer (a latent layer's "
+              "latent and rotary key).").set(engine.kv_bytes_per_token)
         counter = functools.partial(prom.Counter, registry=self.registry)
         self.tokens = counter("serve_generation_tokens", "Tokens generated.")  # exposed as ..._total
         self.prompt_tokens = counter("serve_prompt_tokens", "Prompt tokens prefilled.")

@@ -30,8 +30,9 @@ def check_settings(s: ServeSection, cfg, draft_given: bool = False) -> None:
     """One-line errors for speculation settings that cannot work, before anything loads (`draft_given`: the
     draft model is at hand, serve.draft is not read)."""
     if s.speculative == "mtp":
-        raise ConfigError(f"serve.speculative=mtp: needs a model with multi-token-prediction modules, which "
-                          f"model.family={cfg.family} has none of; use serve.speculative=ngram or draft")
+        raise ConfigError(f"serve.speculative=mtp: drafting with a model's multi-token-prediction modules "
+                          f"(DeepSeek-V3's model.num_nextn_predict_layers) is not built yet (model.family="
+                          f"{cfg.family}); use serve.speculative=ngram or draft")
     if s.ngram_min > s.ngram_max:
         raise ConfigError(f"serve.ngram_min={s.ngram_min}: must be <= serve.ngram_max={s.ngram_max}")
     if s.speculative == "draft" and not draft_given:
