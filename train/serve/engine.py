@@ -170,6 +170,25 @@ class Engine:
                         out_shardings=NamedSharding(mesh, spec))
         return zeros()
 
+    def load_weights(self, weights) -> None:
+        """Swap in new per-layer weights (`unstack`'s layout, in this engine's shardings: what `_unstacked` made),
+        e.g. a trainer's newest policy; the step reads them from the next launch on, nothing is compiled again.
+        Cached prefixes were computed with the old weights: `reset_prefix_cache` before the next requests."""
+        old = jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), self.weights)
+        new = jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), weights)
+        assert old == new, "load_weights takes the engine's own layout (shapes, dtypes, shardings)"
+        self.weights = weights
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (their keys and values came from weights since replaced); the engine must be
+        idle. Its pages and slots start over as a new engine's, so what follows does not depend on what ran before."""
+        assert not self.has_work(), "reset_prefix_cache needs an idle engine"
+        counts = {k: getattr(self.scheduler, k) for k in ("prefix_hits", "prefix_queries", "prefill_tokens",
+                                                          "preemptions")}
+        self.pages = [Pages(n) for n in self.group_pages]
+        self.scheduler = Scheduler(self.pages, [g.window for g in self.groups], self.settings)
+        vars(self.scheduler).update(counts)  # stats() keeps counting across resets
+
     def _unstacked(self, placed: Placed):
         """The params split per layer in their shardings (models/paged.unstack), what every step reads."""
         out = paged.unstacked_shardings(placed.layout.params, self.cfg)
