@@ -113,6 +113,7 @@ def test_imports_flow_downward():
 # train/'s own parts, highest first: a part imports only parts below it. The entry points (`python -m train.X`)
 # stand on top; the exit statuses and the command line's error mapping at the bottom, where every part reads them.
 TRAIN_ORDER = (
+    "rl",          # reinforcement learning: the training command's start-up and loop with a trainer of its own
     "__main__", "launch", "plan", "prepare", "sample", "export_hf", "config_reference",  # entry points
     "eval",        # lm-evaluation-harness on a placed model (its command too)
     "loop",        # the training loop: scheduler, actions, saver, resume
