@@ -97,7 +97,7 @@ class Actor:
         stacked = self.sync.stacked(params)
         self.engines = [Engine.build(p, trainer.plan.serve, trainer.model.seq_len)
                         for p in trainer.engine_placements(stacked)]
-        self.version = version
+        self.bring_to(params, version)  # compiles the sync now: no step after the first compiles anything
 
     def bring_to(self, params: Any, version: int) -> float:
         """Sync `params` (the policy after `version` updates) into the engines; the seconds spent waiting for them."""
