@@ -14,17 +14,21 @@ TEST_WORKERS ?= 2
 
 install: $(STAMP)
 
+# pip's own progress (each package collected, downloaded and installed) shows what the first minute is spent on.
 $(STAMP): pyproject.toml
+	@echo "make: installing the project and its dependencies into $(VENV) (once; about a minute on a fresh clone)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,parquet,plots,wandb,data,chat]'
+	$(PY) -m pip install -e '.[test,parquet,plots,wandb,data,chat]'
 	touch $(STAMP)
+	@echo "make: installed; $(VENV)/bin/python runs the project"
 
 train: $(STAMP)
 	$(PY) -m train --config=experiments/default.py --workdir=$(WORKDIR)
 
 # The tests compare against transformers and run lm-evaluation-harness: `make test` adds the hf and eval extras.
 $(HF_STAMP): $(STAMP)
+	@echo "make: adding the hf, eval and serve extras the tests use (torch among them: a few minutes, once)"
 	$(PY) -m pip install --quiet -e '.[test,parquet,plots,wandb,data,chat,hf,eval,serve]'
 	touch $(HF_STAMP)
 

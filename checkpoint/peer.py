@@ -12,6 +12,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mesh.numbers import ceil_div
+
 AXES = ("process", "device")
 _HEADER = 8  # bytes: the length of the JSON header that leads a packed blob
 
@@ -57,7 +59,7 @@ def send(blob: np.ndarray, toward: int) -> tuple[jax.Array, int]:
     mesh = ring_mesh()
     d = mesh.shape["device"]
     longest = int(np.max(multihost_utils.process_allgather(np.int64(blob.size))))
-    width = -(-max(longest, 1) // d)
+    width = ceil_div(max(longest, 1), d)
     padded = np.zeros(width * d, np.uint8)
     padded[:blob.size] = blob
     row = jax.process_index()

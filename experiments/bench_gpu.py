@@ -25,10 +25,10 @@ from checkpoint import format as ckpt_format
 from checkpoint import manager as ckpt_manager
 from models import attention
 from train import exit_codes
-from train.config import base_config
+from train.config.experiment import base_config
 from train.loop import runner as loop
 from train.loop.saver import describe_run
-from train.planner import compile_report as report
+from train.plan import compile_report as report
 from train.runtime import hardware, xla_env
 from train.trainer import Trainer
 

@@ -13,15 +13,17 @@ import time
 import jax
 from absl import flags
 
+import models
 from mesh import (
     bench,  # defines --num_cpu_devices (and the sweep's flags), shared here
     cost,
     topology,
     use_cpu_devices,
 )
+from mesh.errors import UserError
 from train import cli
-from train.planner import audit
-from train.planner import compile_report as report
+from train.plan import audit
+from train.plan import compile_report as report
 from train.trainer import Trainer
 
 _PRESETS = flags.DEFINE_list("presets", ["moe-tiny"], "Mixture-of-experts presets, on experiments/tiny.py's settings.")
@@ -68,8 +70,18 @@ def _us(x) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
 
+def _check_presets() -> None:
+    """Every --presets name a mixture of experts (a dense model has no all-to-all to measure), before any work."""
+    mixtures = [n for n in models.PRESETS if models.from_dict({"preset": n}).n_experts > 0]
+    wrong = [p for p in _PRESETS.value if p not in mixtures]
+    if wrong:
+        raise UserError(f"--presets={','.join(_PRESETS.value)}: {', '.join(wrong)}: not a mixture-of-experts preset; "
+                        f"use some of {', '.join(mixtures)}")
+
+
 def main(argv):
     del argv
+    _check_presets()
     use_cpu_devices(flags.FLAGS.num_cpu_devices or 8)
     device = jax.devices()[0]
     print(f"# {device.platform} ({device.device_kind}) x {jax.device_count()}, jax {jax.__version__}, "

@@ -17,7 +17,7 @@ from absl import flags
 from mesh import use_cpu_devices
 from mesh.errors import UserError
 from train import cli
-from train.planner import compile_report as report
+from train.plan import compile_report as report
 from train.trainer import Trainer
 
 _CONFIG = flags.DEFINE_string("config", "default", "Experiment file in experiments/.")

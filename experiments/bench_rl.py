@@ -21,7 +21,7 @@ from absl import flags
 from experiments import rl_tiny
 from mesh import use_cpu_devices
 from train import cli
-from train.config import base_config
+from train.config.experiment import base_config
 from train.rl.step import requests
 from train.rl.trainer import RLTrainer
 from train.serve.replicas import Replicas

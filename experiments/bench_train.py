@@ -22,7 +22,7 @@ import models
 from mesh import use_cpu_devices
 from mesh.errors import UserError
 from train import cli
-from train.planner import compile_report as report
+from train.plan import compile_report as report
 from train.runtime import hardware
 from train.state import make_optimizer
 from train.trainer import Trainer

@@ -27,8 +27,8 @@ AXES = ("data", "fsdp", "tensor", "sp", "pipeline", "context", "expert", "moe")
 SAME = ({"tensor", "sp"}, {"expert", "moe"})  # a variant of the other, listed with every third axis instead
 # Files whose test ids name meshes ("data=2,context=2,tensor=2-sp"): a layout that one of them runs is checked
 # against one device there (test_documents names its meshes in the code, listed below by hand).
-TEST_FILES = ("tests/test_compositions.py", "tests/test_context.py", "tests/test_moe.py", "tests/test_pipeline.py",
-              "tests/test_equivalence.py")
+TEST_FILES = ("tests/sharding/test_compositions.py", "tests/sharding/test_context.py", "tests/models/test_moe.py",
+              "tests/sharding/test_pipeline.py", "tests/sharding/test_equivalence.py")
 DOCUMENT_TESTS = {("data", "tensor"): "test_documents::test_masked_loss_is_the_global_mean_in_every_layout",
                   ("data", "pipeline"): "test_documents::test_masked_loss_is_the_global_mean_in_every_layout",
                   ("pipeline", "tensor"): "test_documents::test_masked_loss_is_the_global_mean_in_every_layout",

@@ -1,9 +1,10 @@
 """The default experiment (`make train`): the small model on the Python standard library's source, on 8
-devices in 3D as pipeline x data x tensor = 2 x 2 x 2 (interleaved 1F1B, 2 chunks per stage), a few hundred steps.
+devices in 3D as data=2 x pipeline=2 x tensor=2 (interleaved 1F1B, 2 chunks per stage), a few hundred steps.
 
 Variants (`--config=experiments/default.py:NAME`) keep everything but the layout: `fsdp_tensor` (data x fsdp
 x tensor = 2 x 2 x 2, no pipeline), `data_parallel` (data=8)."""
-from train.config import base_config
+from train.config.experiment import base_config
+from train.config.settings import nearest
 
 LAYOUTS = {
     "": dict(data=2, pipeline=2, tensor=2),
@@ -14,7 +15,7 @@ LAYOUTS = {
 
 def get_config(variant: str = ""):
     if variant not in LAYOUTS:
-        raise ValueError(f"experiments/default.py:{variant}: unknown variant; use one of "
+        raise ValueError(f"experiments/default.py:{variant}: unknown variant; {nearest(variant, LAYOUTS)}use one of "
                          f"{', '.join(v for v in LAYOUTS if v)} or none")
     c = base_config()
     c.model.preset = "small"

@@ -4,7 +4,7 @@ corpus at nanoGPT's shape, 16 x 1024 tokens a step, on one GPU (or whatever the 
     python -m train.prepare --input=hf:Skylion007/openwebtext --out=data/openwebtext --tokenizer=hf:tokenizers/gpt2
     python -m train --config=experiments/gpt2_124m.py --workdir=runs/gpt2
 """
-from train.config import base_config
+from train.config.experiment import base_config
 
 
 def get_config(variant: str = ""):

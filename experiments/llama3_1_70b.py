@@ -4,7 +4,7 @@
 
 From Meta's weights with `--config.checkpoint.restore_from=hf:DIR`, else from scratch; the corpus is prepared with
 the Llama 3 tokenizer into data/llama3 (a path every host sees)."""
-from train.config import base_config
+from train.config.experiment import base_config
 
 
 def get_config(variant: str = ""):

@@ -4,7 +4,7 @@
     python -m train.prepare --input=... --out=data/llama3 --tokenizer=hf:checkpoints/Llama-3.1-8B
     python -m train --config=experiments/llama3_1_8b.py --workdir=runs/llama8b
 """
-from train.config import base_config
+from train.config.experiment import base_config
 
 
 def get_config(variant: str = ""):

@@ -4,7 +4,7 @@ one GPU (or whatever the planner finds); then sample from it and export it back 
     python -m train.prepare --input=my_texts/ --out=data/llama3-ft --tokenizer=hf:checkpoints/Llama-3.2-1B
     python -m train --config=experiments/llama3_2_1b.py --workdir=runs/llama1b-ft
 """
-from train.config import base_config
+from train.config.experiment import base_config
 
 
 def get_config(variant: str = ""):

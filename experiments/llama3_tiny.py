@@ -3,7 +3,7 @@ standard library's source, a few hundred steps, on the layout the planner picks 
 
 Variant `pipeline`: the planner's best layout with 2 pipeline stages, interleaved 1F1B with 2 chunks per stage
 (plan.fixed pins them; needs an even number of devices)."""
-from train.config import base_config
+from train.config.experiment import base_config
 
 FIXED = {"": "", "pipeline": "pipeline:2,schedule:interleaved,virtual_stages:2"}
 

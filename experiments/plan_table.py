@@ -1,6 +1,8 @@
 """The planner's choice and predicted TFLOP/s per GPU for GPT-style models from 1.3B to 1T parameters on 8 to
 3,072 A100-80GB and H100 GPUs (`python -m experiments.plan_table`); prints a Markdown table for docs/benchmarks.md.
 
+Arguments: the topologies to plan on (presets or JSON files), dgx-a100 and dgx-h100 by default.
+
 Shapes: GPT-3 (Brown et al. 2020, Table 2.1) for 1.3B-175B, and the 1T shape of Narayanan et al. 2021
 (128 layers, d_model 25600, 160 heads); all with 2,048-token sequences and a 50,304-token vocabulary.
 Only the shapes are taken from those papers, no throughput figure."""
@@ -11,7 +13,8 @@ import time
 
 import models
 from mesh import topology as T
-from train.planner import report, search
+from train import cli
+from train.plan import report, search
 
 SHAPES = {  # name: (d_model, layers, heads)
     "1.3B": (2048, 24, 16), "6.7B": (4096, 32, 32), "13B": (5120, 40, 40), "175B": (12288, 96, 96),
@@ -48,5 +51,19 @@ def main(topologies=("dgx-a100", "dgx-h100")) -> None:
                   f"{100 * best.mfu:.0f}% | {elapsed:.1f} |", flush=True)
 
 
+def parse(argv: list[str]) -> tuple[str, ...]:
+    """The topologies to tabulate (default dgx-a100 and dgx-h100), each checked before the search."""
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("topologies", nargs="*", default=["dgx-a100", "dgx-h100"],
+                        help="topology presets or JSON files (default: dgx-a100 dgx-h100)")
+    topologies = tuple(parser.parse_args(argv).topologies)
+    for name in topologies:
+        try:
+            T.get_topology(name)
+        except T.TopologyError as e:
+            cli.fail(str(e))
+    return topologies
+
+
 if __name__ == "__main__":
-    main(*(sys.argv[1:] and [tuple(sys.argv[1:])]))
+    main(parse(sys.argv[1:]))

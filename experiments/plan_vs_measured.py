@@ -8,7 +8,7 @@ predicted and compiled memory per device, their errors, the median absolute erro
 The links are the `--topology` file (default `local`, fitted by `python -m mesh.bench --fit`); the matmul
 efficiency curve, the memory bandwidth and the peak come from `python -m train.plan --calibrate`'s sweep, run first
 on this machine, every virtual device at once; each config's `step_overhead` from its own reference step
-(train/planner/reference_step.py), measured just before the config's layouts run so both see the machine in the same
+(train/plan/reference_step.py), measured just before the config's layouts run so both see the machine in the same
 state. A layout's measured time is its fastest timed step, as the calibration keeps its best repeat. Memory on CPU:
 the step does not donate its state, so the prediction is made undonated and set against the compiled arguments +
 outputs + temporaries (XLA's CPU temporaries reuse little; see docs). The summary also gives the roofline's own
@@ -35,8 +35,8 @@ import models
 from experiments import kernel_profile
 from mesh import use_cpu_devices
 from train import cli, exit_codes
-from train.planner import auto, calibrate, compile_report, search
-from train.planner.candidate import Candidate, mesh_of
+from train.plan import auto, calibrate, compile_report, search
+from train.plan.candidate import Candidate, mesh_of
 from train.trainer import Trainer
 
 # (config, mesh, extras): extras are `sp` (sequence parallelism) or a pipeline (schedule, microbatches, virtual).
@@ -110,7 +110,7 @@ def row(name: str, mesh: dict[str, int], extras, topology: str) -> dict:
     config = _config(name, mesh, extras, topology)
     trainer = Trainer.build(config)
     plan = trainer.plan
-    topo = auto.devices_topology(config, jax.device_count(), plan.model.compute_dtype)
+    topo = auto.devices_topology(config.plan.topology, jax.device_count(), plan.model.compute_dtype)
     predicted = search.evaluate(plan.model, _candidate(trainer), plan.global_batch, topo, donated=False)
     roofline = search.evaluate(plan.model, _candidate(trainer), plan.global_batch,
                                dataclasses.replace(topo, step_overhead=1.0), donated=False)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import models
 from mesh import topology as T
-from train.planner import fixed as fixed_lib
-from train.planner import report, search
+from train.plan import fixed as fixed_lib
+from train.plan import report, search
 
 SEQ, VOCAB = 2048, 51200
 # (name, heads, d_model, layers, tensor, pipeline, GPUs, global batch, published TFLOP/s per GPU), Table 1's rows.

@@ -6,7 +6,7 @@ engine and the trainer sharing the GPU.
     python -m experiments.rl_gsm8k_data --out=data/gsm8k.jsonl      # needs the data extra and the Hub
     python -m train.rl --config=experiments/rl_qwen3_0_6b.py --workdir=runs/rl-qwen3
 """
-from train.config import base_config
+from train.config.experiment import base_config
 
 
 def get_config(variant: str = ""):

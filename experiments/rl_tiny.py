@@ -5,7 +5,7 @@ the bytes, end-of-text, and padding that tensor 8 divides) learns to answer arit
 
 Variant `split`: the engine on 4 devices of its own (2 replicas of tensor 2), the trainer on the other 4 (fsdp 2 x
 tensor 2); the default shares the 8 virtual devices (fsdp 4 x tensor 2), the engine as 2 replicas of tensor 4."""
-from train.config import base_config
+from train.config.experiment import base_config
 
 VARIANTS = ("", "split")
 

@@ -1,6 +1,6 @@
 """The tiny model (1.6M parameters, 8 layers, short sequences, small batches) for quick checks; the planner
 picks the layout for the devices at hand (a --config.mesh.* override pins your own)."""
-from train.config import base_config
+from train.config.experiment import base_config
 
 
 def get_config(variant: str = ""):

@@ -105,7 +105,7 @@ def sweep(mesh, sizes: Sequence[int], collectives: Sequence[str] = COLLECTIVES, 
     if unknown:
         raise MeshConfigError(f"--collectives={unknown[0]}: unknown; use some of {', '.join(COLLECTIVES)}")
     records = []
-    for axis, n in zip(mesh.axis_names, mesh.devices.shape):
+    for axis, n in axis_sizes(mesh).items():
         if n == 1:
             continue
         for collective in collectives:

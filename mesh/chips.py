@@ -1,6 +1,6 @@
 """Datasheet peak FLOP/s and memory bandwidth of each accelerator, keyed by JAX's `device_kind`: the one table behind
 MFU (train/runtime/hardware.py), the memory check's report, the audit's projected compute time
-(train/planner/audit.py) and the planner's memory-bound terms (train/planner/timing.py).
+(train/plan/audit.py) and the planner's memory-bound terms (train/plan/timing.py).
 
 Dense peaks (no 2:4 sparsity) in TFLOP/s per chip, as (bf16, fp16, fp32):
 - NVIDIA A100 (SXM and PCIe): 312 / 312 / 19.5 (fp32 without TF32); A100 datasheet.

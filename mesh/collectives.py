@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mesh.layout import axis_sizes
+from mesh.numbers import ceil_div
 
 _REDUCERS = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
 
@@ -64,7 +65,7 @@ def _varying(x, axis):
 def _chunks(x, n):
     """Flatten and zero-pad `x` to [n, c]: row i is the slice device i owns after a reduce-scatter."""
     flat = x.reshape(-1)
-    c = -(-flat.size // n)
+    c = ceil_div(flat.size, n)
     return jnp.pad(flat, (0, n * c - flat.size)).reshape(n, c)
 
 

@@ -2,7 +2,7 @@
 
 Sizes are the nccl-tests S (bytes of the full buffer; see `bus_factor`), group size n, and the link a
 group's traffic crosses, with its bandwidth shared when several groups leave one host at once.
-Audit part (what a collective costs on a topology); train/planner/audit.py maps the parts of `--audit`.
+Audit part (what a collective costs on a topology); train/plan/audit.py maps the parts of `--audit`.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import dataclasses
 import math
 from typing import Iterable, Mapping, Sequence
 
+from mesh.layout import axis_sizes
 from mesh.placement import Placement, placement
 from mesh.topology import Level, Topology
 
@@ -201,8 +202,7 @@ def time_by_axes(records: Iterable[Mapping], mesh_or_sizes, topology: Topology) 
 def link_table(mesh_or_sizes: Mapping[str, int], topology: Topology) -> list[dict]:
     """Per axis: level, hosts spanned, contention and the link (alpha, GB/s) a ring over it sees."""
     rows = []
-    sizes = mesh_or_sizes if isinstance(mesh_or_sizes, Mapping) else dict(
-        zip(mesh_or_sizes.axis_names, mesh_or_sizes.devices.shape))
+    sizes = mesh_or_sizes if isinstance(mesh_or_sizes, Mapping) else axis_sizes(mesh_or_sizes)
     for axis, size in sizes.items():
         if size > 1:
             p = placement(mesh_or_sizes, (axis,), topology)

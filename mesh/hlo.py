@@ -2,8 +2,8 @@
 and the conditional branches they sit in.
 
 Reads `jax.jit(f).lower(...).compile().as_text()`. Replica groups hold logical device ids, i.e.
-positions in `mesh.devices.flat` (checked in tests/test_hlo.py by compiling on a permuted mesh).
-Audit part (what XLA emitted); train/planner/audit.py maps the parts of `--audit`.
+positions in `mesh.devices.flat` (checked in tests/mesh/test_hlo.py by compiling on a permuted mesh).
+Audit part (what XLA emitted); train/plan/audit.py maps the parts of `--audit`.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Where the groups of a collective over some mesh axes sit on a topology: hosts spanned, members per host,
 groups sharing a host's links, and warnings for axes that leave a host. Audit part (where each mesh axis's
-traffic travels); train/planner/audit.py maps the parts of `--audit`."""
+traffic travels); train/plan/audit.py maps the parts of `--audit`."""
 from __future__ import annotations
 
 import dataclasses

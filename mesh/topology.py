@@ -73,10 +73,10 @@ class Topology:
     (one host's checkpoint write bandwidth, GB/s), `matmul_efficiency` {dtype: [[dim, fraction of
     peak], ...]} and `hbm_gbps` (one device's memory bandwidth, GB/s: a datasheet's, or measured by
     `python -m train.plan --calibrate`) (0 / empty = unknown). `step_overhead`: a measured step's time over
-    the roofline's work for it (train/planner/reference_step.py; 1 = the roofline, where nothing was measured).
+    the roofline's work for it (train/plan/reference_step.py; 1 = the roofline, where nothing was measured).
     `shared_host`: the devices are virtual devices of one machine (XLA's CPU devices) that share its cores and
     memory bus, so every device's work queues on the same compute and a device with nothing to do lends its
-    cores to the others (see train/planner/timing.py).
+    cores to the others (see train/plan/timing.py).
     """
     name: str
     hosts: int

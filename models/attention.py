@@ -63,7 +63,7 @@ def attend(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, imp
     With segment ids, XLA masks the cross-document scores (a [B, 1, L, L] boolean mask: XLA materializes the
     scores anyway), while cuDNN takes each row's document offsets and lengths and never builds a mask; rows
     holding more than `max_segments` documents are cut to the first ones there, so keep it above the most
-    documents a row can hold. `auto` (a model config used outside train/config.py's resolution) is resolved
+    documents a row can hold. `auto` (a model config used outside train/config/experiment.py's resolution) is resolved
     here for the default backend and the inputs' dtype."""
     local = {"local_window_size": (window - 1, 0)} if window else {}
     if implementation == "auto":

@@ -25,7 +25,7 @@ class ModelConfigError(UserError):
 
 def described(default: Any, help: str) -> Any:
     """A config field with its one-line help: the field is a `model.*` setting, and the configuration reference
-    (train/model_settings.py, docs/configuration.md) shows the help beside it."""
+    (train/config/model_settings.py, docs/configuration.md) shows the help beside it."""
     return dataclasses.field(default=default, metadata={"help": help})
 
 

@@ -237,7 +237,7 @@ class Parallel:
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
-    """The planner's model of the family (train/planner).
+    """The planner's model of the family (train/plan).
 
     flops_per_token, param_count: model FLOPs (6N + attention) and parameters
     attention_flops_per_token: the part of flops_per_token that attention's batched matmuls take
@@ -252,7 +252,7 @@ class Cost:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One model family: its config dataclass (a ModelConfig; `attention`, which train/config.py resolves per
+    """One model family: its config dataclass (a ModelConfig; `attention`, which train/config/experiment.py resolves per
     platform, `loss_chunk_size` and `document_eos_id` are read where a family has them) and presets, and its
     functions grouped by purpose. Each takes the family's config `cfg` and, inside a layer, the Hooks that
     sharding/ lends it. `layer_specs(cfg)`: one LayerSpec per layer (models/layer_spec.py). `block(cfg, hooks)`:

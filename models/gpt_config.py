@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from mesh.numbers import ceil_div
 from models.config import LOSS_CHUNK, ModelConfigError, SharedFields, check_common, described
 
 POSITIONS = ("rotary", "learned")
@@ -39,7 +40,7 @@ class GPTConfig(SharedFields):
     @property
     def vocab_rows(self) -> int:
         """Rows of the embedding table: vocab_size padded to a multiple of vocab_multiple."""
-        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+        return ceil_div(self.vocab_size, self.vocab_multiple) * self.vocab_multiple
 
     @property
     def position_rows(self) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mesh.numbers import ceil_div
+
 
 def _no_constraint(x: jax.Array, names: tuple) -> jax.Array:
     return x
@@ -45,7 +47,7 @@ def head_loss(h_BxLxD: jax.Array, head_DxV: jax.Array, targets_BxL: jax.Array,
     B, L, D = h_BxLxD.shape
     if not chunk_size or chunk_size >= L:
         return jnp.sum(_token_losses(h_BxLxD, head_DxV, targets_BxL, constrain, vocab_size) * mask), jnp.sum(mask)
-    n = -(-L // chunk_size)
+    n = ceil_div(L, chunk_size)
     pad = n * chunk_size - L
     if pad:
         h_BxLxD = jnp.pad(h_BxLxD, ((0, 0), (0, pad), (0, 0)))

@@ -17,6 +17,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from mesh.numbers import ceil_div
 from models import moe, stack
 from models.contract import LAYERS, Attend, Block, Hooks, Params, Rotate, family_of, layer_specs, top_params
 from models.layers import rotation
@@ -77,12 +78,12 @@ def block_pages(page_size: int) -> int:
 def table_width(pages_per_seq: int, page_size: int) -> int:
     """Columns of the page tables: a sequence's most pages, rounded up to whole attention blocks."""
     b = block_pages(page_size)
-    return -(-pages_per_seq // b) * b
+    return ceil_div(pages_per_seq, b) * b
 
 
 def blocks_for(longest: int, page_size: int) -> int:
     """Attention blocks that cover `longest` positions (the step's longest sequence, its new tokens included)."""
-    return max(1, -(-longest // (block_pages(page_size) * page_size)))
+    return max(1, ceil_div(longest, block_pages(page_size) * page_size))
 
 
 def window_blocks(window: int, page_size: int) -> int:

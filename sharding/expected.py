@@ -27,7 +27,7 @@ when rematerialization recomputes the layer); under `tensor` the experts' MLP al
 place of the dense MLP's [rows, seq, d_model] activations. Under context parallelism a mixture's layers take
 their rows split over `context` in place of the sequence (an all-to-all each way, mirrored backward), and the
 gradients of its experts are summed over the batch axes and `context` at once.
-Audit part (what the layout must communicate); train/planner/audit.py maps the parts of `--audit`.
+Audit part (what the layout must communicate); train/plan/audit.py maps the parts of `--audit`.
 """
 from __future__ import annotations
 

@@ -130,7 +130,7 @@ class AutoAxesHints(models.contract.Hooks):
         whole heads, XLA replicated K and V over `tensor` first, moving `tensor` times the bytes)."""
         if self.context == 1:
             return super().causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL, window)
-        assert implementation == "xla", implementation  # train/config.py rejects cuDNN under context
+        assert implementation == "xla", implementation  # train/config/experiment.py rejects cuDNN under context
         kv_spec = sharding_specs.mesh_spec(P("batch", "seq", "heads", "kv"), self.rules, k_BxLxGxK.shape, self.sizes)
         gather = functools.partial(_on_local_shards, context_lib.all_gather_blocks, spec=kv_spec,
                                    automatic=sharding_specs.spec_axes(kv_spec))

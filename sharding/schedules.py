@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from mesh.errors import UserError
+from mesh.numbers import ceil_div
 
 # Action kinds, and the fields of one table cell (the last axis of `Schedule.table`).
 IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
@@ -109,7 +110,7 @@ def check_config(name: str, p: int, m: int, v: int = 1) -> None:
         if m % p:
             raise ScheduleConfigError(
                 f"pipeline.microbatches={m}: the interleaved schedule needs a multiple of the "
-                f"{p} pipeline stages; use {-(-m // p) * p}")
+                f"{p} pipeline stages; use {ceil_div(m, p) * p}")
         return
     if v != 1 and name != "zb_v":
         raise ScheduleConfigError(

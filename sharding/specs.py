@@ -199,9 +199,9 @@ class ActivationSharding(Hooks):
         return None if ways == 1 else jnp.asarray(context.zigzag_order(length, ways))
 
     def causal_attention(self, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL=None, window=0):
-        """With mesh.context > 1, ring attention (XLA blocks; train/config.py rejects cuDNN there), packed
-        documents' segment ids riding the ring with the keys, a sliding layer's ring skipping the blocks wholly
-        outside its window (sharding/context.py); else the model's own kernel."""
+        """With mesh.context > 1, ring attention (XLA blocks; train/config/experiment.py rejects cuDNN there),
+        packed documents' segment ids riding the ring with the keys, a sliding layer's ring skipping the blocks
+        wholly outside its window (sharding/context.py); else the model's own kernel."""
         if self.sizes.get(context.AXIS, 1) == 1:
             return super().causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation, segment_ids_BxL, window)
         assert implementation == "xla", implementation

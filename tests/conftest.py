@@ -4,6 +4,9 @@ import os
 import pathlib
 
 CACHE_DIR = pathlib.Path(__file__).resolve().parents[1] / ".cache" / "jax-tests"
+# The measured CPU peak (train/runtime/cpu_peak.py) of the suite's own, shared by its processes: a test never reads
+# or writes the user's ~/.cache/spmdtrain.
+os.environ["SPMDTRAIN_CACHE_DIR"] = str(CACHE_DIR.parent / "spmdtrain-tests")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
 # Every compile is cached, however short: a training subprocess then loads its small programs (init, eval,
@@ -36,6 +39,7 @@ for _name, _value in (("xla_backend_optimization_level", "0"), ("xla_cpu_use_fus
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_name}={_value}".strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
@@ -46,12 +50,20 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
 # workers in this order (--no-loadscope-reorder) rather than xdist's (the most tests first), so a long file
 # does not start last. Files not named keep pytest's order, after these.
 SLOWEST_FIRST = ["test_checkpoint_runs.py", "test_pipeline.py", "test_multiprocess.py", "test_slurm.py", "test_rl.py",
-                 "test_moe.py",
-                 "test_compositions.py", "test_context.py", "test_planner.py", "test_equivalence.py", "test_audit.py",
-                 "test_llama.py", "test_attention_loss.py", "test_documents.py", "test_run_phases.py",
+                 "test_moe.py", "test_compositions.py", "test_context.py", "test_planner.py", "test_equivalence.py",
+                 "test_audit.py", "test_llama.py", "test_attention_loss.py", "test_documents.py", "test_run_phases.py",
                  "test_train_cli.py", "test_bench_gpu.py", "test_model.py", "test_checkpoint.py"]
 
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """A random tiny LlamaForCausalLM saved by transformers (tests/hf_models.py; the `hf` extra, else skipped): the
+    base the Hugging Face import, LoRA and export tests start from."""
+    pytest.importorskip("transformers", reason="the `hf` extra (transformers, torch) is not installed")
+    from tests import hf_models
+    return hf_models.save_llama(tmp_path_factory.mktemp("hf") / "llama")

@@ -16,11 +16,11 @@ import json, os, runpy, sys, tempfile, traceback
 import jax, numpy, orbax.checkpoint, tokenizers  # noqa: F401  (the shared, slow imports)
 import train.loop.runner  # noqa: F401
 cases, results = json.loads(sys.stdin.read()), []
-for module, args in cases:
+for module, args, stdout in cases:
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
     pid = os.fork()
     if pid == 0:
-        os.dup2(out.fileno(), 1)
+        os.dup2(os.open(stdout, os.O_WRONLY) if stdout else out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         sys.argv = [module, *args]
         try:
@@ -42,9 +42,12 @@ print(json.dumps(results))
 """
 
 
-def run_many(cases: list[tuple[str, list[str]]], timeout: float = 600) -> list[tuple[int, str, str]]:
-    """[(exit status, stdout, stderr)] of `python -m MODULE ARGS` for each (MODULE, ARGS), in order."""
-    done = subprocess.run([sys.executable, "-c", _DRIVER], input=json.dumps(cases), cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+def run_many(cases: list[tuple], timeout: float = 600) -> list[tuple[int, str, str]]:
+    """[(exit status, stdout, stderr)] of `python -m MODULE ARGS` for each (MODULE, ARGS) or (MODULE, ARGS, FILE),
+    in order; with FILE the command's stdout goes there (a device node, say) instead of being captured."""
+    cases = [(module, args, (rest or [None])[0]) for module, args, *rest in cases]
+    done = subprocess.run([sys.executable, "-c", _DRIVER], input=json.dumps([[m, a, str(o) if o else None]
+                                                                            for m, a, o in cases]),
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return [tuple(r) for r in json.loads(done.stdout.strip().splitlines()[-1])]

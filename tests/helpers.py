@@ -175,3 +175,53 @@ def wait_for(condition, process: subprocess.Popen, timeout: float = 120):
         assert process.poll() is None, f"the run ended early with status {process.returncode}"
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.02)
+
+
+# Shared by the tests of one feature in several folders (tests/models and tests/sharding, tests/train's two
+# multi-process files): the data and configs they all train on.
+DOCUMENT_EOS = 0
+
+
+def documents_datadir(path, n_tokens=6000, seed=0):
+    """A DATADIR (meta.json with eos_id, train.bin, val.bin) of random tokens with EOS about every 9 tokens."""
+    from train.data import tokenizer
+    path.mkdir()
+    rng = np.random.default_rng(seed)
+    tokens = np.where(rng.random(n_tokens) < 0.11, DOCUMENT_EOS, rng.integers(1, 320, n_tokens)).astype(np.uint16)
+    tokens.tofile(path / "train.bin")
+    tokens[:1000].tofile(path / "val.bin")
+    tokenizer.bytes_tokenizer().save(str(path / "tokenizer.json"))
+    (path / "meta.json").write_text(json.dumps(dict(vocab_size=320, dtype="uint16", eos_id=DOCUMENT_EOS)))
+    return path
+
+
+def documents_config(path, **mesh):
+    """The tiny model, two layers (one per pipeline stage), on documents_datadir's packed documents, masked."""
+    config = tiny_config("tokens", **mesh)
+    config.data.update(path=str(path), document_mask=True)
+    config.model.update(n_layers=2, d_model=32, n_heads=4)
+    return config
+
+
+MOE_SEED = 5
+
+
+def moe_config(**mesh):
+    config = tiny_config(**mesh)
+    config.model.preset = "moe-tiny"
+    config.train.seed = MOE_SEED
+    return config
+
+
+# python -m train's arguments of the multi-process tests: half the tiny model on data x fsdp x tensor = 2 x 2 x 2.
+MULTIPROCESS_TRAIN = [
+    "--config=experiments/tiny.py", "--config.data.source=synthetic", "--config.train.log_every=1",
+    "--config.model.d_model=64", "--config.model.n_layers=4",  # half size: faster, the same properties
+    "--config.train.eval_every=0", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+    "--config.optimizer.decay_steps=16"]  # fixed: runs of any length share one compiled step per process count
+
+
+def committed(workdir) -> list[int]:
+    """Steps of the checkpoints that finished committing (Orbax renames a save's folder to its step)."""
+    folder = workdir / "checkpoints"
+    return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []

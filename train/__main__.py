@@ -16,7 +16,7 @@ from mesh import topology as topology_lib
 from mesh import use_cpu_devices
 from mesh.errors import check_writable
 from train import cli, exit_codes
-from train import config as train_config
+from train.config import experiment as train_config
 from train.loop import phases
 from train.loop import runner as loop
 from train.runtime import distributed, xla_env

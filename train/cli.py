@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 from typing import Any, Callable, NoReturn
@@ -65,13 +66,15 @@ def key_error_message(name: str, error: BaseException, argv: list[str]) -> str:
     lines = [line.strip().strip("'\"") for line in text.splitlines() if line.strip()]
     key = lines[0].strip("'\"") if lines else "?"
     hint = re.search(r'Did you mean "([^"]+)"', text)
-    suggestion = f'; did you mean "{hint.group(1)}"?' if hint else "; see train/config.py base_config for every key"
+    suggestion = (f'; did you mean "{hint.group(1)}"?' if hint
+                  else "; see train/config/experiment.py base_config for every key")
     return f'--{_override_arg(name, key, argv)}: no such setting "{key}"{suggestion}'
 
 
-def _config_load_message(name: str, error: BaseException) -> str:
+def _config_load_message(name: str, error: BaseException, path: str | None = None) -> str:
     cause = getattr(error, "_error", error)
-    path = getattr(flags.FLAGS[name], "config_filename", "") if name in flags.FLAGS else ""
+    if path is None:
+        path = getattr(flags.FLAGS[name], "config_filename", "") if name in flags.FLAGS else ""
     if "No such file" in str(cause) or "empty string" in str(cause):
         return f"--{name}={path}: no such config file; give an experiment file such as experiments/default.py"
     return f"--{name}={path}: {_last_line(str(cause))}"
@@ -124,6 +127,12 @@ def parse_flags(argv: list[str]) -> list[str]:
     except SyntaxError as e:  # the experiment file is Python the user wrote
         name, path = _config_file_named(argv)
         fail(f"--{name}={path}: {type(e).__name__} at line {e.lineno}: {e.msg}")
+    except OSError as e:  # an override read a config file that failed to load
+        name, path = _config_file_named(argv)
+        fail(_config_load_message(name, e, path))
+    except Exception as e:  # noqa: BLE001  (absl raises flags.Error only: anything else came from get_config())
+        name, path = _config_file_named(argv)
+        fail(f"--{name}={path}: its get_config() raised {type(e).__name__}: {_last_line(str(e)) or '(no message)'}")
     for name, holder in _CONFIG_FLAGS:
         try:
             holder.value.keys()  # a config that failed to load raises its stored error on first access
@@ -144,22 +153,63 @@ def _config_file_named(argv: list[str]) -> tuple[str, str]:
 
 def adopt_command_flags(main: Callable[..., Any]) -> None:
     """absl's --help lists only the main module's key flags: make key to it the flags of the module that defines
-    `main` (train/prepare.py runs train/data/prepare.py's) and the config flags defined here for it."""
+    `main` (train/prepare/__main__.py runs train/prepare/command.py's) and the config flags defined here for it."""
     command = flags.FLAGS.flags_by_module_dict().get(getattr(main, "__module__", ""), [])
     for flag in command + [flags.FLAGS[name] for name, _ in _CONFIG_FLAGS]:
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+
+
+class _Stdout:
+    """sys.stdout, remembering a write or flush that failed (a full disk, /dev/full, a closed pipe), so that error
+    becomes one line rather than a traceback; then it is swapped for os.devnull, so the interpreter's last flush at
+    exit cannot print one after the line."""
+
+    def __init__(self, stream: Any):
+        self.stream, self.failed = stream, None
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError as e:
+            self.failed = e
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as e:
+            self.failed = e
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def _stdout_failed(error: OSError) -> bool:
+    out = sys.stdout
+    if not isinstance(out, _Stdout) or out.failed is not error:
+        return False
+    sys.stdout = open(os.devnull, "w")  # kept open until the process exits
+    return True
 
 
 def run(main: Callable[[list[str]], int | None]) -> NoReturn:
     """app.run(main) with one-line, exit-2 errors for flags, config files and every UserError, and the
     documented exit status of every other expected failure (train/exit_codes.py)."""
     adopt_command_flags(main)
+    sys.stdout = _Stdout(sys.stdout)
 
     def guarded(argv: list[str]) -> int:
         try:
-            return main(argv) or 0
+            status = main(argv) or 0
+            sys.stdout.flush()  # a full or closed stdout fails here, inside the guard, rather than at exit
+            return status
         except (app.UsageError, UserError) as e:
             fail(str(e))
+        except OSError as e:
+            if not _stdout_failed(e):
+                raise
+            fail(f"the output cannot be written to stdout ({e.strerror or e}); redirect it to a writable file")
         except Exception as e:  # noqa: BLE001  (anything else is re-raised: a crash keeps its traceback)
             status = exit_codes.status_of(e)  # expected failures end with their documented status
             if status is None:

@@ -21,9 +21,9 @@ from mesh import make_mesh
 from mesh.layout import AXES
 from models import lora as lora_lib
 from sharding import pipeline as pipeline_lib
-from train import config as run_config
 from train import state as state_lib
-from train.config import Plan, resolve
+from train.config import experiment as run_config
+from train.config.experiment import Plan, resolve
 from train.data import tokenizer as tok_lib
 from train.hf import restore as hf_import
 from train.lora import base as lora_base

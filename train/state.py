@@ -13,9 +13,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
+from mesh.layout import axis_sizes
 from models import lora
 from sharding import specs as sharding_specs
-from train.config import Plan
+from train.config.experiment import Plan
 
 State = dict[str, Any]
 
@@ -65,7 +66,7 @@ class Layout(ParamLayout):
 def param_layout(model: models.ModelConfig, rules: dict[str, tuple[str, ...]],
                  mesh: jax.sharding.Mesh) -> ParamLayout:
     """Specs for params (strict divisibility) and the batch (rows over the `batch` rule's axes) on `mesh`."""
-    mesh_sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    mesh_sizes = axis_sizes(mesh)
     abstract_params, logical = models.abstract_params(model)
     pspecs = sharding_specs.param_specs(abstract_params, logical, rules, mesh_sizes)
     shardings = sharding_specs.named(mesh, pspecs)

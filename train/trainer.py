@@ -17,7 +17,7 @@ from sharding import pipeline as pipeline_lib
 from train import placed as placed_lib
 from train import state as state_lib
 from train import step as step_lib
-from train.config import Plan, resolve
+from train.config.experiment import Plan, resolve
 from train.data import loader as data_lib
 
 

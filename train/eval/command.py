@@ -13,8 +13,8 @@ from absl import app, flags, logging
 from mesh import use_cpu_devices
 from mesh.layout import AXES
 from train import cli, exit_codes
-from train import config as run_config
-from train.config import base_config
+from train.config import experiment as run_config
+from train.config.experiment import base_config
 from train.eval import load, results
 from train.eval.options import Options, check, parse_tasks
 from train.runtime import extras, hub

@@ -7,7 +7,7 @@ import pathlib
 from typing import Any
 
 from train import placed as placed_lib
-from train import sections
+from train.config import sections
 from train.data import tokenizer as tok_lib
 from train.eval.scorer import Scorer
 

@@ -3,7 +3,9 @@ metrics.jsonl tagged `"kind": "eval_harness"`, and TensorBoard or W&B when the r
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import tempfile
 from typing import Any
 
 from train.loop.metrics import LOGGERS, MetricsLog
@@ -32,11 +34,22 @@ def scalars(results: dict) -> dict[str, float]:
 
 
 def write(path: pathlib.Path, content: dict[str, Any]) -> None:
-    """Through a temporary sibling, so a reader never sees half a file."""
+    """Through a temporary file of its own beside the file (a symlink's target), renamed over it, so a reader never
+    sees half a file; what is not a regular file (a device, a pipe) is written through, never replaced."""
+    text = json.dumps(content, indent=2, default=str) + "\n"
+    path = path.resolve()
+    if path.exists() and not path.is_file():
+        path.write_text(text)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(content, indent=2, default=str) + "\n")
-    tmp.replace(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def log(workdir: pathlib.Path, config: Any, step: int, values: dict[str, float]) -> None:

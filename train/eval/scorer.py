@@ -13,6 +13,7 @@ import numpy as np
 import models
 from train.eval import batching
 from train.placed import Placed
+from train.runtime.progress import ProgressLine
 from train.serve import engine as serve
 from train.serve import replicas
 
@@ -43,6 +44,7 @@ class Scorer:
         """For each row of at most seq_len + 1 tokens, (the summed log-probability of its last `continuation[i]`
         tokens given the rest, whether each of them is the greedy choice)."""
         out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
+        progress = ProgressLine("eval: scoring", len(rows), "requests")
         for batch in batching.longest_first(rows, self.batch_size):
             length = batching.bucket(max(len(rows[i]) - 1 for i in batch), self.cfg.seq_len)
             tokens = batching.right_padded([rows[i] for i in batch], length + 1, self.batch_size, self.pad_id)
@@ -51,6 +53,8 @@ class Scorer:
                 end = len(rows[i]) - 1  # targets are the row's tokens 1.. : the continuation ends at column end-1
                 span = slice(end - continuation[i], end)
                 out[i] = (float(np.sum(logp_BxL[b, span], dtype=np.float64)), bool(np.all(greedy_BxL[b, span])))
+            progress.advance(len(batch))
+        progress.close()
         return out
 
     @functools.cached_property
@@ -67,7 +71,8 @@ class Scorer:
             return out
         engine, params = self.engine, dataclasses.replace(sampling, max_tokens=max_new)
         ids = {f"eval-{id(out)}-{i}": i for i in range(len(prompts))}
-        pending = list(ids)
+        pending, ended = list(ids), set()
+        progress = ProgressLine("eval: generating", len(prompts), "requests")
         while pending or engine.has_work():
             while pending and not engine.full():
                 rid = pending.pop(0)
@@ -77,4 +82,10 @@ class Scorer:
                 out[i] = o.token_ids
                 if not o.finished and stopped(i, o.token_ids):
                     engine.abort(o.request_id)
+                elif not o.finished:
+                    continue
+                if i not in ended:
+                    ended.add(i)
+                    progress.advance()
+        progress.close()
         return out

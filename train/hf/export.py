@@ -1,6 +1,6 @@
 """Hugging Face directories written from a run's params, through its family's adapter (models/hf.py: Llama as
 LlamaForCausalLM, GPT with GPT-2's options as GPT2LMHeadModel): config, generation_config, model.safetensors or
-shards with an index, and the run's tokenizer with its bos/eos ids if any. The command is train/export_hf.py."""
+shards with an index, and the run's tokenizer with its bos/eos ids if any. The command is train/export_hf/command.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -47,20 +47,33 @@ def used_vocabulary(cfg, params):
     return jax.tree.map(cut, params, axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
 
+WRITTEN = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+           "model-*-of-*.safetensors", "tokenizer.json", "tokenizer_config.json")  # every file an export writes
+
+
+def foreign_files(out: pathlib.Path) -> list[str]:
+    """The entries of directory `out` an export does not write: what `--overwrite` must never remove."""
+    return sorted(p.name for p in out.iterdir() if p.is_dir() or not any(p.match(w) for w in WRITTEN))
+
+
 def write(out: pathlib.Path, cfg, params, dtype: str, codec=None, max_shard_bytes: float = 5e9) -> None:
     """Write HFDIR (through a temporary sibling of a name no user folder can have, renamed at the end; removed
-    when writing fails). `codec` is the run's train.tokenizer.Codec, or None for a byte-level run (no tokenizer,
-    no bos/eos ids)."""
+    when writing fails). An existing `out` (empty, or an earlier export: checked before any work) is set aside
+    only once the new one is whole, then removed. `codec` is the run's train.tokenizer.Codec, or None for a
+    byte-level run (no tokenizer, no bos/eos ids)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    old = tmp.with_name(tmp.name + "-replaced")
     try:
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would make the exported folder private
         _write_files(tmp, cfg, params, dtype, codec, max_shard_bytes)
         if out.exists():
-            out.rmdir()  # empty (checked before any work)
+            assert not foreign_files(out), out  # the command refused such an --out before any work
+            out.rename(old)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_files(tmp: pathlib.Path, cfg, params, dtype: str, codec, max_shard_bytes: float) -> None:

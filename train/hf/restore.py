@@ -15,10 +15,10 @@ import numpy as np
 
 import models
 from checkpoint import safetensors_io
-from train import hf_model
-from train.hf_model import PREFIX  # noqa: F401  (what callers test a spec with)
-from train.hf_model import directory as _directory
-from train.hf_model import fail as _fail
+from train.hf import model as hf_model
+from train.hf.model import PREFIX  # noqa: F401  (what callers test a spec with)
+from train.hf.model import directory as _directory
+from train.hf.model import fail as _fail
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 

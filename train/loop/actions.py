@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from train.config import ConfigError
+from train.config.experiment import ConfigError
 from train.loop import metrics
 from train.loop.info import Action, StepInfo, Update
 

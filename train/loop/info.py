@@ -8,7 +8,7 @@ from typing import Any, Mapping, Protocol
 
 import jax
 
-from train.config import Plan
+from train.config.experiment import Plan
 from train.loop.goodput import Goodput
 from train.loop.metrics import MetricsLog
 from train.loop.preemption import Agreement, StopSignals
@@ -86,7 +86,7 @@ class Services:
     rng: jax.Array                 # the run's key, saved with every checkpoint
     rep: dict[str, Any]            # the compile report (JSON)
     peak: float                    # FLOP/s of all devices together, for MFU (0: unknown)
-    peak_measured: bool = False    # the peak is the measured CPU one, raised when a step beats it (hardware.mfu)
+    peak_measured: bool = False    # the peak is the measured CPU one, checked against the run's rate (hardware.mfu)
 
     @property
     def plan(self) -> Plan:

@@ -13,7 +13,7 @@ from typing import Any
 
 import ml_collections
 
-from train.config import ConfigError, apply_saved, base_config
+from train.config.experiment import ConfigError, apply_saved, base_config, read_run_json
 
 # A key equal to an entry, or under an entry ending in "." (a whole section).
 PHASE_SETTINGS = (
@@ -47,17 +47,7 @@ def _comparable(value: Any) -> Any:
 
 def read(workdir: pathlib.Path) -> dict[str, Any] | None:
     """The run's config.json, or None when the directory holds no run."""
-    path = workdir / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        saved = json.loads(path.read_text())
-        if not isinstance(saved.get("config"), dict):
-            raise ValueError
-    except ValueError:
-        raise ConfigError(f"--workdir={workdir}: {path} is not a run's config.json (no 'config' entry); move it "
-                          f"away or choose another --workdir") from None
-    return saved
+    return read_run_json(workdir)
 
 
 def changes(saved: dict[str, Any], config: dict[str, Any], workdir: pathlib.Path,

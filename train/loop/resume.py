@@ -18,7 +18,7 @@ from checkpoint import format as ckpt_format
 from checkpoint import meta as meta_lib
 from mesh.errors import probe_directory
 from train import placed as placed_lib
-from train.config import ConfigError
+from train.config.experiment import ConfigError
 from train.hf import restore as hf_import
 from train.lora import base as lora_base
 from train.runtime.hardware import GiB

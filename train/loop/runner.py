@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 import checkpoint
 from mesh.errors import UserError, probe_directory
 from train import exit_codes
-from train.config import ConfigError, Plan
+from train.config.experiment import ConfigError, Plan
 from train.loop import actions as actions_lib
 from train.loop import phases, preemption, resume
 from train.loop.builtin import say
@@ -31,9 +31,10 @@ from train.loop.metrics import MetricsLog, check_wandb
 from train.loop.saver import Saver
 from train.loop.scheduler import Outcome, Scheduler
 from train.loop.watchdog import Watchdog
-from train.planner import audit as audit_lib
-from train.planner import auto as planner_auto
-from train.planner import compile_report as report_lib
+from train.plan import audit as audit_lib
+from train.plan import auto as planner_auto
+from train.plan import compile_report as report_lib
+from train.plan import memory as plan_memory
 from train.runtime import console, hardware, versions, xla_env
 from train.runtime.hardware import GiB
 from train.runtime.lock import WorkdirLock
@@ -48,6 +49,23 @@ def prepare_workdir(workdir: str) -> pathlib.Path:
         raise ConfigError(f"--workdir={workdir}: cannot write there ({e.strerror}); "
                           "choose a writable directory") from None
     return path
+
+
+PREDICTION_MARGIN = 1.25  # the memory model holds compiled peaks within 15% (tests/planner/test_planner.py)
+
+
+def check_predicted_memory(plan: Plan, capacity: int | None) -> None:
+    """Before compiling: a layout whose arguments and outputs the planner's memory model puts past a device's
+    memory stops here, in a second, rather than after the compile or inside it (an allocation XLA cannot make
+    aborts the process, as under `ulimit -v`)."""
+    donated = jax.devices()[0].platform != "cpu"
+    need = plan_memory.resident(plan_memory.predict(plan.model, plan_memory.candidate_of(plan), plan.global_batch,
+                                                    donated))
+    if capacity and need > PREDICTION_MARGIN * capacity:
+        raise ConfigError(
+            f"the step needs about {need / GiB:.2f} GiB per device (the planner's memory model) but a device has "
+            f"{capacity / GiB:.2f} GiB; shard more (mesh.fsdp, mesh.tensor), set model.remat, lower "
+            f"train.global_batch_size or raise train.grad_accum_steps (or set train.memory_check=False)")
 
 
 def check_memory(memory: dict[str, int]) -> None:
@@ -99,6 +117,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
     if "wandb" in actions_lib.names(config.train.loggers):
         check_wandb()
     trainer = options.build(config)  # every user error is raised here, before the workdir is touched
+    if trainer.plan.train.memory_check:  # before the state is initialized or restored, let alone compiled
+        check_predicted_memory(trainer.plan, hardware.memory_per_device())
     with claimed(workdir, options.logs) as path:  # created if needed and locked; nothing in it is touched yet
         changed = {}
         if not options.compile_only:
@@ -177,6 +197,7 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
     the history of the run's phases: phase["changes"] is this one's; phase["plan"]: plan.auto's choice and
     runner-up)."""
     plan, is_main = trainer.plan, jax.process_index() == 0
+    peak = hardware.peak_record(plan.model.compute_dtype, options.peak_tflops)  # a CPU's measured before compiling
     t0 = time.perf_counter()
     audit = options.audit
     compiled, xla_log = audit_lib.compile_logged(trainer.compile) if audit else (trainer.compile(), "")
@@ -185,7 +206,8 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
     t0 = time.perf_counter()
     if plan.train.memory_check:
         check_memory(report_lib.memory_per_device(compiled))
-    rep = report_lib.build(plan, trainer.mesh, compiled, {"compile_seconds": round(compile_s, 3)})
+    rep = report_lib.build(plan, trainer.mesh, compiled, {"compile_seconds": round(compile_s, 3),
+                                                          "predicted_step_s": _predicted(trainer)})
     goodput.add("memory_check_s", time.perf_counter() - t0)
     if audit:
         rep["audit"] = audit_lib.audit(trainer, rep, xla_log, **audit)
@@ -196,7 +218,7 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
     resolved = {"config": trainer.config.to_dict(), "model": vars(plan.model) | {"param_count": rep["param_count"]},
                 "mesh": rep["mesh"], "versions": versions.environment(),
                 "runtime_defaults": dict(xla_env.APPLIED),  # GPU XLA flags / memory fraction set for the user
-                "peak": hardware.peak_record(plan.model.compute_dtype, options.peak_tflops)}  # what MFU divides by
+                "peak": peak}  # what MFU divides by
     if phase["plan"]:
         resolved["plan"] = phase["plan"]
     if is_main and not options.compile_only:  # a what-if compile leaves the run's own config.json alone
@@ -228,8 +250,10 @@ def train(run: Compiled, path: pathlib.Path, goodput: Goodput, signals: preempti
                             dog, begin.rng, run.rep, peak, hardware.peak_is_measured(run.peak_tflops))
         outcome = _supervised(Scheduler(services, begin, actions_lib.build(plan.train.actions, trainer.config)))
     summary = _summary(outcome, run.rep, path, services)
+    predicted = f" (planner: {run.rep['predicted_step_s']:.3g})" if run.rep.get("predicted_step_s") else ""
     say(f"done: loss {summary['final_loss']:.4f}, eval loss {summary['eval_loss']:.4f}, "
-        f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}%; {goodput.line()}; outputs in "
+        f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['step_time_s']:.3g} s/step{predicted}, MFU "
+        f"{100 * summary['mfu']:.2f}%; {goodput.line()}; outputs in "
         f"{path} ({_listing(path)})")
     sys.stdout.flush()
     return {"state": outcome.state, "summary": summary, "compile_report": run.rep}
@@ -252,6 +276,19 @@ def _open_checkpoints(plan: Plan, path: pathlib.Path) -> tuple[checkpoint.Checkp
                                   keep_period=plan.checkpoint.keep_period, read_only=not enabled), local
 
 
+def _predicted(trainer: Trainer) -> float | None:
+    """The planner's step time for this run's layout (planner_auto.own_step_s), or None where it has no topology
+    of these devices or cannot price the layout."""
+    try:
+        return planner_auto.own_step_s(trainer.plan, jax.device_count())
+    except (UserError, ValueError, KeyError):  # a layout the planner's models do not cover: no prediction
+        return None
+
+
+def _predicted_text(rep: dict[str, Any]) -> str:
+    return f"; the planner predicts {rep['predicted_step_s']:.3g} s/step" if rep.get("predicted_step_s") else ""
+
+
 def _open_log(run: Compiled, path: pathlib.Path, begin: resume.Start) -> MetricsLog:
     plan, rep = run.trainer.plan, run.rep
     if jax.process_index() == 0:
@@ -265,7 +302,7 @@ def _open_log(run: Compiled, path: pathlib.Path, begin: resume.Start) -> Metrics
     log.message(f"training {rep['param_count'] / 1e6:.1f}M parameters on mesh "
                 f"{' x '.join(f'{a}={s}' for a, s in rep['mesh'].items() if s > 1) or 'single device'} "
                 f"for {plan.steps} steps{report_lib.pipeline_line(plan)} from step {begin.step} ({begin.origin}); "
-                f"compiled in {rep['compile_seconds']:.1f}s")
+                f"compiled in {rep['compile_seconds']:.1f}s{_predicted_text(rep)}")
     return log
 
 

@@ -11,9 +11,9 @@ import ml_collections
 
 from mesh import make_mesh
 from train import state as state_lib
-from train.config import resolve
+from train.config.experiment import resolve
+from train.config.sections import RLSection
 from train.exit_codes import ConfigError
-from train.sections import RLSection
 
 
 def sorted_devices() -> list[jax.Device]:

@@ -10,9 +10,9 @@ import shutil
 
 import ml_collections
 
-from train import hf_model
-from train.config import ConfigError, load_run_config
+from train.config.experiment import ConfigError, load_run_config
 from train.data import tokenizer as tok_lib
+from train.hf import model as hf_model
 
 
 def apply(config: ml_collections.ConfigDict) -> None:

@@ -14,12 +14,12 @@ import ml_collections
 
 from mesh import make_mesh
 from train import state as state_lib
-from train.config import ConfigError, resolve
+from train.config.experiment import ConfigError, resolve
+from train.config.sections import RLSection
 from train.data import chat
 from train.placed import Placed
 from train.rl import engines, policy, prompts, rewards, sync, update
 from train.rl.step import Actor, PolicyStep, StepPlan
-from train.sections import RLSection
 from train.trainer import Trainer
 
 

@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
+from train.config.sections import RLSection
 from train.rl import objective
-from train.sections import RLSection
 from train.state import Layout
 
 CORE = ("params", "opt_state", "step")  # what an update changes; the reference stays as it is

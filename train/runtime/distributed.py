@@ -66,10 +66,32 @@ def _host_port(address: str, setting: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+# The client's side of an HTTP/2 connection (RFC 9113 3.4): the preface, then an empty SETTINGS frame. JAX's
+# coordinator is a gRPC server, which answers with a SETTINGS frame (type 4) of its own.
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _speaks_grpc(connection: socket.socket, deadline: float) -> bool | None:
+    """Whether the server behind `connection` answers as a gRPC server: True, False (it answered something
+    else), or None (no answer before `deadline`)."""
+    try:
+        connection.settimeout(max(deadline - time.monotonic(), 0.1))
+        connection.sendall(_HTTP2_HELLO)
+        header = connection.recv(9)
+    except TimeoutError:
+        return None
+    except OSError:
+        return False
+    finally:
+        connection.close()
+    return len(header) >= 4 and header[3] == 4
+
+
 def _wait_for_coordinator(cluster: Cluster, timeout_s: int) -> None:
     """Within --init_timeout_s the coordinator's host must resolve (a pod's DNS name may appear late, so it is
-    retried), and a process other than 0 must reach process 0's coordinator over TCP: either failing is a line
-    naming the address, where JAX would abort the process (a core dump) once its own timeout ran out."""
+    retried), and a process other than 0 must reach process 0's coordinator over TCP and find it answering as
+    gRPC: failing any is a line naming the address, where JAX would abort the process (a core dump) once its
+    own timeout ran out."""
     setting = "--coordinator_address" if cluster.method == "flags" else "JAX_COORDINATOR_ADDRESS"
     address = cluster.coordinator_address
     host, port = _host_port(address, setting)
@@ -80,7 +102,8 @@ def _wait_for_coordinator(cluster: Cluster, timeout_s: int) -> None:
             why = None
             if cluster.process_id == 0:
                 return
-            socket.create_connection((host, port), timeout=1.0).close()
+            _check_answer(socket.create_connection((host, port), timeout=1.0), deadline, setting, address,
+                          timeout_s)
             return
         except socket.gaierror as e:
             why = e.strerror or str(e)
@@ -93,6 +116,16 @@ def _wait_for_coordinator(cluster: Cluster, timeout_s: int) -> None:
             raise ClusterError(f"{setting}={address!r}: process 0's coordinator did not answer within "
                                f"--init_timeout_s={timeout_s}; start process 0 there, or fix the address or port")
         time.sleep(0.5)
+
+
+def _check_answer(connection: socket.socket, deadline: float, setting: str, address: str, timeout_s: int) -> None:
+    answer = _speaks_grpc(connection, deadline)
+    if answer is None:
+        raise ClusterError(f"{setting}={address!r}: a server there accepts connections but did not answer as JAX's "
+                           f"coordinator within --init_timeout_s={timeout_s}; give process 0's address and port")
+    if answer is False:
+        raise ClusterError(f"{setting}={address!r}: the server there is not JAX's coordinator (it does not speak "
+                           f"gRPC); give process 0's address and port")
 
 
 def initialize(cluster: Cluster | None, *, init_timeout_s: int, heartbeat_timeout_s: int,

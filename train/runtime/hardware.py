@@ -8,6 +8,9 @@ each gets its share.
 from __future__ import annotations
 
 import os
+import pathlib
+import re
+import resource
 
 import jax
 
@@ -46,15 +49,21 @@ def peak_record(compute_dtype: str, override_tflops: float = 0.0) -> dict:
             f"{jax.local_device_count()} local devices", **cpu_peak.record()}
 
 
+_CHECKED: list[float] = []  # the machine's measured peak once a run's rate has checked it, in this process
+
+
 def mfu(flops_per_step: float, seconds: float, peak: float, measured: bool) -> float:
     """Model FLOPs utilization against `peak` (FLOP/s of all devices; 0: unknown). When the peak is the measured
-    CPU one (`measured`), a step faster than it proves the machine faster than it was measured: the peak is
-    re-measured and raised (to at least the step's rate), so MFU stays at or below 100%."""
+    CPU one (`measured`), the first rate a process sees checks it (cpu_peak.check: measured again when the rate
+    shows it off by an order of magnitude, or beats it), and the checked figure is used from then on."""
     if not peak or not seconds:
         return 0.0
     rate = flops_per_step / seconds
-    if rate > peak and measured:
-        peak = max(peak, cpu_peak.per_device(rate / jax.device_count()) * jax.device_count())
+    if measured:
+        local, total = max(jax.local_device_count(), 1), jax.device_count()
+        if not _CHECKED:
+            _CHECKED.append(cpu_peak.check(rate * local / total)["flops"])  # this machine's share of the rate
+        peak = _CHECKED[0] / local * total
     return rate / peak
 
 
@@ -65,15 +74,45 @@ def compute_dtype(config) -> str:
 
 
 def memory_per_device() -> int | None:
-    """Bytes one device may use: the allocator's limit on GPUs; RAM shared out on CPUs."""
+    """Bytes one device may use: the allocator's limit on GPUs; on CPUs what the host lets this process use
+    (host_memory), shared out over the local devices."""
     device = jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     if device.platform == "cpu":
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError):
-            return None
-        return total // max(jax.local_device_count(), 1)
+        total = host_memory()
+        return None if total is None else total // max(jax.local_device_count(), 1)
     return None
+
+
+def host_memory() -> int | None:
+    """Bytes this process may still allocate on its host: the physical memory, capped by a cgroup's memory limit
+    and by the address space `ulimit -v` leaves beyond what the process has mapped already (past it, an
+    allocation aborts the process inside XLA)."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = pathlib.Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft != resource.RLIM_INFINITY:
+        limits.append(max(soft - _mapped_bytes(), 0))
+    return min(limits) if limits else None
+
+
+def _mapped_bytes() -> int:
+    """This process's address space in use (VmSize), 0 where /proc does not say."""
+    try:
+        status = pathlib.Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    found = re.search(r"^VmSize:\s+(\d+) kB", status, re.M)
+    return int(found.group(1)) * 1024 if found else 0

@@ -14,7 +14,7 @@ from absl import app, flags, logging
 
 from mesh.layout import AXES
 from train import cli, exit_codes
-from train.config import ConfigError, base_config
+from train.config.experiment import ConfigError, base_config
 from train.runtime import extras
 
 FLAGS = flags.FLAGS
@@ -75,9 +75,10 @@ def load(path: pathlib.Path):
     import jax
 
     from train import placed as placed_lib
-    from train.config import resolve
+    from train.config.experiment import resolve
     from train.data import chat
     from train.data import tokenizer as tok_lib
+    from train.hf import serving as hf_serving
     from train.serve import replicas
     from train.serve.server import Served
 
@@ -86,7 +87,7 @@ def load(path: pathlib.Path):
         config = placed_lib.decoding_config(path, mesh)
         renderer_spec = chat_spec(config)
     else:
-        config = hf_serving_config(path, mesh)
+        config = hf_serving.config_for(base_config(), path, mesh)
         renderer_spec = config.checkpoint.restore_from if (path / tok_lib.FILE).is_file() else "bytes"
     config.serve.update(overrides("serve"))
     plan = resolve(config, jax.device_count())
@@ -94,28 +95,12 @@ def load(path: pathlib.Path):
     if FLAGS.workdir is not None:
         placed = dataclasses.replace(placed_lib.restore(placed, path, FLAGS.step), codec=tok_lib.load_run_codec(path))
     else:
-        placed = dataclasses.replace(placed_lib.from_hf(placed, config.checkpoint.restore_from), codec=hf_codec(path))
+        placed = dataclasses.replace(placed_lib.from_hf(placed, config.checkpoint.restore_from),
+                                     codec=hf_serving.codec(path))
     engine = replicas.build(placed, plan.serve)
     name = FLAGS.served_model_name or path.resolve().name
     # The engine decodes on its own per-layer copy of the weights: the stacked params are let go.
     return Served(dataclasses.replace(placed, params=None), engine, name, chat.Renderer(renderer_spec))
-
-
-def hf_serving_config(path: pathlib.Path, mesh: dict | None):
-    """The config that serves a Hugging Face directory: its family's first preset with config.json's fields over
-    it (train/hf_model.py, at resolve), and the context config.json says the model takes, not the preset's."""
-    from train import hf_model
-    spec = hf_model.PREFIX + str(path)
-    config = base_config()
-    config.checkpoint.restore_from = spec
-    hf = hf_model.read_config(spec)
-    family = hf_model.family_of_hf(spec, hf)
-    config.model.preset = next(iter(family.presets))
-    config.model.seq_len = hf_model.context_length(hf) or config.model.seq_len
-    config.data.source = "synthetic"
-    config.plan.auto = False
-    config.mesh.update(mesh or {})
-    return config
 
 
 def chat_spec(config) -> str:
@@ -128,20 +113,6 @@ def chat_spec(config) -> str:
         return json.loads(path.read_text()).get("recipe", {}).get("tokenizer", "bytes")
     except ValueError:
         return "bytes"
-
-
-def hf_codec(path: pathlib.Path):
-    """The directory's tokenizer.json with config.json's eos and bos ids; bytes when it has none."""
-    from train.data import tokenizer as tok_lib
-    if not (path / tok_lib.FILE).is_file():
-        return tok_lib.Codec(tok_lib.bytes_tokenizer(), 256, None, from_run=False)
-    tok = tok_lib.load_file(str(path / tok_lib.FILE), "--hf")
-    hf = json.loads((path / "config.json").read_text())
-    eos, bos = hf.get("eos_token_id"), hf.get("bos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos
-    if eos is None:
-        eos = tok.token_to_id(tok_lib.declared_eos(tok) or tok_lib.EOS_TEXT) or 0
-    return tok_lib.Codec(tok, int(eos), None if bos is None else int(bos))
 
 
 def serve(served, host: str, port: int, api_key: str, drain_seconds: float) -> int:

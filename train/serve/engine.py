@@ -16,12 +16,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
+from mesh.numbers import ceil_div
 from models import paged
 from models.layer_spec import window_pages
 from sharding import experts as experts_lib
 from sharding import specs as sharding_specs
+from train.config.sections import ServeSection
 from train.placed import Placed
-from train.sections import ServeSection
 from train.serve.detokenize import Detokenizer
 from train.serve.pages import Pages
 from train.serve.sampling import SamplingParams, sample  # noqa: F401  (SamplingParams: the engine's API)
@@ -31,7 +32,7 @@ MAX_LOGPROBS = 8  # the most top-N log-probabilities a request may ask for (comp
 CPU_SEQS_OF_PAGES = 1  # on CPU (no memory statistics) the pool holds every slot's longest sequence this many times
 
 
-Settings = ServeSection  # serve.* (train/sections.py)
+Settings = ServeSection  # serve.* (train/config/sections.py)
 
 
 @dataclasses.dataclass
@@ -61,7 +62,7 @@ def buckets(s: Settings, ways: int = 1) -> list[int]:
     most = min(s.max_batch_tokens, s.max_num_seqs * s.prefill_chunk)
     least = min(s.min_step_tokens, most)
     counts = [n for n in (least * 2 ** i for i in range(32)) if n < most] + [most]
-    return sorted({-(-n // ways) * ways for n in counts})
+    return sorted({ceil_div(n, ways) * ways for n in counts})
 
 
 def page_bytes(cfg: models.ModelConfig, kv_heads: int, page_size: int, layers: int | None = None) -> int:
@@ -125,7 +126,7 @@ class Engine:
         kv_heads = family.parallel.kv_heads(cfg)
         ps = settings.page_size
         context = max_context or paged.max_context(cfg)
-        self.pages_per_seq = -(-context // ps)
+        self.pages_per_seq = ceil_div(context, ps)
         self.table_width = paged.table_width(self.pages_per_seq, ps)
         self.weights = self._unstacked(placed)  # before the pool is sized from the memory left
         self.groups = paged.cache_groups(cfg)

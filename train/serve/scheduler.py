@@ -11,7 +11,8 @@ import collections
 import dataclasses
 from typing import Any, Hashable
 
-from train.sections import ServeSection
+from mesh.numbers import ceil_div
+from train.config.sections import ServeSection
 from train.serve.pages import Pages
 from train.serve.sampling import SamplingParams
 
@@ -105,7 +106,7 @@ class Scheduler:
         anyone; False (nothing taken) if a group is short."""
         if not seq.pages:
             seq.pages = [[] for _ in self.pages]
-        last = -(-upto // self.page_size)
+        last = ceil_div(upto, self.page_size)
         missing = []
         for pages, window, held in zip(self.pages, self.windows, seq.pages):
             held += [0] * (last - len(held))

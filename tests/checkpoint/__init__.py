@@ -1,0 +1,1 @@
+"""Checkpoints: the format, the local tier, storage failures, and fault tolerance end to end."""

@@ -1,0 +1,1 @@
+"""Meshes, topologies, collectives and their costs, the HLO reader, chip peaks and the collective benchmark."""

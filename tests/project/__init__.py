@@ -1,0 +1,1 @@
+"""The project's shape: imports flow downward, functions and modules stay small, dependencies are declared."""

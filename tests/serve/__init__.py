@@ -1,0 +1,1 @@
+"""The serving engine, the OpenAI-compatible server and its benchmark's figures."""
