@@ -125,7 +125,7 @@ def main(argv):
     actor = trainer._actor
     result["sync_s"] = median_seconds(lambda: actor.sync(state["params"], actor.engines), _REPEATS.value)
     result["sync_bytes"] = actor.sync.bytes
-    result["copy_s"] = median_seconds(plain_copy([e.weights for e in actor.engines]), _REPEATS.value)
+    result["copy_s"] = median_seconds(plain_copy([e.runner.weights for e in actor.engines]), _REPEATS.value)
     report(result)
     if _JSON.value:
         with open(_JSON.value, "w") as f:

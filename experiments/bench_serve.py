@@ -6,6 +6,12 @@ gaps between successive streamed chunks, as `vllm bench serve` counts them) perc
     python -m experiments.bench_serve --url=... --request_rate=2,8 --num_prompts=200 --tokenizer=HF_DIR
     python -m experiments.bench_serve --url=... --peer=transformers --peer_model=HF_DIR --tokenizer=HF_DIR
 
+`--speculative=ngram|draft` starts train.serve itself on --model_dir twice, speculation off then on (draft: with
+--draft), and measures both with the same requests over the usual random prompts and repetitive ones
+(experiments/bench_serve_spec.py):
+
+    python -m experiments.bench_serve --speculative=ngram --model_dir=HF_DIR --tokenizer=HF_DIR --concurrency=1,16
+
 `--engine_only` measures the serving engine (train/serve/) in process, no HTTP: the step time at a full batch of
 --engine_seqs decoding sequences beside a bare jitted decode step of the same model, batch and cache length over a
 contiguous KV cache (experiments/bare_decode.py), and the engine's throughput by serve.max_num_seqs
@@ -21,13 +27,13 @@ import dataclasses
 import json
 import logging
 import os
-import subprocess
-import sys
 import time
 
 import httpx
 import numpy as np
 from absl import app, flags
+
+from experiments import bench_servers as servers
 
 FLAGS = flags.FLAGS
 
@@ -46,8 +52,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("vocab", 256, "Random prompt ids are drawn below this (without --tokenizer).")
     flags.DEFINE_string("tokenizer", "", "A Hugging Face model directory: random ids are decoded to "
              "text with its tokenizer (servers that take text prompts only).")
-    flags.DEFINE_string("prompts", "", "A text file of prompts, one a line, used in turn instead of "
-             "random ones.")
+    flags.DEFINE_list("prompts", [], "Prompt sets, one table block each: usual (random text or ids, the default), "
+                      "repetitive (a passage said twice and begun again), or a text file of prompts, one a line.")
     flags.DEFINE_integer("seed", 0, "Seed of the prompts and the arrival times.")
     flags.DEFINE_integer("repeat", 1, "Runs of each level; the table shows each figure's median over them (a "
                          "shared or noisy machine).")
@@ -67,6 +73,14 @@ def define_flags() -> None:
     flags.DEFINE_list("seqs", ["1", "8", "16"], "--engine_only: serve.max_num_seqs values of the throughput "
              "table (empty: no table).")
     flags.DEFINE_integer("steps", 20, "--engine_only: decode steps timed (the median is reported).")
+    flags.DEFINE_enum("speculative", "", ["", "ngram", "draft"], "Start train.serve on --model_dir with speculation "
+                      "off, then with this, and measure both (default prompt sets: usual,repetitive).")
+    flags.DEFINE_string("model_dir", "", "--speculative: the model train.serve serves (a run's directory or a "
+                        "Hugging Face one).")
+    flags.DEFINE_string("draft", "", "--speculative=draft: the draft model (serve.draft: a run's directory or hf:DIR).")
+    flags.DEFINE_integer("num_speculative_tokens", 0, "--speculative: serve.num_speculative_tokens (0: its default).")
+    flags.DEFINE_integer("serve_port", 8032, "--speculative: the port of train.serve without speculation "
+                         "(127.0.0.1); the next one: with it.")
 
 
 @dataclasses.dataclass
@@ -171,18 +185,23 @@ async def run_level(url: str, bodies: list[dict], concurrency: int = 0, rate: fl
         return list(results), time.perf_counter() - start
 
 
-def make_prompts(n: int, input_len: int, seed: int):
-    """`n` prompts: lines of --prompts in turn, else random token ids (with --tokenizer: text that reads back at
-    `input_len` tokens)."""
-    if FLAGS.prompts:
-        lines = [line for line in open(FLAGS.prompts, encoding="utf-8").read().splitlines() if line.strip()]
+def make_prompts(kind: str, n: int, input_len: int, seed: int):
+    """`n` prompts of a set (--prompts): `usual` random token ids (with --tokenizer: text that reads back at
+    `input_len` tokens), `repetitive` a passage said until the prompt is full, else the lines of a file in turn."""
+    from experiments import bench_serve_spec as spec
+    if kind not in ("usual", "repetitive"):
+        lines = [line for line in open(kind, encoding="utf-8").read().splitlines() if line.strip()]
         return [lines[i % len(lines)] for i in range(n)]
     if not FLAGS.tokenizer:
+        if kind == "repetitive":
+            return spec.repetitive_ids(n, input_len, FLAGS.vocab, seed)
         return np.random.default_rng(seed).integers(0, FLAGS.vocab, (n, input_len)).tolist()
     from transformers import AutoTokenizer  # the hf extra, only for text prompts
     tok = AutoTokenizer.from_pretrained(FLAGS.tokenizer)
     rng = np.random.default_rng(seed)
     whole = whole_character_ids(tok)
+    if kind == "repetitive":
+        return [spec.repetitive_text(tok, rng, whole, input_len, steady_text) for _ in range(n)]
     return [steady_text(tok, rng, whole, input_len) for _ in range(n)]
 
 
@@ -218,8 +237,10 @@ def served_model(url: str, headers: dict) -> str:
     return response.json()["data"][0]["id"]
 
 
-def measure(server: str, url: str, model: str, prompts: list, peer: str = "") -> list[dict]:
-    """Every level against one server: one row each."""
+def measure(server: str, url: str, model: str, prompts: list, peer: str = "", around=None,
+            repeat: int | None = None) -> list[dict]:
+    """Every level against one server, each `repeat` times (default --repeat): one row each (`around(url)`,
+    called before a level, returns what to call after it for more figures of its row)."""
     headers = {"Authorization": f"Bearer {FLAGS.api_key}"} if FLAGS.api_key else {}
     model = model or served_model(url, headers)
     bodies = [request_body(model, p, FLAGS.output_len, peer) for p in prompts]
@@ -228,13 +249,15 @@ def measure(server: str, url: str, model: str, prompts: list, peer: str = "") ->
     rows = []
     for kind, value in levels:
         kw = {"rate": value} if kind == "rate" else {"concurrency": value}
+        after = around(url) if around else dict
         runs = [asyncio.run(run_level(url, bodies, seed=FLAGS.seed, headers=headers, timeout=FLAGS.timeout, **kw))
-                for _ in range(FLAGS.repeat)]
+                for _ in range(repeat or FLAGS.repeat)]
+        extra = after()
         results = runs[0][0]
         errors = sorted({r.error for rs, _ in runs for r in rs if not r.ok})
         rows.append({"server": server, kind: value, "input_len": FLAGS.input_len,
                      "output_len": FLAGS.output_len, **median_summary([summarize(*run) for run in runs]),
-                     **({"errors": errors[:3]} if errors else {}),
+                     **extra, **({"errors": errors[:3]} if errors else {}),
                      "texts": [r.text if r.ok else None for r in results]})
     return rows
 
@@ -276,41 +299,6 @@ def print_table(rows: list[dict]) -> None:
             print(f"  error: {e}")
 
 
-@contextlib.contextmanager
-def transformers_server(model_dir: str, port: int):
-    """`transformers serve --continuous-batching` on 127.0.0.1:port with `model_dir` preloaded, until exit."""
-    exe = os.path.join(os.path.dirname(sys.executable), "transformers")
-    proc = subprocess.Popen([exe, "serve", "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
-                             "--device", "cpu" if not _has_cuda() else "auto", model_dir],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"error: --peer=transformers: the server exited: {proc.stderr.read()[-500:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit("error: --peer=transformers: the server did not answer /health within 300 s")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-        if proc.poll() is None:
-            proc.kill()
-
-
-def _has_cuda() -> bool:
-    with contextlib.suppress(ImportError):
-        import torch
-        return torch.cuda.is_available()
-    return False
-
-
 def main(argv):
     del argv
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the table
@@ -318,7 +306,14 @@ def main(argv):
         raise app.UsageError("--peer_model: give the train.export_hf output directory the peer serves")
     if FLAGS.peer and not (FLAGS.tokenizer or FLAGS.prompts):
         raise app.UsageError("--tokenizer: the peer takes text prompts; give the exported model directory")
-    if FLAGS.engine_only:
+    if FLAGS.speculative and not (FLAGS.model_dir and os.path.isdir(FLAGS.model_dir)):
+        raise app.UsageError("--model_dir: give the directory train.serve serves (a run's, or a Hugging Face one)")
+    if FLAGS.speculative == "draft" and not FLAGS.draft:
+        raise app.UsageError("--draft: give the draft model (a run's directory or hf:DIR)")
+    if FLAGS.speculative:
+        from experiments import bench_serve_spec
+        rows = bench_serve_spec.rows(FLAGS, make_prompts, measure)
+    elif FLAGS.engine_only:
         rows = engine_rows(FLAGS.preset, FLAGS.vocab_size, FLAGS.engine_seqs, [int(s) for s in FLAGS.seqs],
                            FLAGS.num_prompts, FLAGS.input_len, FLAGS.output_len, FLAGS.steps)
     else:
@@ -329,10 +324,10 @@ def main(argv):
 
 
 def serve_rows() -> list[dict]:
-    prompts = make_prompts(FLAGS.num_prompts, FLAGS.input_len, FLAGS.seed)
+    prompts = make_prompts((FLAGS.prompts or ["usual"])[0], FLAGS.num_prompts, FLAGS.input_len, FLAGS.seed)
     rows = measure("ours", FLAGS.url.rstrip("/"), FLAGS.model, prompts) if FLAGS.url else []
     if FLAGS.peer:
-        with transformers_server(FLAGS.peer_model, FLAGS.peer_port) as url:
+        with servers.transformers_server(FLAGS.peer_model, FLAGS.peer_port) as url:
             rows += measure(FLAGS.peer, url, "", prompts, peer=FLAGS.peer)
     same_outputs(rows)
     print_table(rows)

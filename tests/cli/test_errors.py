@@ -20,7 +20,7 @@ NOT_USER_ERRORS = {
     "checkpoint.local.Unusable": None,  # caught inside checkpoint/restore.py, which tries the next step of either tier
     "train.exit_codes.Stop": None,  # carries its own status
     "train.data.chat.Skip": None,  # caught inside train/data/chat.py, which counts the record it skips
-    "train.serve.protocol.BadRequest": None,  # a client's request, answered 400 by train/serve/server.py
+    "train.serve.requests.RequestError": None,  # a request's value, answered 400 by train/serve/server.py
     "train.serve.loop.QueueFull": None,  # a full queue, answered 429 by train/serve/server.py
 }
 

@@ -101,6 +101,9 @@ def test_an_exported_run_greedy_decodes_past_the_window_as_train_sample(trained)
     prompt = list(TOKENS[0, :20])  # longer than the window: the sliding layers drop its first positions
     request = sample_lib.Request(prompt_tokens=",".join(map(str, prompt)), max_new=16, as_json=True)
     ours = json.loads(sample_lib.sample(run, None, request, None))["tokens"]
+    # train.sample takes serve.* too: prompt lookup's guesses over the sliding layers' pages give the same tokens.
+    guessing = {"speculative": "ngram", "num_speculative_tokens": 3}
+    assert json.loads(sample_lib.sample(run, None, request, None, guessing))["tokens"] == ours
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert type(model).__name__ == "Gemma3ForCausalLM"
     with torch.no_grad():
@@ -163,10 +166,9 @@ def test_the_engine_decodes_8x_the_window_with_a_sliding_layers_pages_bounded():
     while engine.has_work():
         for o in engine.step():
             out = o if o.finished else out
-        seq = engine._by_id.get("a")
-        if seq is not None:
-            held.append(engine.scheduler.held_pages(seq))
-    assert [g.window for g in engine.groups] == [8, 0]
+        if "a" in engine.requests:
+            held.append(engine.kv.held("a"))
+    assert engine.runner.windows == [8, 0]
     sliding, causal = zip(*held)
     assert max(sliding) <= window_pages(8, 4) == 3 and causal[-1] == 16 > causal[0]  # 64 tokens: 8x the window
     tokens = prompt + out.token_ids

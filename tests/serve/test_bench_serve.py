@@ -61,3 +61,18 @@ def test_text_prompts_read_back_at_their_length():
     texts = [bench.steady_text(tok, rng, bench.whole_character_ids(tok), 12) for _ in range(64)]
     assert {len(tok.encode(t, add_special_tokens=False)) for t in texts} == {12}
     assert len(set(texts)) == 64
+
+
+def test_the_speculative_comparison_reads_acceptance_and_compares_with_off():
+    from experiments import bench_serve_spec as spec
+    before = dict.fromkeys(spec.SPEC_METRICS, 10.0)
+    after = dict(zip(spec.SPEC_METRICS, (50.0, 40.0, 20.0)))  # 40 proposed, 30 accepted over 10 steps
+    assert spec.acceptance(before, after) == {"accepted": 0.75, "mean_len": 4.0}
+    rows = [{"server": "off", "prompts": "usual", "concurrency": 1, "output_tokens_per_s": 50.0, "texts": ["a", "b"]},
+            {"server": "ngram", "prompts": "usual", "concurrency": 1, "output_tokens_per_s": 120.0,
+             "texts": ["a", None]}]
+    spec.compare(rows)
+    assert (rows[1]["x_off"], rows[1]["same"]) == (2.4, 1) and "x_off" not in rows[0]
+    assert not any("texts" in r for r in rows)
+    prompts = spec.repetitive_ids(2, 10, 256, 0)
+    assert [len(p) for p in prompts] == [10, 10] and prompts[0][:3] == prompts[0][3:6] == prompts[0][6:9]

@@ -1,8 +1,8 @@
-"""The scheduler's pages per cache group (train/serve/scheduler.py), without a model: a sliding group's sequence
-holds its window's pages alone and gives the others back while a causal group's grows; the prefix cache reuses both
-kinds' pages; a sliding group too small preempts as a causal one does."""
+"""The KV-cache manager's pages per cache group (train/serve/pages.py) under the scheduler, without a model: a
+sliding group's sequence holds its window's pages alone and gives the others back while a causal group's grows; the
+prefix cache reuses both kinds' pages; a sliding group too small preempts as a causal one does."""
 from train.config.sections import ServeSection
-from train.serve.pages import Pages
+from train.serve.pages import KVCacheManager
 from train.serve.sampling import SamplingParams
 from train.serve.scheduler import Scheduler, Sequence
 
@@ -12,7 +12,7 @@ PAGE, WINDOW = 4, 8
 def _scheduler(causal_pages=64, sliding_pages=16, **settings):
     settings = ServeSection(**{"page_size": PAGE, "max_num_seqs": 4, "max_batch_tokens": 16, "prefill_chunk": 8,
                                **settings})
-    return Scheduler([Pages(causal_pages), Pages(sliding_pages)], [0, WINDOW], settings)
+    return Scheduler(KVCacheManager([causal_pages, sliding_pages], [0, WINDOW], PAGE), settings)
 
 
 def _run(scheduler, seq, tokens_out: int) -> list[list[int]]:
@@ -24,7 +24,7 @@ def _run(scheduler, seq, tokens_out: int) -> list[list[int]]:
             scheduler.computed(chunk)
             if chunk.samples:
                 chunk.seq.output.append(7)
-        held.append(scheduler.held_pages(seq))
+        held.append(scheduler.kv.held(seq.request_id))
     return held
 
 
@@ -35,8 +35,9 @@ def test_a_sliding_group_holds_its_window_while_a_causal_group_grows():
     held = _run(scheduler, seq, 30)
     causal, sliding = zip(*held)
     assert causal[-1] == -(-seq.length() // PAGE) == 13 and max(sliding[3:]) == -(-WINDOW // PAGE) + 1
-    assert scheduler.pages[1].used() == sliding[-1]  # the passed pages went back
-    released = [p for p in seq.pages[1][:scheduler.first_needed(WINDOW, seq.computed)]]
+    kv = scheduler.kv
+    assert kv.groups[1].used() == sliding[-1]  # the passed pages went back
+    released = kv.tables("a")[1][:kv.first_needed(WINDOW, seq.computed)]
     assert released and set(released) == {0}
 
 
@@ -51,9 +52,10 @@ def test_the_prefix_cache_reuses_both_kinds_of_pages():
     scheduler.waiting.append(second)
     scheduler.plan()
     # All 6 pages hit in the causal group; in the sliding group the pages the next position's window reaches.
-    assert second.computed == 24 and scheduler.prefix_hits == 6
-    assert [p != 0 for p in second.pages[1][:6]] == [False] * 4 + [True] * 2  # positions 17.. of 24
-    assert second.pages[0][:6] == first_pages(scheduler, prompt)
+    assert second.computed == 24 and scheduler.kv.prefix_hits == 6
+    tables = scheduler.kv.tables("b")
+    assert [p != 0 for p in tables[1][:6]] == [False] * 4 + [True] * 2  # positions 17.. of 24
+    assert tables[0][:6] == first_pages(scheduler, prompt)
 
 
 def first_pages(scheduler, prompt):
@@ -61,7 +63,7 @@ def first_pages(scheduler, prompt):
     key, out = None, []
     for i in range(len(prompt) // PAGE):
         key = (key, tuple(prompt[i * PAGE:(i + 1) * PAGE]))
-        out.append(scheduler.pages[0].cached[key])
+        out.append(scheduler.kv.groups[0].cached[key])
     return out
 
 
@@ -74,5 +76,5 @@ def test_a_short_sliding_group_preempts_the_newest_sequence():
             scheduler.computed(chunk)
             if chunk.samples:
                 chunk.seq.output.append(7)
-        assert scheduler.pages[1].used() <= 6
+        assert scheduler.kv.groups[1].used() <= 6
     assert scheduler.preemptions > 0 and seqs[0] in scheduler.running

@@ -121,7 +121,7 @@ def test_a_small_pool_completes_every_request(dense):
 def test_tensor_split_equals_one_device(dense):
     placed = _placed(num_devices=2, tensor=2)
     engine = Engine.build(placed, FEW)
-    assert engine.pool["k"][0].sharding.spec[0] == "tensor"
+    assert engine.runner.pool["k"][0].sharding.spec[0] == "tensor"
     got = [o.token_ids for o in engine.generate(PROMPTS, SamplingParams(max_tokens=NEW))]
     assert got == [o.token_ids for o in dense[1].generate(PROMPTS, SamplingParams(max_tokens=NEW))]
 
@@ -154,7 +154,7 @@ def test_mixture_of_experts_decodes_its_forward():
     want = [_reference(placed, p, 4) for p in PROMPTS[:2]]
     assert _staggered(Engine.build(placed, FEW), PROMPTS[:2], 4) == want
     split = Engine.build(_placed(num_devices=2, experts=4, expert=2), ONE_STEP)
-    assert split.buckets == [8] and split.placed.mesh.shape["expert"] == 2
+    assert split.runner.buckets == [8] and split.placed.mesh.shape["expert"] == 2
     assert _staggered(split, PROMPTS[:2], 4) == want
 
 
@@ -178,4 +178,4 @@ def test_abort_returns_the_pages_and_says_so(dense):
     [out] = engine.step()
     assert (out.request_id, out.finished, out.finish_reason) == ("gone", True, "abort")
     assert not engine.has_work() and engine.stats()["running"] == 0
-    assert all(p.refs.count(0) == p.num_pages for p in engine.pages)  # cached pages may stay, held by none
+    assert all(p.refs.count(0) == p.num_pages for p in engine.kv.groups)  # cached pages may stay, held by none

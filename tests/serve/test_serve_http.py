@@ -5,6 +5,7 @@ client gone mid-stream frees its pages, a drain refuses new requests and finishe
 bad flags are one error line, exit 2."""
 import dataclasses
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +28,7 @@ from train.serve.server import Served, create_app, run_in_thread
 
 KEY = "test-key"
 SETTINGS = Settings(page_size=4, max_num_seqs=4, max_batch_tokens=32, prefill_chunk=8, max_waiting=2,
-                    min_step_tokens=8)  # three step shapes compiled (8, 16, 32)
+                    min_step_tokens=8, max_body_bytes=1 << 18)  # three step shapes compiled (8, 16, 32)
 CONTEXT = 96
 PROMPT = [5, 9, 2, 7, 1, 3]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
@@ -123,12 +124,17 @@ def test_models_health_and_metrics(server):
     text = http.get("/metrics").text
     for name in ("serve_running_requests", "serve_waiting_requests", "serve_kv_pages_used", "serve_kv_pages_free",
                  "serve_prefix_cache_hit_rate", "serve_time_to_first_token_seconds_bucket",
-                 "serve_inter_token_latency_seconds_bucket", "serve_generation_tokens_total"):
+                 "serve_inter_token_latency_seconds_bucket", "serve_generation_tokens_total",
+                 "serve_spec_decode_draft_tokens_total", "serve_spec_decode_accepted_tokens_total",
+                 "serve_spec_decode_verify_steps_total", "serve_spec_decode_mean_accepted_length"):
         assert f"\n{name}" in text, name
     values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     generated = server["served"].engine.stats()["tokens_generated"]
     assert generated > 0 and float(values["serve_generation_tokens_total"]) == generated
     assert float(values["serve_kv_pages_used"]) == 0 and float(values["serve_running_requests"]) == 0
+
+
+DEEP = 100_000
 
 
 @pytest.mark.parametrize("body, param", [
@@ -139,6 +145,17 @@ def test_models_health_and_metrics(server):
     ({"prompt": "a", "top_p": 0}, "top_p"),
     ({"prompt": [1, 2, 999]}, "prompt"),
     ({"prompt": "a", "max_tokens": CONTEXT}, "max_tokens"),
+    ('{"prompt": "\\ud800abc"}', "prompt"),  # a lone surrogate: not text
+    ('{"prompt": ' + "[" * DEEP + "]" * DEEP + "}", None),  # too deep for the JSON parser
+    ('{"prompt": "a", "user": ' + "[" * 40 + "]" * 40 + "}", "user"),  # parsed, then too deep
+    ('{"prompt": "a", "temperature": Infinity}', "temperature"),
+    ('{"prompt": "a", "top_p": NaN}', "top_p"),
+    ({"prompt": "a", "max_tokenz": 8}, "max_tokenz"),
+    ({"prompt": "a", "best_of": 2}, "best_of"),
+    ({"prompt": "a", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "a", "suffix": "b"}, "suffix"),
+    ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "a", "n": 2}, "n"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, body, param):
     data = body if isinstance(body, str) else json.dumps(body)
@@ -148,11 +165,40 @@ def test_bad_requests_are_400_naming_the_field(server, body, param):
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
 
 
-def test_chat_bad_messages_and_logprobs_are_400(server):
-    http = server["http"]
-    assert http.post("/v1/chat/completions", json={"messages": "hi"}).json()["error"]["param"] == "messages"
-    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "top_logprobs": 2})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+@pytest.mark.parametrize("change, param", [
+    ({"messages": "hi"}, "messages"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"echo": True}, "echo"),
+])
+def test_chat_bad_requests_are_400_naming_the_field(server, change, param):
+    r = server["http"].post("/v1/chat/completions", json={"messages": MESSAGES, **change})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_fields_that_ask_for_nothing_pass_and_a_tiny_top_p_keeps_the_likeliest(server):
+    """top_p 1e-300 (0 in float32) keeps the most likely token alone: the greedy one."""
+    http, codec = server["http"], server["served"].placed.codec
+    body = {"prompt": PROMPT, "max_tokens": 4, "best_of": 1, "logit_bias": {}, "suffix": "", "user": "u",
+            "presence_penalty": 0}
+    greedy = http.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+    r = http.post("/v1/completions", json={**body, "temperature": 1.0, "top_p": 1e-300, "seed": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy == \
+        codec.decode(_greedy(server["served"].placed, PROMPT, 4))
+
+
+def test_every_error_is_in_openais_format(server):
+    http, url = server["http"], server["url"]
+    big = http.post("/v1/completions", content=b'{"prompt": "' + b"a" * (1 << 19) + b'"}')
+    chunked = http.post("/v1/completions", content=iter([b'{"prompt": "', b"a" * (1 << 19), b'"}']))
+    missing = http.get("/v1/nothing")
+    wrong = http.get("/v1/completions")
+    for r, status in ((big, 413), (chunked, 413), (missing, 404), (wrong, 405)):
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+    assert httpx.get(url + "/v1/models").json()["error"]["code"] == "invalid_api_key"
 
 
 def test_api_key(server):
@@ -172,6 +218,47 @@ def test_full_queue_is_429_with_retry_after(server):
             served.engine.abort(f"filler-{i}")
     assert r.status_code == 429 and r.headers["Retry-After"] == "1", r.text
     assert _all_free(served)
+
+
+def test_echo_puts_the_prompt_and_its_log_probabilities_first(server):
+    """`echo` with `logprobs` (what lm-eval's local-completions model scores with): the prompt's tokens' log-
+    probabilities equal the forward pass's, the first one null."""
+    http, placed = server["http"], server["served"].placed
+    codec = placed.codec
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "logprobs": 1,
+                                           "echo": True}).json()["choices"][0]
+    logits = np.asarray(jax.jit(lambda p, t: models.forward(p, t, placed.model))(
+        placed.params, np.asarray([PROMPT], np.int32))[0], np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
+        logits.max(-1, keepdims=True)
+    want = [logp[i, t] for i, t in enumerate(PROMPT[1:])]
+    lp = r["logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and len(lp["tokens"]) == 7
+    np.testing.assert_allclose(lp["token_logprobs"][1:6], want, atol=1e-5)
+    assert r["text"] == codec.decode(PROMPT) + codec.decode(_greedy(placed, PROMPT, 1))
+    plain = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, "temperature": 0, "echo": True})
+    assert plain.json()["choices"][0]["text"].startswith("ab")
+
+
+def test_a_client_gone_without_streaming_frees_its_slot_within_2_seconds(server):
+    """The engine is held between steps while the client times out and hangs up: its request then leaves within
+    a step, read from /metrics."""
+    served, loop, http = server["served"], server["service"].loop, server["http"]
+    before = served.engine.stats()["tokens_generated"]
+    body = {"prompt": PROMPT, "max_tokens": CONTEXT - len(PROMPT), "temperature": 0}
+    with loop.lock:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json=body, timeout=0.5)
+    deadline, values = time.monotonic() + 2, {}
+    while time.monotonic() < deadline:
+        text = http.get("/metrics").text
+        values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        if float(values["serve_running_requests"]) == float(values["serve_waiting_requests"]) == 0 and \
+                float(values["serve_kv_pages_used"]) == 0:
+            break
+        time.sleep(0.02)
+    assert float(values["serve_running_requests"]) == 0 and float(values["serve_kv_pages_used"]) == 0, values
+    assert served.engine.stats()["tokens_generated"] - before < CONTEXT - len(PROMPT)
 
 
 def test_a_client_gone_mid_stream_frees_its_pages(server):
@@ -239,6 +326,28 @@ def test_the_command_fails_in_one_line_before_loading():
                        text=True, timeout=120)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --workdir="), r.stderr
+
+
+def test_a_pool_too_small_a_port_in_use_and_an_unknown_host_are_one_line_before_loading(tmp_path):
+    """`--config.serve.kv_pages=1` over a Hugging Face directory holding config.json alone (no weights: the error
+    comes before they are read), with --num_cpu_devices as every command takes it; the address checks in process."""
+    from train.config.experiment import ConfigError
+    from train.serve import command
+    cfg = models.from_dict({"preset": "llama3-tiny", "seq_len": 64})
+    (tmp_path / "config.json").write_text(json.dumps(models.family_of(cfg).hf.hf_config(cfg, "float32", None, 0)))
+    r = subprocess.run([sys.executable, "-m", "train.serve", f"--hf={tmp_path}", "--port=0", "--num_cpu_devices=2",
+                        "--config.serve.kv_pages=1"], capture_output=True, text=True, timeout=300)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: serve.kv_pages=1: too few for one "
+                                                                         "sequence of 64 positions"), r.stderr
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--port={port}: cannot listen on 127.0.0.1:{port}"):
+            command.check_address("127.0.0.1", port)
+    with pytest.raises(ConfigError, match="--host=no-such-host.invalid: cannot resolve it"):
+        command.check_address("no-such-host.invalid", 8000)
 
 
 def test_a_hugging_face_directory_is_served_within_the_context_its_config_names(tmp_path):

@@ -129,6 +129,34 @@ def test_data_2_tensor_2_scores_as_one_device(run, ours, monkeypatch):
     np.testing.assert_allclose(_lls(sharded), _lls(ours), atol=1e-5, rtol=0)
 
 
+def test_lm_evals_local_completions_model_against_the_server_scores_as_we_do(run, ours, monkeypatch):
+    """lm_eval's `local-completions` model (echo with logprobs, tokenized with the export's tokenizer) against
+    train.serve's app over the same run gives train.eval's log-likelihoods and accuracy. lm_eval's max_length 18
+    sends rows of 17 tokens, as train.eval keeps (seq_len + 1), and asks for one new token: the engine takes 18."""
+    from train import placed as placed_lib
+    from train.serve.engine import Engine, Settings
+    from train.serve.server import Served, create_app, run_in_thread
+    workdir, export = run
+    monkeypatch.chdir(ROOT)
+    placed = placed_lib.from_run(workdir, mesh={"data": 1}, num_devices=1)
+    engine = Engine.build(placed, Settings(page_size=4, max_num_seqs=4, max_batch_tokens=32, prefill_chunk=8,
+                                           min_step_tokens=32), max_context=18)
+    app = create_app(Served(placed, engine, "run"))
+    server, port = run_in_thread(app)
+    try:
+        manager = lm_eval.tasks.TaskManager(include_path=INCLUDE, include_defaults=False)
+        theirs = lm_eval.simple_evaluate(
+            model="local-completions", tasks=["tiny_choice"], task_manager=manager, verbosity="WARNING",
+            model_args=f"base_url=http://127.0.0.1:{port}/v1/completions,model=run,tokenizer_backend=huggingface,"
+                       f"tokenizer={export},max_length=18")
+    finally:
+        server.should_exit = True
+        app.state.service.close()
+    np.testing.assert_allclose(_lls(theirs), _lls(ours), atol=1e-4, rtol=0)
+    for metric in ("acc,none", "acc_norm,none"):
+        assert theirs["results"]["tiny_choice"][metric] == ours["results"]["tiny_choice"][metric]
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(include_path="tests/fixtures/no_such_folder"), "--include_path=tests/fixtures/no_such_folder: no such file"),
     (dict(tasks=("tiny_choice", "no_such_task_xyz")), "--tasks: no task 'no_such_task_xyz' in lm_eval's registry"),

@@ -116,7 +116,7 @@ def test_a_split_run_learns_with_the_engines_weights_synced_in_place_and_nothing
         assert float(metrics["logprob_max_diff"]) <= 1e-5
         expected = paged.unstack(before, trainer.model)
         for engine in trainer._actor.engines:
-            for ours, theirs in zip(jax.tree.leaves(jax.device_get(engine.weights)), jax.tree.leaves(expected)):
+            for ours, theirs in zip(jax.tree.leaves(jax.device_get(engine.runner.weights)), jax.tree.leaves(expected)):
                 np.testing.assert_array_equal(ours, theirs)
     jax.monitoring.unregister_event_duration_listener(listen)
     assert compiles == []

@@ -194,6 +194,20 @@ class ServeSection(Section):
     prefix_cache: bool = setting(True, "share the cached pages of a prompt's leading full pages")
     max_waiting: int = setting(256, "requests queued before new ones are refused", above=0, whole=True,
                                error="use a whole number >= 1")
+    speculative: str = setting("off", "speculative decoding: off, ngram (prompt lookup in the sequence's own "
+                               "tokens), draft (serve.draft proposes), mtp (the model's multi-token-prediction "
+                               "modules)", choices=("off", "ngram", "draft", "mtp"))
+    num_speculative_tokens: int = setting(7, "the most tokens proposed per sequence and step (fewer as the "
+                                          "batch fills; 7: a lone sequence's step of 8 tokens)", above=0, whole=True,
+                                          error="use a whole number >= 1")
+    ngram_max: int = setting(4, "serve.speculative=ngram: the longest suffix of a sequence looked up in its own "
+                             "tokens", above=0, whole=True, error="use a whole number >= 1")
+    ngram_min: int = setting(2, "serve.speculative=ngram: the shortest such suffix (<= serve.ngram_max)", above=0,
+                             whole=True, error="use a whole number >= 1")
+    draft: str = setting("", "serve.speculative=draft: the draft model, a run's workdir or hf:DIR (a smaller "
+                         "model with the same vocabulary)", allowed="a directory")
+    max_body_bytes: int = setting(8 << 20, "the largest request body the server reads (larger: 413)", above=0,
+                                  whole=True, error="use a whole number of bytes >= 1")
 
 
 PLACEMENTS = ("colocated", "split")

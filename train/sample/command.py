@@ -24,13 +24,14 @@ from train.data import loader as data_lib
 from train.data import tokenizer as tok_lib
 from train.sample import prompt as prompt_lib
 from train.serve import engine as serve
+from train.serve import speculative
 
 FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
     """Defined only when run as a command, so tests can import `sample` beside other tools' flags."""
-    cli.config_dict("config", base_config(), "Only --config.mesh.* overrides are read.")
+    cli.config_dict("config", base_config(), "Only --config.mesh.* and --config.serve.* overrides are read.")
     flags.DEFINE_string("workdir", None, "The training run's directory.", required=True)
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
     flags.DEFINE_string("prompt", None, "Prompt text, encoded with the run's tokenizer (its DATADIR's "
@@ -68,6 +69,12 @@ def mesh_overrides() -> dict[str, int]:
             if any(arg.startswith(f"--config.mesh.{name}=") for arg in sys.argv)}
 
 
+def serve_overrides() -> dict:
+    """The --config.serve.* flags given on the command line (e.g. serve.speculative; the run's own otherwise)."""
+    return {name: FLAGS.config.serve[name] for name in FLAGS.config.serve
+            if any(arg.startswith(f"--config.serve.{name}=") for arg in sys.argv)}
+
+
 def check_flags() -> None:
     """The sampling flags, before anything is loaded."""
     value = lambda name: FLAGS[name].value  # noqa: E731
@@ -81,10 +88,14 @@ def check_flags() -> None:
             raise ConfigError(f"--{name}={value(name)}: must be {rule}")
 
 
-def sample(workdir: pathlib.Path, step: int | None, request: Request, mesh: dict | None = None) -> str:
+def sample(workdir: pathlib.Path, step: int | None, request: Request, mesh: dict | None = None,
+           serve_settings: dict | None = None) -> str:
     """The text train.sample prints: the run's model placed on its decoding mesh (placed.decoding_config),
-    restored from checkpoint `step` (default: the newest); nothing of training (optimizer, train step) is built."""
-    plan = resolve(placed_lib.decoding_config(workdir, mesh), jax.device_count())
+    restored from checkpoint `step` (default: the newest); nothing of training (optimizer, train step) is built.
+    `serve_settings`: serve.* values over the run's (the engine's: speculative decoding, pages)."""
+    config = placed_lib.decoding_config(workdir, mesh)
+    config.serve.update(serve_settings or {})
+    plan = resolve(config, jax.device_count())
     placed = placed_lib.of_plan(plan)
     codec = tok_lib.load_run_codec(workdir)
     if request.eval_batches:
@@ -101,11 +112,14 @@ def sample(workdir: pathlib.Path, step: int | None, request: Request, mesh: dict
         raise ConfigError(f"--max_new_tokens={max_new}: the prompt and new tokens ({len(prompt) + max_new}) exceed "
                           f"the {limit} positions the model takes (model.seq_len, within model.max_positions); "
                           f"lower it to {max(limit - len(prompt), 0)} or less, or shorten the prompt")
+    speculative.check_settings(plan.serve, plan.model)
     placed = placed_lib.restore(placed, workdir, step)
-    # One sequence: steps of one token, and prompt chunks of at most its length (fewer step shapes to compile).
+    # One sequence: steps of one token (and its speculative tokens), and prompt chunks of at most its length (fewer
+    # step shapes to compile).
     chunk = min(plan.serve.prefill_chunk, len(prompt))
+    most = max(chunk, 1 + (plan.serve.num_speculative_tokens if plan.serve.speculative != "off" else 0))
     engine = serve.Engine.build(placed, dataclasses.replace(plan.serve, max_num_seqs=1, prefill_chunk=chunk,
-                                                            max_batch_tokens=chunk))
+                                                            max_batch_tokens=most))
     [out] = engine.generate([prompt], dataclasses.replace(request.sampling, max_tokens=max_new))
     return prompt_lib.render(codec, prompt, out.token_ids, request.as_json)
 
@@ -134,5 +148,5 @@ def main(argv: list[str]) -> int:
     check_flags()
     use_cpu_devices(FLAGS.num_cpu_devices)
     workdir = pathlib.Path(FLAGS.workdir).expanduser()
-    print(sample(workdir, FLAGS.step, request_from_flags(), mesh_overrides()))
+    print(sample(workdir, FLAGS.step, request_from_flags(), mesh_overrides(), serve_overrides()))
     return exit_codes.OK

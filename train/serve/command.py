@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import pathlib
 import signal
+import socket
 import sys
 import threading
 
 from absl import app, flags, logging
 
+from mesh import use_cpu_devices
 from mesh.layout import AXES
 from train import cli, exit_codes
 from train.config.experiment import ConfigError, base_config
@@ -32,6 +34,8 @@ def define_flags() -> None:
                         "directory's name).")
     flags.DEFINE_string("api_key", "", "When set, /v1/* requests need `Authorization: Bearer KEY` (else 401).")
     flags.DEFINE_float("drain_seconds", 30.0, "On SIGTERM, how long running requests may take to finish.")
+    flags.DEFINE_integer("num_cpu_devices", 8, "Virtual devices when the platform is CPU (one serves unless "
+                         "--config.mesh.* asks for more).")
 
 
 def overrides(section: str) -> dict:
@@ -51,6 +55,9 @@ def check_flags() -> pathlib.Path:
         raise ConfigError(f"--port={FLAGS.port}: use a port in [0, 65535]")
     if FLAGS.drain_seconds < 0:
         raise ConfigError(f"--drain_seconds={FLAGS.drain_seconds}: use seconds >= 0")
+    if FLAGS.num_cpu_devices < 1:
+        raise ConfigError(f"--num_cpu_devices={FLAGS.num_cpu_devices}: use a whole number >= 1")
+    check_address(FLAGS.host, FLAGS.port)
     for package in ("fastapi", "uvicorn", "prometheus_client", "jinja2"):
         extras.check(package, "python -m train.serve")
     name = "workdir" if FLAGS.workdir is not None else "hf"
@@ -68,21 +75,40 @@ def check_flags() -> pathlib.Path:
     return path
 
 
+def check_address(host: str, port: int) -> None:
+    """--host resolves and --port is free there: bound once and let go, before minutes of loading."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"--host={host}: cannot resolve it ({e}); give an address such as 127.0.0.1 or "
+                          f"0.0.0.0") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ConfigError(f"--port={port}: cannot listen on {host}:{port} ({e.strerror}); stop what holds it "
+                              f"or choose another port") from None
+
+
 def load(path: pathlib.Path):
     """The Served model of --workdir or --hf, its engine built (compiled) on the run's serve.* settings."""
     import dataclasses
 
     import jax
 
+    from models import paged
     from train import placed as placed_lib
     from train.config.experiment import resolve
     from train.data import chat
     from train.data import tokenizer as tok_lib
     from train.hf import serving as hf_serving
-    from train.serve import replicas
+    from train.serve import replicas, runner, speculative
     from train.serve.server import Served
 
-    mesh = overrides("mesh") or ({a: 1 for a in AXES} if jax.default_backend() == "cpu" else None)
+    mesh = overrides("mesh")
+    one = not mesh and jax.default_backend() == "cpu"  # on CPU one device serves unless a mesh is asked for
+    mesh, devices = ({a: 1 for a in AXES}, 1) if one else (mesh or None, jax.device_count())
     if FLAGS.workdir is not None:
         config = placed_lib.decoding_config(path, mesh)
         renderer_spec = chat_spec(config)
@@ -90,8 +116,10 @@ def load(path: pathlib.Path):
         config = hf_serving.config_for(base_config(), path, mesh)
         renderer_spec = config.checkpoint.restore_from if (path / tok_lib.FILE).is_file() else "bytes"
     config.serve.update(overrides("serve"))
-    plan = resolve(config, jax.device_count())
-    placed = placed_lib.of_plan(plan)
+    plan = resolve(config, devices)
+    speculative.check_settings(plan.serve, plan.model)  # before the weights are read
+    runner.check_pool(plan.model, plan.serve, paged.max_context(plan.model))
+    placed = placed_lib.of_plan(plan, devices)
     if FLAGS.workdir is not None:
         placed = dataclasses.replace(placed_lib.restore(placed, path, FLAGS.step), codec=tok_lib.load_run_codec(path))
     else:
@@ -129,7 +157,12 @@ def serve(served, host: str, port: int, api_key: str, drain_seconds: float) -> i
         def handle_exit(self, sig, frame):  # SIGTERM: drain, then stop; a second signal stops at once
             if sig == signal.SIGTERM and not service.draining:
                 def drain():
-                    service.drain(drain_seconds)
+                    running = len(service.loop.request_ids())
+                    print(f"SIGTERM: draining {running} request(s) for up to {drain_seconds:g} s (new ones get "
+                          f"503)", flush=True)
+                    finished = service.drain(drain_seconds)
+                    print("stopped: " + ("every request finished" if finished else
+                                         f"{service.aborted} request(s) aborted at the deadline"), flush=True)
                     self.should_exit = True
                 threading.Thread(target=drain, daemon=True).start()
                 return
@@ -149,5 +182,6 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     path = check_flags()
+    use_cpu_devices(FLAGS.num_cpu_devices)
     logging.set_verbosity(logging.WARNING)
     return serve(load(path), FLAGS.host, FLAGS.port, FLAGS.api_key, FLAGS.drain_seconds)

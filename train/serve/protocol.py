@@ -1,5 +1,6 @@
 """The OpenAI request bodies the server takes, checked field by field into (prompt token ids, SamplingParams), and
-the response objects it writes back. A bad field is a BadRequest naming it (the 400 body's `param`)."""
+the response objects it writes back. A bad field is a RequestError naming it (the 400 body's `param`); the values
+are checked by the engine's own check (train/serve/requests.py)."""
 from __future__ import annotations
 
 import random
@@ -7,15 +8,9 @@ import time
 import uuid
 from typing import Any
 
+from train.serve import fields
 from train.serve.engine import MAX_LOGPROBS, Output, SamplingParams
-
-INT32 = 2 ** 31
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.message, self.param = message, param
+from train.serve.requests import INT32, RequestError, check_sampling
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -42,17 +37,17 @@ def get(body: dict, name: str, kind: str, default: Any = None, ok=None, rule: st
     typed = {"int": _is_int, "number": _is_number, "bool": lambda v: isinstance(v, bool),
              "str": lambda v: isinstance(v, str)}[kind](value)
     if not typed:
-        raise BadRequest(f"{name}: expected {_KINDS[kind]}, got {type(value).__name__} {value!r}", name)
+        raise RequestError(f"{name}: expected {_KINDS[kind]}, got {type(value).__name__} {value!r}", name)
     if ok is not None and not ok(value):
-        raise BadRequest(f"{name}={value!r}: must be {rule}", name)
+        raise RequestError(f"{name}={value!r}: must be {rule}", name)
     return value
 
 
 def _int_list(value, name: str, vocab: int) -> list[int]:
     if not isinstance(value, list) or not all(_is_int(t) for t in value):
-        raise BadRequest(f"{name}: expected a list of integer token ids", name)
+        raise RequestError(f"{name}: expected a list of integer token ids", name)
     if any(not 0 <= t < vocab for t in value):
-        raise BadRequest(f"{name}: token ids must be in [0, {vocab})", name)
+        raise RequestError(f"{name}: token ids must be in [0, {vocab})", name)
     return value
 
 
@@ -62,7 +57,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         return ()
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("stop: expected a non-empty string or a list of them", "stop")
+        raise RequestError("stop: expected a non-empty string or a list of them", "stop")
     return tuple(stop)
 
 
@@ -70,36 +65,25 @@ def sampling(body: dict, vocab: int, max_tokens: int, eos_id: int | None, logpro
              extra_stop: tuple[str, ...] = ()) -> SamplingParams:
     """The sampling fields common to both endpoints."""
     if get(body, "n", "int", 1) != 1:
-        raise BadRequest("n: only n=1 is supported; send one request per completion", "n")
-    temperature = get(body, "temperature", "number", 1.0, lambda v: v >= 0, ">= 0 (0 is greedy)")
-    top_p = get(body, "top_p", "number", 1.0, lambda v: 0 < v <= 1, "in (0, 1]")
+        raise RequestError("n: only n=1 is supported; send one request per completion", "n")
+    temperature = get(body, "temperature", "number", 1.0)
+    top_p = get(body, "top_p", "number", 1.0)
     top_k = get(body, "top_k", "int", 0, lambda v: v >= -1, ">= -1 (0 or -1: off)")
-    seed = get(body, "seed", "int", None, lambda v: -INT32 <= v < INT32, "a 32-bit integer")
+    seed = get(body, "seed", "int", None)
     stop_ids = tuple(_int_list(body["stop_token_ids"], "stop_token_ids", vocab)) if body.get("stop_token_ids") else ()
     if not get(body, "ignore_eos", "bool", False) and eos_id is not None and eos_id < vocab:
         stop_ids += (eos_id,)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if get(body, name, "number", 0) != 0:
-            raise BadRequest(f"{name}: not supported; leave it 0", name)
-    return SamplingParams(temperature=float(temperature), top_k=max(top_k, 0), top_p=float(top_p),
-                          seed=random.randrange(INT32) if seed is None else seed, max_tokens=max_tokens,
-                          stop_token_ids=stop_ids, stop=_stop(body) + extra_stop, logprobs=logprobs)
+    params = SamplingParams(temperature=float(temperature), top_k=max(top_k, 0), top_p=float(top_p),
+                            seed=random.randrange(INT32) if seed is None else seed, max_tokens=max_tokens,
+                            stop_token_ids=stop_ids, stop=_stop(body) + extra_stop, logprobs=logprobs)
+    check_sampling(params, vocab, MAX_LOGPROBS)
+    return params
 
 
 def check_model(body: dict, served: str) -> None:
     model = get(body, "model", "str", served)
     if model != served:
-        raise BadRequest(f"model {model!r}: no such model; this server serves {served!r} (GET /v1/models)", "model")
-
-
-def check_length(prompt: list[int], max_tokens: int, max_context: int) -> None:
-    if len(prompt) >= max_context:
-        raise BadRequest(f"prompt: {len(prompt)} tokens leave no room for new ones in the model's context of "
-                         f"{max_context}; shorten it", "prompt")
-    if len(prompt) + max_tokens > max_context:
-        raise BadRequest(f"max_tokens={max_tokens}: the prompt ({len(prompt)} tokens) and max_tokens exceed the "
-                         f"model's context of {max_context}; lower it to {max_context - len(prompt)} or less",
-                         "max_tokens")
+        raise RequestError(f"model {model!r}: no such model; this server serves {served!r} (GET /v1/models)", "model")
 
 
 def max_tokens_of(body: dict, names: tuple[str, ...], default: int) -> int:
@@ -119,31 +103,30 @@ def completion_prompt(body: dict, codec, vocab: int) -> list[int]:
     elif isinstance(prompt, list) and prompt:
         ids = _int_list(prompt, "prompt", vocab)
     else:
-        raise BadRequest("prompt: expected a string or a list of token ids (one prompt per request)", "prompt")
+        raise RequestError("prompt: expected a string or a list of token ids (one prompt per request)", "prompt")
     if not ids:
-        raise BadRequest("prompt: empty; give at least one token", "prompt")
+        raise RequestError("prompt: empty; give at least one token", "prompt")
     return ids
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """`messages` with each content as one string (a list of text parts joined), as the chat template takes."""
+    """`messages` with each content as one string (a list of text parts joined), as the chat template takes;
+    `developer` read as `system`."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages: expected a non-empty list of {role, content}", "messages")
+        raise RequestError("messages: expected a non-empty list of {role, content}", "messages")
     out = []
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest("messages: each message needs a string `role`", "messages")
+    for i, m in enumerate(messages):
+        fields.check_message(i, m)
         content = m.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
-                raise BadRequest("messages: only text content parts are supported", "messages")
+                raise RequestError(f"messages[{i}].content: only text content parts are supported", "messages")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            raise BadRequest("messages: each message's `content` must be a string or a list of text parts",
-                             "messages")
-        out.append({"role": m["role"], "content": content})
+            raise RequestError(f"messages[{i}].content: must be a string or a list of text parts", "messages")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     return out
 
 
@@ -155,7 +138,7 @@ def chat_logprobs(body: dict) -> tuple[bool, int]:
     wanted = get(body, "logprobs", "bool", False)
     top = get(body, "top_logprobs", "int", 0, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
     if top and not wanted:
-        raise BadRequest("top_logprobs: needs logprobs=true", "top_logprobs")
+        raise RequestError("top_logprobs: needs logprobs=true", "top_logprobs")
     return wanted, top
 
 
@@ -164,7 +147,7 @@ def stream_usage(body: dict) -> bool:
     if options is None:
         return False
     if not isinstance(options, dict):
-        raise BadRequest("stream_options: expected an object", "stream_options")
+        raise RequestError("stream_options: expected an object", "stream_options")
     return bool(get(options, "include_usage", "bool", False))
 
 
@@ -195,14 +178,18 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
     return hold
 
 
-def completion_logprobs_body(codec, tokens: list[int], rows: list[dict[int, float]], top: int) -> dict:
+def completion_logprobs_body(codec, tokens: list[int], rows: list[dict[int, float] | None], top: int,
+                             offset: int = 0) -> dict:
+    """The legacy completions `logprobs` object; a row None (an echoed prompt's first token) has none. `offset`:
+    the text before the first token (what a stream already sent)."""
     text = [codec.decode([t]) for t in tokens]
-    offsets, at = [], 0
+    offsets, at = [], offset
     for piece in text:
         offsets.append(at)
         at += len(piece)
-    return {"tokens": text, "token_logprobs": [row[t] for t, row in zip(tokens, rows)],
-            "top_logprobs": [{codec.decode([i]): lp for i, lp in list(row.items())[:top]} for row in rows],
+    return {"tokens": text, "token_logprobs": [None if row is None else row[t] for t, row in zip(tokens, rows)],
+            "top_logprobs": [None if row is None else {codec.decode([i]): lp for i, lp in list(row.items())[:top]}
+                             for row in rows],
             "text_offset": offsets}
 
 

@@ -5,14 +5,14 @@ any, so the replicas decode at once on their own devices."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import jax
 import numpy as np
 
 from train import state as state_lib
 from train.placed import Placed
-from train.serve.engine import Engine, Output, SamplingParams, Settings
+from train.serve.engine import Engine, Output, RequestError, SamplingParams, ServingEngine, Settings
+from train.serve.speculative import with_mean
 
 
 def slices(placed: Placed) -> list[Placed]:
@@ -32,15 +32,22 @@ def data_size(placed: Placed) -> int:
     return placed.mesh.shape.get("data", 1)
 
 
-def build(placed: Placed, settings: Settings | None = None, max_context: int | None = None) -> Engine | Replicas:
-    """The engine `placed` serves with: one Engine, or Replicas of one per `data` slice of its mesh."""
+def build(placed: Placed, settings: Settings | None = None, max_context: int | None = None,
+          draft: Placed | None = None) -> ServingEngine:
+    """The engine `placed` serves with: one Engine, or Replicas of one per `data` slice of its mesh (`draft`:
+    serve.speculative=draft's model on the same mesh, sliced alike; read from serve.draft when not given)."""
     if data_size(placed) == 1:
-        return Engine.build(placed, settings, max_context)
-    return Replicas([Engine.build(p, settings, max_context) for p in slices(placed)])
+        return Engine.build(placed, settings, max_context, draft)
+    settings = settings or Settings()
+    if settings.speculative == "draft" and draft is None:
+        from train.serve import draft as draft_lib
+        draft = draft_lib.load(settings.draft, placed)
+    drafts = slices(draft) if draft is not None else [None] * data_size(placed)
+    return Replicas([Engine.build(p, settings, max_context, d) for p, d in zip(slices(placed), drafts)])
 
 
-class Replicas:
-    """Engines on disjoint devices behind the one engine interface (add, abort, step, generate, stats)."""
+class Replicas(ServingEngine):
+    """Engines on disjoint devices behind the one engine interface."""
 
     def __init__(self, engines: list[Engine]):
         self.engines = engines
@@ -49,13 +56,12 @@ class Replicas:
         self.settings, self.cfg, self.placed = first.settings, first.cfg, first.placed
         self.max_context = min(e.max_context for e in engines)
         self.num_pages = sum(e.num_pages for e in engines)
-        self._arrivals = itertools.count()
         self._of: dict[str, Engine] = {}  # request id -> the replica holding it
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request on the least loaded replica; the engine's ValueError (one line) otherwise."""
+        """Queue a request on the least loaded replica."""
         if request_id in self._of:
-            raise ValueError(f"request_id {request_id!r}: already in the engine")
+            raise RequestError(f"request_id {request_id!r}: already in the engine", "request_id")
         engine = min(self.engines, key=Engine.load)
         engine.add(request_id, prompt_token_ids, params)
         self._of[request_id] = engine
@@ -74,9 +80,13 @@ class Replicas:
     def has_work(self) -> bool:
         return any(e.has_work() for e in self.engines)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         each = [e.stats() for e in self.engines]
-        return {key: sum(s[key] for s in each) for key in each[0]}
+        return with_mean({key: sum(s[key] for s in each) for key in each[0]})
+
+    def reset_prefix_cache(self) -> None:
+        for e in self.engines:
+            e.reset_prefix_cache()
 
     def step(self) -> list[Output]:
         launched = [e.launch() for e in self.engines]
@@ -86,4 +96,5 @@ class Replicas:
                 self._of.pop(out.request_id, None)
         return outputs
 
-    generate = Engine.generate  # the same loop over add and step
+    def _generate_id(self) -> str:
+        return self.engines[0]._generate_id()

@@ -19,15 +19,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # strings that end the text (needs a tokenizer)
     logprobs: int = 0           # top-N log-probabilities per new token (0: none)
-
-    def check(self, max_logprobs: int) -> None:
-        """ValueError (one line naming the field) for a value the engine cannot honour."""
-        for name, ok, rule in (("temperature", self.temperature >= 0, ">= 0"),
-                               ("top_k", self.top_k >= 0, ">= 0"), ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-                               ("max_tokens", self.max_tokens >= 1, ">= 1"),
-                               ("logprobs", 0 <= self.logprobs <= max_logprobs, f"in [0, {max_logprobs}]")):
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be {rule}")
+    prompt_logprobs: int | None = None  # top-N log-probabilities of each prompt token after the first (None: none)
 
 
 def _drawn(logits_RxV, temperature_R, top_k_R, top_p_R, seeds_R, counters_R):
@@ -40,7 +32,9 @@ def _drawn(logits_RxV, temperature_R, top_k_R, top_p_R, seeds_R, counters_R):
     ranked = jnp.where(ranked < kth, -jnp.inf, ranked)
     probs = jax.nn.softmax(ranked, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above each one
-    cutoff = jnp.min(jnp.where(before < top_p_R[:, None], ranked, jnp.inf), axis=-1, keepdims=True)
+    # The most likely token always stays: a top_p too small to keep any (1e-300 is 0 in float32) keeps it alone.
+    kept = (before < top_p_R[:, None]) | (jnp.arange(V) == 0)[None, :]
+    cutoff = jnp.min(jnp.where(kept, ranked, jnp.inf), axis=-1, keepdims=True)
     scaled = jnp.where((scaled < kth) | (scaled < cutoff), -jnp.inf, scaled)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds_R, counters_R)
     return jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled).astype(jnp.int32)
@@ -55,10 +49,11 @@ def first_argmax(logits_RxV: jax.Array) -> jax.Array:
 
 
 def sample(logits_RxV: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array, top_p_R: jax.Array,
-           seeds_R: jax.Array, counters_R: jax.Array, n_logprobs: int, with_logprobs: jax.Array):
-    """(token [R], its log-probability [R], top ids [R, n], top log-probabilities [R, n]); log-probabilities are
-    the model's own (before temperature and filters), computed only when `with_logprobs` (a bool []: some row
-    asks for them), else zeros."""
+           seeds_R: jax.Array, counters_R: jax.Array, n_logprobs: int, with_logprobs: jax.Array,
+           targets_R: jax.Array):
+    """(token [R], the log-probability of targets_R, or of the token where a target is -1 [R], top ids [R, n], top
+    log-probabilities [R, n]); log-probabilities are the model's own (before temperature and filters), computed only
+    when `with_logprobs` (a bool []: some row asks for them), else zeros."""
     greedy = first_argmax(logits_RxV)
     # The filters sort every row: skipped (one branch runs) when every row of the step is greedy.
     drawn = jax.lax.cond(jnp.any(temperature_R > 0), _drawn, lambda *_: greedy,
@@ -68,7 +63,8 @@ def sample(logits_RxV: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array, 
     def logprobs(logits_RxV, token):
         lp = jax.nn.log_softmax(logits_RxV, axis=-1)
         top_lp, top_ids = jax.lax.top_k(lp, n_logprobs)
-        return jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+        which = jnp.where(targets_R >= 0, targets_R, token)
+        return jnp.take_along_axis(lp, which[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 
     def none(logits_RxV, token):
         R = logits_RxV.shape[0]

@@ -12,14 +12,16 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from train.data import chat as chat_lib
 from train.placed import Placed
+from train.serve import fields
 from train.serve import protocol as proto
-from train.serve.engine import Engine, Output
+from train.serve.engine import Output, ServingEngine
 from train.serve.loop import EngineLoop, QueueFull
-from train.serve.protocol import BadRequest
-from train.serve.replicas import Replicas
+from train.serve.requests import RequestError, check_length
+from train.serve.responses import Chat, Completion
 
 RETRY_AFTER_S = 1
 DEFAULT_STOP = "<|im_end|>"  # the end of a turn of train/data/chat.py's DEFAULT_TEMPLATE, plain text
@@ -31,7 +33,7 @@ class Served:
     own), its engine, the name clients ask for and the chat renderer `train.prepare --format=chat` uses for the
     model's tokenizer."""
     placed: Placed
-    engine: Engine | Replicas
+    engine: ServingEngine
     name: str
     renderer: chat_lib.Renderer | None = None
 
@@ -54,7 +56,13 @@ class Metrics:
         counter = functools.partial(prom.Counter, registry=self.registry)
         self.tokens = counter("serve_generation_tokens", "Tokens generated.")  # exposed as ..._total
         self.prompt_tokens = counter("serve_prompt_tokens", "Prompt tokens prefilled.")
-        self._counted = {"tokens_generated": 0, "prefill_tokens": 0}
+        self.spec_proposed = counter("serve_spec_decode_draft_tokens", "Speculative tokens proposed and verified.")
+        self.spec_accepted = counter("serve_spec_decode_accepted_tokens", "Speculative tokens accepted.")
+        self.spec_steps = counter("serve_spec_decode_verify_steps", "Sequence-steps that verified proposals.")
+        self.spec_length = gauge("serve_spec_decode_mean_accepted_length", "Tokens a sequence gains per step that "
+                                 "verifies proposals: the accepted ones and the model's own (0: none verified).")
+        self._counted = dict.fromkeys(("tokens_generated", "prefill_tokens", "spec_proposed_tokens",
+                                       "spec_accepted_tokens", "spec_verify_steps"), 0)
         buckets = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
         self.ttft = prom.Histogram("serve_time_to_first_token_seconds", "From a request's arrival to its first "
                                    "token.", buckets=buckets, registry=self.registry)
@@ -74,7 +82,10 @@ class Metrics:
                 gauge = self.kind_used if key.startswith("pages_used.") else self.kind_free
                 gauge.labels(kind=key.split(".", 1)[1]).set(value)
         self.hit_rate.set(s["prefix_hits"] / s["prefix_queries"] if s["prefix_queries"] else 0.0)
-        for key, counter in (("tokens_generated", self.tokens), ("prefill_tokens", self.prompt_tokens)):
+        self.spec_length.set(s["spec_mean_accepted_length"])
+        for key, counter in (("tokens_generated", self.tokens), ("prefill_tokens", self.prompt_tokens),
+                             ("spec_proposed_tokens", self.spec_proposed),
+                             ("spec_accepted_tokens", self.spec_accepted), ("spec_verify_steps", self.spec_steps)):
             counter.inc(max(0, s[key] - self._counted[key]))  # the engine counts; the counter follows it
             self._counted[key] = s[key]
         return self.prom.generate_latest(self.registry)
@@ -87,7 +98,7 @@ class Service:
         self.served, self.api_key = served, api_key
         self.metrics = Metrics(served)
         self.loop = EngineLoop(served.engine, self.metrics.ttft.observe, self.metrics.itl.observe)
-        self.draining = False
+        self.draining, self.aborted = False, 0  # aborted: what the last drain cut at its deadline
 
     def drain(self, seconds: float) -> bool:
         """Refuse new requests, let the running ones finish for at most `seconds`, then abort what is left;
@@ -97,6 +108,7 @@ class Service:
         while self.loop.busy() and time.monotonic() < deadline:
             time.sleep(0.05)
         left = self.loop.request_ids()
+        self.aborted = len(left)
         for request_id in left:
             self.loop.abort(request_id, notify=True)  # their clients get finish_reason "abort"
         while self.loop.busy() and time.monotonic() < deadline + 5:
@@ -124,7 +136,23 @@ def create_app(served: Served, api_key: str = "") -> FastAPI:
     app.get("/v1/models")(api.models)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
+    app.add_exception_handler(HTTPException, _route_error)
     return app
+
+
+ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
+
+
+async def _route_error(request: Request, exc: HTTPException):
+    """404 and 405 (and any other HTTP error Starlette raises) in OpenAI's error format."""
+    if exc.status_code == 404:
+        message, code = f"{request.url.path}: no such route; this server has {ROUTES}", "not_found"
+    elif exc.status_code == 405:
+        message, code = f"{request.method} {request.url.path}: method not allowed; this server has {ROUTES}", \
+            "method_not_allowed"
+    else:
+        message, code = str(exc.detail), None
+    return _json_error(exc.status_code, message, code=code, headers=exc.headers)
 
 
 class Gate:
@@ -181,38 +209,54 @@ class Api:
         return await self.generate("chat", request, self.chat_request)
 
     def completion_request(self, body: dict):
+        fields.check(body, fields.COMPLETION, "/v1/completions")
         prompt = proto.completion_prompt(body, self.codec, self.cfg.vocab_size)
         max_tokens = proto.max_tokens_of(body, ("max_tokens",), 16)
-        proto.check_length(prompt, max_tokens, self.engine.max_context)
+        check_length(len(prompt), max_tokens, self.engine.max_context)
         top = proto.completion_logprobs(body)
         params = proto.sampling(body, self.cfg.vocab_size, max_tokens, self.eos, top)
-        return prompt, params, Completion(self.served, params, top)
+        echo = None
+        if proto.get(body, "echo", "bool", False):  # the prompt first; with logprobs, its tokens' too
+            text = body["prompt"] if isinstance(body["prompt"], str) else \
+                (self.codec.decode(prompt) if self.codec is not None else "")
+            echo = (prompt, text)
+            params = dataclasses.replace(params, prompt_logprobs=top if top else None)
+        return prompt, params, Completion(self.served.name, self.codec, params, top, echo)
 
     def chat_request(self, body: dict):
+        fields.check(body, fields.CHAT, "/v1/chat/completions")
         renderer, context = self.served.renderer, self.engine.max_context
         if renderer is None or self.codec is None:
-            raise BadRequest("this model has no tokenizer to render a chat with", "messages")
+            raise RequestError("this model has no tokenizer to render a chat with", "messages")
         messages = proto.chat_messages(body)
         try:
             text = renderer.render(messages, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001  (a template may raise anything)
-            raise BadRequest(f"messages: the chat template cannot render them ({e})", "messages") from None
+            raise RequestError(f"messages: the chat template cannot render them ({e})", "messages") from None
         prompt = self.codec.encode(text)
-        proto.check_length(prompt, 1, context)
+        check_length(len(prompt), 1, context)
         max_tokens = proto.max_tokens_of(body, ("max_completion_tokens", "max_tokens"), context - len(prompt))
-        proto.check_length(prompt, max_tokens, context)
+        check_length(len(prompt), max_tokens, context)
         wanted, top = proto.chat_logprobs(body)
         extra = (DEFAULT_STOP,) if renderer.default else ()
         params = proto.sampling(body, self.cfg.vocab_size, max_tokens, self.eos, max(top, 1) if wanted else 0, extra)
-        return prompt, params, Chat(self.served, params, top if wanted else -1)
+        return prompt, params, Chat(self.served.name, self.codec, params, top if wanted else -1)
 
     async def body_of(self, request: Request) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            raise BadRequest("the body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
+        """The body, read no further than serve.max_body_bytes (413 past it), parsed and checked (train/serve/
+        fields.py), its model the served one."""
+        limit = self.engine.settings.max_body_bytes
+        too_large = RequestError(f"the body exceeds {limit} bytes (serve.max_body_bytes); send a shorter prompt",
+                                 status=413)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > limit:
+                raise too_large
+        body = fields.parse(bytes(raw))
         proto.check_model(body, self.served.name)
         return body
 
@@ -223,9 +267,9 @@ class Api:
             body = await self.body_of(request)
             prompt, params, shape = build(body)
             stream, include_usage = proto.get(body, "stream", "bool", False), proto.stream_usage(body)
-        except BadRequest as e:
-            count("400")
-            return _json_error(400, e.message, e.param)
+        except RequestError as e:
+            count(str(e.status))
+            return _json_error(e.status, e.message, e.param, code="request_too_large" if e.status == 413 else None)
         rid, queue, loop = proto.new_id(shape.prefix), asyncio.Queue(), asyncio.get_running_loop()
         try:
             await loop.run_in_executor(None, self.service.loop.submit, rid, prompt, params, queue, loop)
@@ -234,21 +278,32 @@ class Api:
             return _json_error(429, f"the queue is full (serve.max_waiting={self.engine.settings.max_waiting}); "
                                f"retry later", kind="rate_limit_error", code="queue_full",
                                headers={"Retry-After": str(RETRY_AFTER_S)})
-        except ValueError as e:  # what the engine refuses that the checks above let through
+        except RequestError as e:  # what the engine refuses that the checks above let through
             count("400")
-            return _json_error(400, str(e), _param_of(str(e)))
+            return _json_error(400, e.message, e.param)
         count("200")
         if stream:
             return StreamingResponse(self.events(rid, queue, shape, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        try:
-            out = await _last_output(queue)
-        except BaseException:
-            self.service.loop.abort(rid)  # the handler was cancelled: the client is gone
-            raise
+        out = await self.last_output(rid, queue, request)
+        if out is None:  # the client is gone: nobody reads a response
+            return Response(status_code=499)
         if isinstance(out, Exception):
             return _json_error(500, f"the engine failed: {out}", kind="server_error")
         return shape.whole(rid, out)
+
+    async def last_output(self, rid: str, queue: asyncio.Queue, request: Request) -> Output | Exception | None:
+        """A non-streamed request's final Output; None when its client hangs up first, whose request is then
+        aborted (its slot and pages free by the next step)."""
+        waiting, gone = asyncio.ensure_future(_last_output(queue)), asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not waiting.done():  # hung up, or this handler was cancelled
+                waiting.cancel()
+                await asyncio.get_running_loop().run_in_executor(None, self.service.loop.abort, rid)
+        return None if waiting.cancelled() else waiting.result()
 
     async def events(self, rid: str, queue: asyncio.Queue, shape, include_usage: bool):
         """The SSE stream: one event per token (text held back while it may be a stop string's start). Tokens that
@@ -288,65 +343,14 @@ async def _last_output(queue: asyncio.Queue) -> Output | Exception:
             return out
 
 
-def _param_of(message: str) -> str:
-    """The request field an engine.add message starts with ('prompt_token_ids: ...', 'top_p=2: ...')."""
-    head = message.replace("=", " ").replace(":", " ").split(" ")[0]
-    return "prompt" if head.startswith("prompt") else head
+async def _disconnected(request: Request) -> None:
+    """Returns once the client hangs up (the body is read: what the server receives next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class Completion:
-    """The /v1/completions response shapes of one request."""
-    prefix, kind, chunk_kind = "cmpl", "text_completion", "text_completion"
-
-    def __init__(self, served: Served, params, top: int):
-        self.served, self.params, self.top, self.codec = served, params, top, served.placed.codec
-        self._logged = 0  # tokens whose log-probabilities a chunk carried
-
-    def _logprobs(self, out: Output, start: int):
-        if not self.params.logprobs or out.logprobs is None:
-            return None
-        return proto.completion_logprobs_body(self.codec, out.token_ids[start:], out.logprobs[start:], self.top)
-
-    def whole(self, rid: str, out: Output) -> dict:
-        choice = {"index": 0, "text": out.text or "", "logprobs": self._logprobs(out, 0),
-                  "finish_reason": proto.finish(out)}
-        return proto.envelope(self.kind, rid, self.served.name, [choice], {"usage": proto.usage(out)})
-
-    def opening(self, rid: str) -> list[dict]:
-        return []
-
-    def chunk(self, rid: str, delta: str, out: Output) -> dict:
-        logprobs, self._logged = self._logprobs(out, self._logged), len(out.token_ids)
-        choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": proto.finish(out)}
-        return proto.envelope(self.chunk_kind, rid, self.served.name, [choice])
-
-
-class Chat(Completion):
-    """The /v1/chat/completions response shapes; `top` -1: no log-probabilities asked for."""
-    prefix, kind, chunk_kind = "chatcmpl", "chat.completion", "chat.completion.chunk"
-
-    def _logprobs(self, out: Output, start: int):
-        if self.top < 0 or out.logprobs is None:
-            return None
-        return proto.chat_logprobs_body(self.codec, out.token_ids[start:], out.logprobs[start:], self.top)
-
-    def whole(self, rid: str, out: Output) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text or ""},
-                  "logprobs": self._logprobs(out, 0), "finish_reason": proto.finish(out)}
-        return proto.envelope(self.kind, rid, self.served.name, [choice], {"usage": proto.usage(out)})
-
-    def opening(self, rid: str) -> list[dict]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [proto.envelope(self.chunk_kind, rid, self.served.name, [choice])]
-
-    def chunk(self, rid: str, delta: str, out: Output) -> dict:
-        logprobs, self._logged = self._logprobs(out, self._logged), len(out.token_ids)
-        choice = {"index": 0, "delta": {"content": delta}, "logprobs": logprobs, "finish_reason": proto.finish(out)}
-        return proto.envelope(self.chunk_kind, rid, self.served.name, [choice])
 
 
 def run_in_thread(app, host: str = "127.0.0.1", port: int = 0):
