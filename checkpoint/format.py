@@ -1,6 +1,7 @@
 """The checkpoint format in one place: a live state <-> the saved tree, for the saver and resume alike.
 
-The saved tree is {"params", "opt_state", "step", "rng"} as plain nested dicts (plain.py), every
+The saved tree is {"params", "opt_state", "step", "rng"} (and whatever else the run's state holds: an RL run's
+reference policy) as plain nested dicts (plain.py), every
 stacked-layer array in logical layer order, so any pipeline layout restores it; meta carries each array's
 checksum (integrity.py). This layout on disk is unchanged since commit 604b7c2
 (tests/fixtures/checkpoint_604b7c2 proves it). Arrays the run names `frozen` (a LoRA run's base) are left out and
@@ -37,8 +38,6 @@ class Trainer(Placement, Protocol):
     def to_logical(self, state: dict[str, Any]) -> dict[str, Any]: ...
 
     def from_logical(self, state: dict[str, Any]) -> dict[str, Any]: ...
-
-STATE_KEYS = ("params", "opt_state", "step")
 
 
 def rng_of(seed: int, mesh: jax.sharding.Mesh) -> jax.Array:
@@ -84,7 +83,7 @@ def to_tree_with_checksums(trainer: Trainer, state: dict[str, Any], rng: jax.Arr
 def from_tree(trainer: Trainer, tree: dict[str, Any], frozen: dict[str, Any] | None = None) -> dict[str, Any]:
     """A restored tree -> this run's state, in its in-memory layer order (the RNG is tree["rng"]); `frozen` holds
     the arrays of `frozen_target` (logical layer order) when the run has any."""
-    flat = {**plain.flatten({k: tree[k] for k in STATE_KEYS}), **(frozen or {})}
+    flat = {**plain.flatten({k: tree[k] for k in trainer.layout.abstract_state}), **(frozen or {})}
     logical = plain.from_plain(plain.nest(flat), trainer.layout.abstract_state)
     return trainer.from_logical(logical)
 

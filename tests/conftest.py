@@ -49,7 +49,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
 # The slowest files first (the slowest tests are listed in docs/testing.md): `make test` hands whole files to two
 # workers in this order (--no-loadscope-reorder) rather than xdist's (the most tests first), so a long file
 # does not start last. Files not named keep pytest's order, after these.
-SLOWEST_FIRST = ["test_checkpoint_runs.py", "test_pipeline.py", "test_multiprocess.py", "test_slurm.py",
+SLOWEST_FIRST = ["test_checkpoint_runs.py", "test_pipeline.py", "test_multiprocess.py", "test_slurm.py", "test_rl.py",
                  "test_deepseek.py", "test_moe.py", "test_compositions.py", "test_context.py", "test_planner.py",
                  "test_equivalence.py", "test_audit.py", "test_llama.py", "test_attention_loss.py",
                  "test_documents.py", "test_run_phases.py", "test_train_cli.py", "test_bench_gpu.py", "test_model.py",

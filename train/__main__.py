@@ -78,7 +78,8 @@ def _check_flags() -> None:
         check_writable("--compilation_cache", _CACHE.value, "directory", parents=True)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], build=None) -> int:
+    """The command; `build` (config -> Trainer) is another command's run on the same start-up (train/rl)."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     # A save asked for (SIGUSR1, e.g. SLURM's --signal=USR1@N) before the run has started has nothing to save:
@@ -96,9 +97,12 @@ def main(argv: list[str]) -> int:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(_CACHE.value))
     audit = dict(topology=_TOPOLOGY.value, hosts=_HOSTS.value, mfu=_AUDIT_MFU.value) if _AUDIT.value else None
     config, config_file = _config()
+    if build is None and config.get("rl", {}).get("prompts"):
+        raise exit_codes.ConfigError(f"rl.prompts={config.rl.prompts!r}: this is a reinforcement-learning run; "
+                                     f"start it with python -m train.rl")
     # user errors and expected failures end with their documented status in cli.run
     loop.run(config, _WORKDIR.value, compile_only=_COMPILE_ONLY.value, peak_tflops=_PEAK_TFLOPS.value,
-             audit=audit, config_file=config_file, logs=True)
+             audit=audit, config_file=config_file, logs=True, **({"build": build} if build else {}))
     return exit_codes.OK
 
 

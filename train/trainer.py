@@ -111,6 +111,10 @@ class Trainer:
         return jax.ShapeDtypeStruct((self.plan.global_batch, self.plan.model.seq_len + 1), "int32",
                                     sharding=self.layout.batch)
 
+    def write_tokenizer(self, workdir) -> None:
+        """The data's tokenizer.json (with its EOS and BOS ids) into the workdir, where sampling and export look."""
+        data_lib.copy_tokenizer(self.plan.data.files, workdir)
+
     def compile(self):
         """Lower and compile the train step on abstract inputs (no state is allocated)."""
         return self.train_step.lower(self.layout.abstract_state, self.abstract_batch()).compile()

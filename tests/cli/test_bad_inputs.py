@@ -541,6 +541,23 @@ def _cases(tmp):
                                             t("--min_processes=3: must be <= --num_processes=2"), [W]),
         "launch --num_processes=-1": ("train.launch", ["--num_processes=-1", "--", *TINY, f"--workdir={W}"],
                                       t("--num_processes=-1: must be >= 1"), [W]),
+        "launch train.rl on fewer processes": ("train.launch", ["--module=train.rl", "--min_processes=1", "--",
+                                                                "--config=experiments/rl_tiny.py", f"--workdir={W}"],
+                                               t("--min_processes=1: a restart on fewer processes lets the planner "
+                                                 "lay the run out, which train.rl does not (its layout is mesh.*); "
+                                                 "leave it out"), [W]),
+        "train.rl with a group of 1": ("train.rl", ["--config=experiments/rl_tiny.py", "--config.rl.group_size=1",
+                                                    f"--workdir={W}"],
+                                       t("rl.group_size=1: use a whole number >= 2 (a group of 1 has no advantage: "
+                                         "each completion is scored against the others of its prompt)"), [W]),
+        "train.rl with a prompts file of a bad line": ("train.rl", ["--config=experiments/rl_tiny.py",
+                                                                    f"--config.rl.prompts={tmp / 'small' / 'a.txt'}",
+                                                                    f"--workdir={W}"],
+                                                       rf"rl.prompts={t(str(tmp / 'small' / 'a.txt'))}:1: not a line "
+                                                       rf"of UTF-8 JSON; fix or remove it", [W]),
+        "train on an RL experiment": ("train", ["--config=experiments/rl_tiny.py", f"--workdir={W}"],
+                                      t("rl.prompts='experiments/data/arithmetic.jsonl': this is a "
+                                        "reinforcement-learning run; start it with python -m train.rl"), [W]),
         "bench --iters=0": ("mesh.bench", ["--iters=0"], t("--iters=0: must be >= 1"), []),
         "bench --iters=abc": ("mesh.bench", ["--iters=abc"],
                               t("--iters=abc: invalid literal for int() with base 10: 'abc'"), []),

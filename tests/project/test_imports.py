@@ -115,7 +115,8 @@ def test_imports_flow_downward():
 # package with a `__main__.py`) stand on top; the exit statuses and the command line's error mapping at the bottom,
 # where every part reads them.
 TRAIN_ORDER = (
-    "__main__", "launch", "prepare", "sample", "export_hf",  # commands that nothing imports
+    "rl",          # python -m train.rl: the training command's start-up and loop with a trainer of its own
+    "__main__", "launch", "prepare", "sample", "export_hf",  # commands that nothing imports but train.rl
     "eval",        # lm-evaluation-harness on a placed model (its command too)
     "loop",        # the training loop: scheduler, actions, saver, resume
     "plan",        # layout search, memory and time models (the train.plan command too)

@@ -210,7 +210,58 @@ class ServeSection(Section):
                                   whole=True, error="use a whole number of bytes >= 1")
 
 
+PLACEMENTS = ("colocated", "split")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSection(Section):
+    """GRPO (python -m train.rl): rollouts on the serving engine, rewards, the clipped objective, the weight sync."""
+    KEY: ClassVar[str] = "rl"
+    policy: str = setting("", "the model to start from: a training run's workdir, hf:DIR, or '' for a fresh model "
+                          "from train.seed")
+    prompts: str = setting("", "a JSONL file, each line {\"prompt\": TEXT} or {\"messages\": [...]} (rendered with "
+                           "the model's chat template), with an optional \"answer\"")
+    reward: str = setting("exact_answer", "module:function called as fn(prompt, completion, answer) -> float, or "
+                          "exact_answer (the last number or the final \\boxed{} text equals the answer), or "
+                          "regex:PATTERN (1 where the completion matches)")
+    group_size: int = setting(8, "completions sampled per prompt (advantages are normalized within the group)",
+                              minimum=2, whole=True, error="use a whole number >= 2 (a group of 1 has no "
+                              "advantage: each completion is scored against the others of its prompt)")
+    prompts_per_step: int = setting(8, "prompts per step; the step's rows are prompts_per_step x group_size",
+                                    above=0, whole=True, error="use a whole number >= 1")
+    max_new_tokens: int = setting(64, "the longest completion", above=0, whole=True, error="use a whole number >= 1")
+    temperature: float = setting(1.0, "the sampling temperature; the objective's log-probabilities are of the "
+                                 "logits over it", above=0, error="must be > 0 (a group sampled greedily is one "
+                                 "completion G times)")
+    top_p: float = setting(1.0, "nucleus sampling's mass", above=0, maximum=1, error="use a fraction in (0, 1]")
+    clip_eps: float = setting(0.2, "the ratio's lower clip: 1 - clip_eps", above=0, below=1,
+                              error="use a fraction in (0, 1)")
+    clip_eps_high: float = setting(0.0, "the ratio's upper clip: 1 + clip_eps_high; 0: clip_eps (DAPO raises it, "
+                                   "e.g. 0.28)", minimum=0)
+    kl_coef: float = setting(0.0, "the weight of the KL penalty to the reference (the initial policy); 0: no "
+                             "reference is kept", minimum=0)
+    loss_agg: str = setting("token_mean", "token_mean: the mean over every completion token of the step; seq_mean: "
+                            "each completion's token mean, averaged over completions", choices=LOSS_AGGREGATIONS)
+    updates_per_rollout: int = setting(1, "optimizer updates on each step's rollouts (the GRPO paper's mu)",
+                                       above=0, whole=True, error="use a whole number >= 1")
+    placement: str = setting("colocated", "colocated: the engine and the trainer share every device; split: the "
+                             "engine on rl.rollout_devices devices, the trainer on the rest", choices=PLACEMENTS)
+    rollout_devices: int = setting(0, "with placement=split: the engine's devices (per run, over every process)",
+                                   minimum=0, whole=True, error="use a whole number of devices >= 0")
+    rollout_tensor: int = setting(1, "tensor-parallel ways of each engine replica; the engine's devices hold "
+                                  "devices / rollout_tensor replicas", above=0, whole=True,
+                                  error="use a whole number >= 1")
+    max_staleness: int = setting(0, "policy versions the rollouts may lag the trainer; 0: strictly on-policy; "
+                                 ">= 1: a step's rollouts run while the previous update does", minimum=0, whole=True,
+                                 error="use a whole number >= 0")
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_eps_high or self.clip_eps
+
+
 # The sections after model.*, in the order the base config and the reference list them.
 SECTIONS: tuple[type[Section], ...] = (MeshSection, ShardingSection, PipelineSection, TrainSection, OptimizerSection,
                                        DataSection, CheckpointSection, PlanSection, FaultSection,
-                                       ServeSection)
+                                       ServeSection, RLSection)

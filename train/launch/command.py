@@ -3,6 +3,7 @@
     python -m train.launch --num_processes=2 --num_cpu_devices=4 [--max_restarts=3 --min_processes=1] \
         -- --config=experiments/tiny.py --workdir=DIR
     python -m train.launch --emit=jobset --num_processes=4 -- --config=... --workdir=/shared/DIR > jobset.yaml
+    python -m train.launch --module=train.rl --num_processes=2 -- --config=experiments/rl_tiny.py --workdir=DIR
 
 Output is forwarded line by line with a `[pN]` prefix; an `error:` line, which every process of a run that fails
 on one cause prints, once and without the prefix (each process's libraries write to WORKDIR/logs/process_N.log).
@@ -43,6 +44,8 @@ _EMIT = flags.DEFINE_enum("emit", "", ["", "jobset"], "Print a cluster manifest 
                                                      "jobset (a Kubernetes JobSet).")
 _IMAGE = flags.DEFINE_string("image", "spmdtrain:latest", "With --emit: the container image holding this project.")
 _GPUS = flags.DEFINE_integer("gpus_per_process", 8, "With --emit: GPUs each process (pod) drives.")
+_MODULE = flags.DEFINE_enum("module", "train", ["train", "train.rl"], "The command each process runs: "
+                            "train, or train.rl (reinforcement learning).")
 
 
 def free_port() -> int:
@@ -55,7 +58,7 @@ def start(num_processes: int, num_cpu_devices: int, train_args: list[str]) -> li
     address = f"127.0.0.1:{free_port()}"
     procs, errors = [], Errors()
     for i in range(num_processes):
-        cmd = [sys.executable, "-m", "train", *train_args, f"--coordinator_address={address}",
+        cmd = [sys.executable, "-m", _MODULE.value, *train_args, f"--coordinator_address={address}",
                f"--num_processes={num_processes}", f"--process_id={i}", f"--num_cpu_devices={num_cpu_devices}"]
         # A session of its own: a terminal's Ctrl-C reaches the process once, forwarded by the launcher,
         # not also directly (a second SIGINT would abort it before its preemption save).
@@ -116,6 +119,12 @@ def _check(train_args: list[str]) -> None:
     if _MIN_PROCESSES.value > _NUM_PROCESSES.value:
         raise app.UsageError(f"--min_processes={_MIN_PROCESSES.value}: must be <= --num_processes="
                              f"{_NUM_PROCESSES.value}")
+    if _MODULE.value != "train" and 0 < _MIN_PROCESSES.value < _NUM_PROCESSES.value:
+        raise app.UsageError(f"--min_processes={_MIN_PROCESSES.value}: a restart on fewer processes lets the planner "
+                             f"lay the run out, which {_MODULE.value} does not (its layout is mesh.*); leave it out")
+    if _EMIT.value and _MODULE.value != "train":
+        raise app.UsageError(f"--emit={_EMIT.value}: manifests run python -m train; launch --module="
+                             f"{_MODULE.value} directly")
     if not train_args:
         raise app.UsageError("give the training arguments after '--', e.g. "
                              "-- --config=experiments/tiny.py --workdir=DIR")

@@ -11,7 +11,7 @@ import pathlib
 import shutil
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import ml_collections
@@ -22,7 +22,6 @@ import checkpoint
 from mesh.errors import UserError, probe_directory
 from train import exit_codes
 from train.config.experiment import ConfigError, Plan
-from train.data import loader as data_lib
 from train.loop import actions as actions_lib
 from train.loop import phases, preemption, resume
 from train.loop.builtin import say
@@ -87,6 +86,7 @@ class Options:
     audit: dict[str, Any] | None = None  # {topology, hosts, mfu}
     config_file: str = ""  # the experiment file, recorded in config.json
     logs: bool = False  # the libraries' logs to WORKDIR/logs/ (train/runtime/console.py); a test process keeps its own
+    build: Callable[[ml_collections.ConfigDict], Trainer] = Trainer.build  # the run's Trainer (train.rl: RLTrainer's)
 
 
 @dataclasses.dataclass
@@ -116,7 +116,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, signals: preemption.St
     actions_lib.check_names(config.train)
     if "wandb" in actions_lib.names(config.train.loggers):
         check_wandb()
-    trainer = Trainer.build(config)  # every user error is raised here, before the workdir is touched
+    trainer = options.build(config)  # every user error is raised here, before the workdir is touched
     if trainer.plan.train.memory_check:  # before the state is initialized or restored, let alone compiled
         check_predicted_memory(trainer.plan, hardware.memory_per_device())
     with claimed(workdir, options.logs) as path:  # created if needed and locked; nothing in it is touched yet
@@ -224,7 +224,7 @@ def _compile(trainer: Trainer, path: pathlib.Path, goodput: Goodput, options: Op
     if is_main and not options.compile_only:  # a what-if compile leaves the run's own config.json alone
         record = phases.with_history(resolved, phases.read(path), phase["changes"], options.config_file)
         (path / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-        data_lib.copy_tokenizer(plan.data.files, path)
+        trainer.write_tokenizer(path)
     return Compiled(trainer, compiled, rep, options.peak_tflops, resolved)
 
 
