@@ -108,7 +108,8 @@ def test_train_functions_are_short_and_loop_functions_take_few_parameters():
     assert len(found) > 100  # the walk sees the whole folder
     long = [(f, n, lines) for f, n, lines, _ in found if lines > 50]
     assert not long, f"functions over 50 lines: {long}"
-    wide = [(f, n, c) for f, n, _, c in found if f in ("runner.py", "scheduler.py") and c > 5]
+    # The training loop's (train/loop/), not the serving engine's runner.py and scheduler.py.
+    wide = [(f, n, c) for f, n, _, c in _functions("train/loop") if f in ("runner.py", "scheduler.py") and c > 5]
     assert not wide, f"loop functions over 5 parameters: {wide}"
 
 
