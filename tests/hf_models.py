@@ -2,12 +2,17 @@
 config classes and saved (the oracle a test imports from or exports against), the ids they are run on, and their
 logits. Needs the `hf` extra: only test modules that skip without it import this."""
 import functools
+import json
 
+import jax
 import numpy as np
 import torch
 import transformers
 
-from tests.helpers import tiny_config
+from tests.helpers import run_steps, tiny_config
+from train.hf import export as hf_export
+from train.sample import command as sample_lib
+from train.trainer import Trainer
 
 TOKENS = np.random.default_rng(0).integers(0, 256, (2, 24))
 # A Llama 3.1 rope scaling and an untied head; LLAMA_OURS is the same model as our config (rope_scaling "8,1,4,8").
@@ -82,3 +87,28 @@ def save_mixture(kind: str, path):
                 w.uniform_(0.5, 1.5) if "norm" in name else w.normal_(0.0, 0.5)
     model.save_pretrained(path)
     return path
+
+
+def trained_export(out, config):
+    """`config` trained 2 steps on one device and exported to `out`: (model config, host params, out)."""
+    trainer = Trainer.build(config, num_devices=1)
+    _, state = run_steps(trainer, 2)
+    params = jax.tree.map(np.asarray, jax.device_get(state["params"]))
+    hf_export.write(out, trainer.plan.model, params, "float32", None)
+    return trainer.plan.model, params, out
+
+
+def greedy_as_train_sample(run, out, prompt: list[int], class_name: str, new: int = 16) -> list[int]:
+    """train.sample's greedy `new` tokens after `prompt` from the run at `run`, asserted equal with prompt-lookup
+    speculation (train.sample takes serve.*: guesses verified on the engine's pages, rejected ones' given back) and
+    to transformers' generate on the export at `out`, loaded as a `class_name`: the tokens."""
+    request = sample_lib.Request(prompt_tokens=",".join(map(str, prompt)), max_new=new, as_json=True)
+    ours = json.loads(sample_lib.sample(run, None, request, None))["tokens"]
+    guessing = {"speculative": "ngram", "num_speculative_tokens": 3}
+    assert json.loads(sample_lib.sample(run, None, request, None, guessing))["tokens"] == ours
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(model).__name__ == class_name
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    assert ours == theirs.numpy()[0, len(prompt):].tolist()
+    return ours

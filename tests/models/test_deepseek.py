@@ -26,6 +26,7 @@ from models.contract import no_constraint  # noqa: E402
 from models.layers import rotation  # noqa: E402
 from sharding import pipeline as pipeline_lib  # noqa: E402
 from tests.helpers import rel_norm, run_steps, tiny_config  # noqa: E402
+from tests.hf_models import greedy_as_train_sample  # noqa: E402
 from train import placed as placed_lib  # noqa: E402
 from train import state as state_lib  # noqa: E402
 from train.config.settings import ConfigError  # noqa: E402
@@ -33,7 +34,6 @@ from train.export_hf import command as export_hf  # noqa: E402
 from train.hf import export as hf_export  # noqa: E402
 from train.hf import model as hf_model  # noqa: E402
 from train.loop import runner as loop  # noqa: E402
-from train.sample import command as sample_lib  # noqa: E402
 from train.serve.engine import Engine, Settings  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
@@ -175,17 +175,7 @@ def test_an_exported_run_greedy_decodes_as_train_sample_and_our_forward(trained)
     tokens."""
     run, out, _, params, cfg = trained
     prompt = list(TOKENS[0, :12])
-    request = sample_lib.Request(prompt_tokens=",".join(map(str, prompt)), max_new=16, as_json=True)
-    ours = json.loads(sample_lib.sample(run, None, request, None))["tokens"]
-    # Prompt lookup's guesses verified on the latent pages (several tokens of a sequence a step, rejected ones'
-    # pages given back) give the same tokens.
-    guessing = {"speculative": "ngram", "num_speculative_tokens": 3}
-    assert json.loads(sample_lib.sample(run, None, request, None, guessing))["tokens"] == ours
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    assert type(model).__name__ == "DeepseekV3ForCausalLM"
-    with torch.no_grad():
-        theirs = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    assert ours == theirs.numpy()[0, len(prompt):].tolist()
+    ours = greedy_as_train_sample(run, out, prompt, "DeepseekV3ForCausalLM")  # ngram guesses on the latent pages
     full = np.asarray(jax.jit(lambda p, t: models.forward(p, t, cfg))(params, np.asarray([prompt + ours])))[0]
     assert ours == np.argmax(full, -1)[len(prompt) - 1:-1].tolist()
     config = json.loads((out / "config.json").read_text())

@@ -6,7 +6,6 @@ train.sample does; gemma3-tiny on context x tensor, on context=4 (whose sliding 
 counts) and in a pipeline equals one device; the engine decodes 8x the window with a sliding layer's pages bounded."""
 import dataclasses
 import functools
-import json
 
 import jax
 import numpy as np
@@ -19,6 +18,7 @@ import models  # noqa: E402
 from models.layer_spec import window_pages  # noqa: E402
 from sharding import context as context_lib  # noqa: E402
 from tests.helpers import compiled_step, grads_and_run, rel_norm, tiny_config  # noqa: E402
+from tests.hf_models import greedy_as_train_sample  # noqa: E402
 from train import placed as placed_lib  # noqa: E402
 from train.export_hf import command as export_hf  # noqa: E402
 from train.hf import export as hf_export  # noqa: E402
@@ -27,7 +27,6 @@ from train.hf import restore as hf_import  # noqa: E402
 from train.loop import runner as loop  # noqa: E402
 from train.plan import audit as audit_lib  # noqa: E402
 from train.plan import compile_report as report  # noqa: E402
-from train.sample import command as sample_lib  # noqa: E402
 from train.serve.engine import Engine, SamplingParams, Settings  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
 
@@ -99,16 +98,7 @@ def trained(tmp_path_factory):
 def test_an_exported_run_greedy_decodes_past_the_window_as_train_sample(trained):
     run, out = trained
     prompt = list(TOKENS[0, :20])  # longer than the window: the sliding layers drop its first positions
-    request = sample_lib.Request(prompt_tokens=",".join(map(str, prompt)), max_new=16, as_json=True)
-    ours = json.loads(sample_lib.sample(run, None, request, None))["tokens"]
-    # train.sample takes serve.* too: prompt lookup's guesses over the sliding layers' pages give the same tokens.
-    guessing = {"speculative": "ngram", "num_speculative_tokens": 3}
-    assert json.loads(sample_lib.sample(run, None, request, None, guessing))["tokens"] == ours
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    assert type(model).__name__ == "Gemma3ForCausalLM"
-    with torch.no_grad():
-        theirs = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    assert ours == theirs.numpy()[0, len(prompt):].tolist()
+    greedy_as_train_sample(run, out, prompt, "Gemma3ForCausalLM")  # with ngram guesses over the sliding pages
 
 
 def _config(**mesh):

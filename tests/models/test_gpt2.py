@@ -17,7 +17,8 @@ import models  # noqa: E402
 from checkpoint import RestoreFromError, safetensors_io  # noqa: E402
 from models import lora  # noqa: E402
 from tests import helpers  # noqa: E402
-from tests.helpers import run_steps, tiny_config  # noqa: E402
+from tests.helpers import tiny_config  # noqa: E402
+from tests.hf_models import trained_export  # noqa: E402
 from train.config import experiment as config_lib  # noqa: E402
 from train.export_hf import command as export_hf  # noqa: E402
 from train.hf import export as hf_export  # noqa: E402
@@ -87,12 +88,7 @@ def exported(tmp_path_factory):
     """A GPT with GPT-2's options (untied at first: an untied head exports too) trained 2 steps and exported."""
     config = tiny_config()
     config.model.update(n_layers=2, d_model=64, **{**GPT2_OPTIONS, "tie_embeddings": False})
-    trainer = Trainer.build(config, num_devices=1)
-    _, state = run_steps(trainer, 2)
-    params = jax.tree.map(np.asarray, jax.device_get(state["params"]))
-    out = tmp_path_factory.mktemp("export") / "out"
-    hf_export.write(out, trainer.plan.model, params, "float32", None)
-    return trainer.plan.model, params, out
+    return trained_export(tmp_path_factory.mktemp("export") / "out", config)
 
 
 def test_export_loads_in_transformers_and_greedy_decoding_agrees(exported):

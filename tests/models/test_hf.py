@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch", reason="the `hf` extra (transformers, torch
 import models  # noqa: E402
 from checkpoint import RestoreFromError, safetensors_io  # noqa: E402
 from tests import helpers  # noqa: E402
-from tests.helpers import run_cli, run_steps, tiny_config  # noqa: E402
-from tests.hf_models import TOKENS, hf_logits, llama_import_config  # noqa: E402
+from tests.helpers import run_cli, tiny_config  # noqa: E402
+from tests.hf_models import TOKENS, hf_logits, llama_import_config, trained_export  # noqa: E402
 from train.hf import export as hf_export  # noqa: E402
 from train.hf import restore as hf_import  # noqa: E402
 from train.trainer import Trainer  # noqa: E402
@@ -32,12 +32,7 @@ def exported(tmp_path_factory):
     """llama3-tiny (2 layers, tied) trained 2 steps and exported: (model config, params, HF directory)."""
     config = tiny_config()
     config.model.update(preset="llama3-tiny", n_layers=2)
-    trainer = Trainer.build(config, num_devices=1)
-    _, state = run_steps(trainer, 2)
-    params = jax.tree.map(np.asarray, jax.device_get(state["params"]))
-    out = tmp_path_factory.mktemp("export") / "out"
-    hf_export.write(out, trainer.plan.model, params, "float32", None)
-    return trainer.plan.model, params, out
+    return trained_export(tmp_path_factory.mktemp("export") / "out", config)
 
 
 def test_export_loads_in_transformers_with_our_logits(exported):
